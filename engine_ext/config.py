@@ -1,0 +1,171 @@
+"""Model and engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from engine_ext.errors import ModelLoadError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE parameters; only scalings that change `inv_freq` alone are accepted.
+
+    Length-dependent scalings (dynamic NTK, YaRN, LongRoPE) make a key's rotation
+    depend on the sequence length, which breaks both the paged cache and any later
+    position shift of cached keys, so they are refused rather than approximated.
+    """
+
+    theta: float = 10000.0
+    rope_type: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.theta <= 0:
+            raise ModelLoadError(f"rope_theta must be positive, got {self.theta}")
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(f"unsupported rope scaling {self.rope_type!r}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ModelLoadError("partial_rotary_factor must be in (0, 1]")
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> RopeConfig:
+        # transformers >= 5 writes `rope_parameters`; older configs use rope_theta + rope_scaling.
+        params = dict(raw.get("rope_parameters") or {})
+        scaling = raw.get("rope_scaling") or {}
+        params = {**scaling, **params}
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ModelLoadError(
+                f"rope scaling {rope_type!r} depends on sequence length and is not supported"
+            )
+        return cls(
+            theta=float(theta),
+            rope_type=rope_type,
+            factor=float(params.get("factor", 1.0)),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", 8192)
+            ),
+            partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        )
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder, read from an HF `config.json`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"model_type {self.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ModelLoadError("num_attention_heads must be a multiple of num_key_value_heads")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelLoadError(f"{name} must be positive")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @classmethod
+    def from_hf(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type", "")
+        num_heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(raw.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope=RopeConfig.from_hf(raw),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ModelLoadError(f"{model_dir} has no config.json") from exc
+        except json.JSONDecodeError as exc:
+            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+        try:
+            return cls.from_hf(raw)
+        except KeyError as exc:
+            raise ModelLoadError(f"{path} lacks required field {exc}") from exc
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine spends memory and compute.
+
+    `kv_cache_bytes` stands for GPU memory: it alone decides how many KV blocks exist.
+    `max_num_batched_tokens` bounds one step, so a long prefill is split into chunks
+    that interleave with the decode steps of running requests.
+    """
+
+    kv_cache_bytes: int = 512 * 2**20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    dtype: Dtype = "float32"
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_bytes <= 0:
+            raise ValueError("kv_cache_bytes must be positive")
+        if not 1 <= self.block_size <= 1024:
+            raise ValueError("block_size must be in [1, 1024]")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")

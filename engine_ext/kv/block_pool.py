@@ -1,0 +1,93 @@
+"""Fixed-size KV blocks: reference counts, content hashes and an LRU of reusable blocks.
+
+A block whose reference count drops to zero keeps its contents and its hash so a later
+request with the same prefix can take it back (automatic prefix caching). Such blocks
+sit in `_free`, an OrderedDict used as an LRU: allocation pops the least recently
+freed block, and a cache hit removes a block from the middle in O(1), which a deque
+cannot do.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("a block pool needs at least one block")
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free ones and evictable cached ones)."""
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cached)
+
+    def lookup(self, block_hash: bytes) -> Block | None:
+        block_id = self._cached.get(block_hash)
+        return None if block_id is None else self.blocks[block_id]
+
+    def touch(self, block: Block) -> None:
+        """Take a reference on a cached block, pulling it out of the LRU if it was free."""
+        if block.ref_count == 0:
+            del self._free[block.block_id]
+        block.ref_count += 1
+
+    def allocate(self, num_blocks: int) -> list[Block]:
+        """Hand out `num_blocks` fresh blocks, evicting least-recently-freed cached ones."""
+        if num_blocks > len(self._free):
+            raise MemoryError(f"need {num_blocks} KV blocks, {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def release(self, blocks: list[Block]) -> None:
+        """Drop one reference from each block. Callers pass blocks tail-first so a
+        sequence's last blocks are evicted before its (more shareable) first ones."""
+        for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} released more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def register(self, block: Block, block_hash: bytes) -> None:
+        """Publish a full block's hash so later prompts can reuse it. If another block
+        already holds the same content, the first one stays canonical."""
+        if block.block_hash is not None or block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block.block_id
+
+    def reset_cache(self) -> None:
+        """Forget every cached hash (after a model change or a failed step)."""
+        for block in self.blocks:
+            block.block_hash = None
+        self._cached.clear()

@@ -1,0 +1,89 @@
+"""Maps sequences to KV blocks: prefix-cache lookup, slot allocation, publication, release."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine_ext.kv.block_pool import Block, BlockPool
+from engine_ext.kv.hashing import block_hashes, chain_hash, namespace_root
+from engine_ext.sequence import Sequence
+
+
+class PrefixMatch(NamedTuple):
+    blocks: list[Block]
+    num_cached_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, namespace: str) -> None:
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.root = namespace_root(namespace)
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Longest run of cached full blocks at the start of the sequence's tokens,
+        leaving at least one token to compute (its logits are needed)."""
+        bs = self.block_size
+        if len(seq.block_hashes) < len(seq.token_ids) // bs:
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root
+            seq.block_hashes += block_hashes(
+                self.root, seq.token_ids, bs, start=len(seq.block_hashes), parent=parent
+            )
+        max_blocks = (len(seq.token_ids) - 1) // bs
+        hits: list[Block] = []
+        for block_hash in seq.block_hashes[:max_blocks]:
+            block = self.pool.lookup(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.num_lookup_tokens += len(seq.token_ids)
+        return PrefixMatch(hits, len(hits) * bs)
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Reserve slots for `num_new_tokens` more tokens (after any prefix hit).
+        Returns False, changing nothing, when the pool cannot supply them now."""
+        hits = prefix.blocks if prefix else []
+        num_cached = prefix.num_cached_tokens if prefix else 0
+        total = seq.num_computed_tokens + num_cached + num_new_tokens
+        num_needed = self.num_blocks_for(total) - len(seq.blocks) - len(hits)
+        # Taking a hit that sits unreferenced in the LRU also consumes a free block.
+        num_revived = sum(1 for b in hits if b.ref_count == 0)
+        if num_needed + num_revived > self.pool.num_free:
+            return False
+        for block in hits:
+            self.pool.touch(block)
+        seq.blocks += hits + self.pool.allocate(max(num_needed, 0))
+        if prefix:
+            seq.num_computed_tokens += num_cached
+            self.num_hit_tokens += num_cached
+        return True
+
+    def slots(self, seq: Sequence, end: int) -> torch.Tensor:
+        """Cache slots of the sequence's tokens [0, end), shape (end,)."""
+        bs = self.block_size
+        num_blocks = self.num_blocks_for(end)
+        block_ids = torch.tensor([b.block_id for b in seq.blocks[:num_blocks]], dtype=torch.long)
+        return (block_ids[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:end]
+
+    def publish(self, seq: Sequence) -> None:
+        """Register hashes of blocks that became full and computed, so others can reuse them."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        for idx in range(seq.num_published_blocks, num_full):
+            if idx == len(seq.block_hashes):
+                parent = seq.block_hashes[-1] if seq.block_hashes else self.root
+                seq.block_hashes.append(chain_hash(parent, seq.token_ids[idx * bs : (idx + 1) * bs]))
+            self.pool.register(seq.blocks[idx], seq.block_hashes[idx])
+        seq.num_published_blocks = max(seq.num_published_blocks, num_full)
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(list(reversed(seq.blocks)))
+        seq.blocks = []
+        seq.num_published_blocks = 0

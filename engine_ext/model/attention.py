@@ -1,0 +1,106 @@
+"""Attention over the paged KV cache.
+
+Each layer's cache is one flat tensor of slots (slot = block_id * block_size + offset),
+so a sequence's keys are gathered by slot index in position order. Prefill chunks run
+one sequence at a time (their query counts differ); decode tokens of all sequences run
+as one padded batch, which is where continuous batching earns its throughput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prefill chunk inside the flat batch of a step."""
+
+    start: int  # index of its first query token in the flat batch
+    num_tokens: int  # queries in this chunk
+    context_slots: torch.Tensor  # (L,) slots of every key it attends to, cached ones first
+    mask: torch.Tensor | None  # (num_tokens, L) bool, None when nothing is cached (plain causal)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's new K/V go and which keys each query attends to."""
+
+    slot_mapping: torch.Tensor  # (N,) cache slot of each new token
+    prefills: list[PrefillSpan]
+    decode_start: int  # decode tokens occupy [decode_start, N) of the flat batch
+    decode_slots: torch.Tensor | None  # (B, Lmax) slots, padded with slot 0
+    decode_mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where the key is real
+
+    @staticmethod
+    def build(
+        slot_mapping: torch.Tensor,
+        prefill_chunks: list[tuple[int, torch.Tensor]],
+        decode_contexts: list[torch.Tensor],
+    ) -> AttentionMetadata:
+        """prefill_chunks: (num_new_tokens, context slots (L,)) per prefilling sequence in
+        batch order; decode_contexts: context slots (new token last) per decoding sequence,
+        whose tokens follow all prefill tokens in the flat batch."""
+        prefills: list[PrefillSpan] = []
+        start = 0
+        for num_tokens, slots in prefill_chunks:
+            num_ctx = slots.shape[0]
+            mask = None
+            if num_ctx > num_tokens:
+                # Query i sits at position num_ctx - num_tokens + i and sees keys up to it.
+                q_pos = torch.arange(num_ctx - num_tokens, num_ctx)[:, None]  # (T, 1)
+                mask = torch.arange(num_ctx)[None, :] <= q_pos  # (T, L)
+            prefills.append(PrefillSpan(start, num_tokens, slots, mask))
+            start += num_tokens
+        decode_slots = decode_mask = None
+        if decode_contexts:
+            decode_slots = pad_sequence(decode_contexts, batch_first=True)  # (B, Lmax), pad 0
+            lengths = torch.tensor([c.shape[0] for c in decode_contexts])
+            positions = torch.arange(decode_slots.shape[1])
+            decode_mask = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,Lmax)
+        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q (N, heads, D); k_new/v_new (N, kv_heads, D), already written to the caches
+    (num_slots, kv_heads, D). Returns (N, heads, D)."""
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        end = span.start + span.num_tokens
+        q_seq = q[span.start : end].transpose(0, 1)[None]  # (1, heads, T, D)
+        if span.mask is None:  # nothing cached: the new keys are the whole context
+            k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]
+        else:
+            k_seq, v_seq = k_cache[span.context_slots], v_cache[span.context_slots]
+        k_seq = k_seq.transpose(0, 1)[None]  # (1, kv_heads, L, D)
+        v_seq = v_seq.transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(
+            q_seq,
+            k_seq,
+            v_seq,
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )  # (1, heads, T, D)
+        out[span.start : end] = o[0].transpose(0, 1)
+    if meta.decode_slots is not None:
+        q_dec = q[meta.decode_start :, :, None, :]  # (B, heads, 1, D)
+        k_dec = k_cache[meta.decode_slots].transpose(1, 2)  # (B, kv_heads, Lmax, D)
+        v_dec = v_cache[meta.decode_slots].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        )  # (B, heads, 1, D)
+        out[meta.decode_start :] = o[:, :, 0, :]
+    return out

@@ -1,0 +1,122 @@
+"""A compact Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Projections are fused (qkv, gate_up) so each layer runs two large matmuls instead of five;
+the loader concatenates the HF weights accordingly.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine_ext.config import ModelConfig
+from engine_ext.model.attention import AttentionMetadata, paged_attention
+from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+
+LayerCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each (num_slots, kv_heads, head_dim)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: LayerCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # (N, heads, D)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (N, kv_heads, D)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = cache
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (N, heads, D)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (N, intermediate)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """Token ids and positions in, final hidden states out; logits on demand for chosen rows."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        # A plain attribute, not a buffer: `model.to(bfloat16)` must not touch the fp32 frequencies.
+        self.inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)  # (rotary_dim/2,)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[LayerCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: (N,) flat over the batch. Returns hidden states (N, hidden)."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions)  # each (N, rotary_dim)
+        x = self.embed_tokens(input_ids)  # (N, hidden)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, cache, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).to(torch.float32)  # (n, vocab)

@@ -1,0 +1,108 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Running sequences go first (decodes cost one token each), so a long prompt arriving
+never stalls the streams already decoding; it is prefilled in chunks with whatever
+token budget the step has left. When the KV pool runs dry the newest running sequence
+is preempted (its blocks freed, to be recomputed later, mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engine_ext.config import EngineConfig
+from engine_ext.kv.manager import KVCacheManager
+from engine_ext.sequence import Sequence, SequenceStatus
+
+
+class ScheduledChunk(NamedTuple):
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1
+
+
+class SchedulerOutput(NamedTuple):
+    chunks: list[ScheduledChunk]  # prefill chunks first, then single-token (decode) chunks
+    num_preempted: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        num_preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_tokens = min(seq.num_uncomputed, budget)
+            while not self.kv.allocate(seq, num_tokens):
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                chunks.append(ScheduledChunk(seq, num_tokens))
+                budget -= num_tokens
+                i += 1
+        while self.waiting and budget > 0 and not num_preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            prefix = self.kv.match_prefix(seq)
+            num_tokens = min(seq.num_tokens - prefix.num_cached_tokens, budget)
+            if not self.kv.allocate(seq, num_tokens, prefix):
+                break
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = prefix.num_cached_tokens
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, num_tokens))
+            budget -= num_tokens
+        chunks.sort(key=lambda c: c.is_decode)  # stable: prefill chunks first
+        return SchedulerOutput(chunks, num_preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and release its blocks (they stay cached for reuse)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+
+    def find(self, request_id: str) -> Sequence | None:
+        for seq in (*self.running, *self.waiting):
+            if seq.request_id == request_id:
+                return seq
+        return None

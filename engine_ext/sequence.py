@@ -1,0 +1,69 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine_ext.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_ext.detokenizer import Detokenizer
+    from engine_ext.kv.block_pool import Block
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: never beyond the context or the KV budget
+    detokenizer: Detokenizer
+    kv_transfer_params: dict[str, Any] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    blocks: list[Block] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_published_blocks: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.sampling.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
