@@ -1,0 +1,152 @@
+"""Runs the synchronous LLMEngine on a background thread and streams results to asyncio.
+
+Only the engine thread touches the engine: requests and aborts reach it through a
+queue, so the event loop never waits on a model step (steps can take hundreds of ms
+on a CPU) and the engine never needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from engine_ext.engine import LLMEngine, RequestOutput
+from engine_ext.errors import EngineDeadError, EngineError
+from engine_ext.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, _Add] = {}
+        self._thread: threading.Thread | None = None
+        self._dead: BaseException | None = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._dead is None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvrelay-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            self._commands.put(None)
+            self._thread.join(timeout)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes. Raises the engine's validation
+        errors on first iteration; leaving the iteration early aborts the request."""
+        if not self.is_alive:
+            raise EngineDeadError("the engine is not running")
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, sink, loop))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    # -- engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_commands(block=not self.engine.has_work):
+                    break
+                if self.engine.has_work:
+                    self._step()
+        except BaseException as exc:  # the thread must report why it died, then stop serving
+            logger.exception("engine thread died")
+            self._dead = exc
+            self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                self._fail_all(EngineDeadError("the engine is shutting down"))
+                return False
+            if isinstance(cmd, _Abort):
+                self._sinks.pop(cmd.request_id, None)
+                self.engine.abort(cmd.request_id)
+                continue
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params)
+            except EngineError as exc:
+                _deliver(cmd, exc)
+                continue
+            self._sinks[cmd.request_id] = cmd
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # A failed step may have half-written KV blocks: fail its requests and drop
+            # every cached hash so no later request reuses possibly corrupt blocks.
+            logger.exception("engine step failed; failing its requests")
+            self._fail_all(EngineError(f"engine step failed: {exc}"))
+            return
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if target is None:
+                continue
+            if out.finished:
+                del self._sinks[out.request_id]
+            _deliver(target, out)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id, target in list(self._sinks.items()):
+            self.engine.abort(request_id)
+            _deliver(target, exc)
+        self._sinks.clear()
+        self.engine.kv.pool.reset_cache()
+
+
+def _deliver(target: _Add, item: RequestOutput | BaseException) -> None:
+    try:
+        target.loop.call_soon_threadsafe(target.sink.put_nowait, item)
+    except RuntimeError:  # the caller's event loop has closed: nobody is listening
+        logger.debug("dropping output for %s: event loop closed", target.request_id)

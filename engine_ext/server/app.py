@@ -1,0 +1,78 @@
+"""The engine's OpenAI-compatible HTTP API. Routes stay thin; CompletionService does the work."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine_ext.async_engine import AsyncEngine
+from engine_ext.server.errors import error_response, install_error_handlers
+from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
+from engine_ext.server.service import CompletionService
+
+_DISCONNECT_POLL_S = 0.2
+
+
+def get_service(request: Request) -> CompletionService:
+    return request.app.state.service
+
+
+Service = Annotated[CompletionService, Depends(get_service)]
+
+
+def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    """Build the app around a constructed engine; the engine thread runs for the app's lifespan."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_alive:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="kvrelay engine", lifespan=lifespan)
+    app.state.service = CompletionService(engine, model_name)
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health(service: Service) -> Response:
+        if not service.engine.is_alive:
+            return error_response(503, "the engine loop is not running", "service_unavailable")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(service: Service) -> dict[str, Any]:
+        return service.models()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:
+        return await _respond(service, body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request, service: Service) -> Response:
+        return await _respond(service, body, request)
+
+    return app
+
+
+async def _respond(service: CompletionService, body: ChatCompletionRequest | CompletionRequest,
+                   request: Request) -> Response:
+    if body.stream:
+        lines = await service.stream(body)
+        return StreamingResponse(lines, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    task = asyncio.ensure_future(service.complete(body))
+    # Starlette only notices a vanished client when it reads the socket: poll for it so
+    # an abandoned non-streaming request stops computing and frees its KV blocks.
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+        if done:
+            return JSONResponse(task.result())
+        if await request.is_disconnected():
+            task.cancel()
+            return Response(status_code=499)

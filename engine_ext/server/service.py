@@ -1,0 +1,134 @@
+"""Turns validated OpenAI requests into engine requests and engine outputs into OpenAI bodies.
+
+One class serves both endpoints: chat and text completions differ only in how the
+prompt is built and how a choice is shaped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine_ext.async_engine import AsyncEngine
+from engine_ext.engine import RequestOutput
+from engine_ext.server.errors import ModelNotFoundError
+from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
+
+Request = ChatCompletionRequest | CompletionRequest
+
+
+class CompletionService:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = engine.engine.tokenizer
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
+                "max_model_len": self.engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    # -- prompt ----------------------------------------------------------------------
+    def _prompt_ids(self, req: Request) -> list[int]:
+        if req.model != self.model_name:
+            raise ModelNotFoundError(req.model)
+        req.check_supported()
+        if isinstance(req, ChatCompletionRequest):
+            text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools=req.tools)
+            return self.tokenizer.encode(text)
+        prompt = req.prompt_input()
+        return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+
+    def _outputs(self, req: Request, request_id: str) -> AsyncIterator[RequestOutput]:
+        prompt_ids = self._prompt_ids(req)
+        max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
+        return self.engine.generate(request_id, prompt_ids, req.sampling_params(max_tokens), req.kv_transfer_params)
+
+    # -- non-streaming -----------------------------------------------------------------
+    async def complete(self, req: Request) -> dict[str, Any]:
+        is_chat = isinstance(req, ChatCompletionRequest)
+        request_id = _new_id(is_chat)
+        text, last = [], None
+        async for out in self._outputs(req, request_id):
+            text.append(out.delta_text)
+            last = out
+        assert last is not None  # generate() yields until a finished output
+        content = "".join(text)
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
+        if is_chat:
+            choice["message"] = {"role": "assistant", "content": content}
+        else:
+            choice["text"] = content
+        body = self._envelope(req, request_id, is_chat, chunk=False)
+        body["choices"] = [choice]
+        body["usage"] = _usage(last)
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = req.kv_transfer_params
+        return body
+
+    # -- streaming ---------------------------------------------------------------------
+    async def stream(self, req: Request) -> AsyncIterator[str]:
+        """SSE lines. Validation errors surface before the first yield so the route can
+        still answer with a proper error status."""
+        is_chat = isinstance(req, ChatCompletionRequest)
+        request_id = _new_id(is_chat)
+        outputs = self._outputs(req, request_id)
+        first = await anext(outputs)  # raises validation errors here, before any byte is sent
+        return self._sse(req, request_id, is_chat, first, outputs)
+
+    async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
+                   rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+        envelope = self._envelope(req, request_id, is_chat, chunk=True)
+
+        def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
+            if is_chat:
+                choice["delta"] = ({"role": "assistant", "content": ""} if role
+                                   else ({} if delta is None else {"content": delta}))
+            else:
+                choice["text"] = delta or ""
+            body = {**envelope, "choices": [choice]}
+            if finish_reason is not None and req.kv_transfer_params is not None:
+                body["kv_transfer_params"] = req.kv_transfer_params
+            return _sse_line(body)
+
+        try:
+            if is_chat:
+                yield chunk(None, None, role=True)
+            last = first
+            out: RequestOutput | None = first
+            while out is not None:
+                if out.delta_text:
+                    yield chunk(out.delta_text, None)
+                last = out
+                out = None if out.finished else await anext(rest, None)
+            yield chunk(None, last.finish_reason)
+            if req.include_usage:
+                yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
+            yield "data: [DONE]\n\n"
+        finally:
+            await rest.aclose()  # aborts the request if the client went away mid-stream
+
+    def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+
+
+def _new_id(is_chat: bool) -> str:
+    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _usage(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "prompt_tokens": out.num_prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def _sse_line(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
