@@ -14,6 +14,7 @@ from typing import Any
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
+from engine_ext.errors import EngineError
 from engine_ext.server.errors import ModelNotFoundError
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -55,7 +56,8 @@ class CompletionService:
         async for out in self._outputs(req, request_id):
             text.append(out.delta_text)
             last = out
-        assert last is not None  # generate() yields until a finished output
+        if last is None:
+            raise EngineError(f"request {request_id} ended without output")
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if is_chat:

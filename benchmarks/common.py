@@ -1,0 +1,70 @@
+"""What every benchmark shares: the result shape, the machine description, the report."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class BenchResult:
+    name: str
+    metrics: dict[str, float]
+    config: dict[str, Any]
+    rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # measure, kvrelay, baseline, ratio
+    headers: tuple[str, str, str, str] = ("measure", "kvrelay", "baseline", "kvrelay/baseline")
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> float:
+    """Fastest wall time of `repeats` calls, in seconds (the least disturbed run)."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def paired_best_of(fn_a: Callable[[], Any], fn_b: Callable[[], Any], repeats: int) -> tuple[float, float]:
+    """Fastest wall times of A and B, run alternately (A B A B ...) so drift hits both alike."""
+    times_a, times_b = [], []
+    for _ in range(repeats):
+        times_a.append(best_of(fn_a, 1))
+        times_b.append(best_of(fn_b, 1))
+    return min(times_a), min(times_b)
+
+
+def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def report(result: BenchResult, json_path: Path | None) -> None:
+    print(format_table(result.headers, result.rows))
+    print()
+    print(format_table(("metric", "value"), [(k, f"{v:.3f}") for k, v in result.metrics.items()]))
+    if json_path is not None:
+        payload = {"name": result.name, "metrics": result.metrics, "config": result.config, "machine": machine_info()}
+        Path(json_path).write_text(json.dumps(payload, indent=2))

@@ -1,0 +1,151 @@
+"""kvrelay's embedded engine against HF transformers (eager attention), same model, same prompts.
+
+Measures prefill tokens/s, decode tokens/s at batch 1 and 8, and the TTFT of a request
+whose first 90% is a prefix-cache hit relative to a cold one.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import BenchResult, best_of, paired_best_of
+from engine_ext.config import EngineConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.model_store import resolve_model
+from engine_ext.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sizes:
+    prefill_lens: tuple[int, ...]
+    decode_prompt_len: int
+    decode_tokens: int
+    prefix_prompt_len: int
+    repeats: int
+
+
+FULL = Sizes(prefill_lens=(1024, 4096), decode_prompt_len=128, decode_tokens=64, prefix_prompt_len=2048, repeats=3)
+QUICK = Sizes(prefill_lens=(256, 1024), decode_prompt_len=64, decode_tokens=16, prefix_prompt_len=1024, repeats=3)
+GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
+
+
+class PromptSource:
+    """Seeded random token ids from the ordinary vocabulary (no special tokens)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self._rng = random.Random(seed)
+        self._low, self._high = 64, vocab_size - 1
+
+    def take(self, n: int) -> list[int]:
+        return [self._rng.randint(self._low, self._high) for _ in range(n)]
+
+
+# -- kvrelay ---------------------------------------------------------------------------
+def engine_prefill(engine: LLMEngine, prompts: PromptSource, n: int) -> None:
+    engine.generate(prompts.take(n), GREEDY)  # fresh tokens each time: no prefix-cache hit
+
+
+def engine_decode_tps(engine: LLMEngine, prompts: PromptSource, batch: int, prompt_len: int, num_tokens: int) -> float:
+    """Tokens/s of the decode phase only: timing starts once every request has its first token."""
+    params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    seqs = [engine.add_request(f"dec-{i}-{time.monotonic_ns()}", prompts.take(prompt_len), params) for i in range(batch)]
+    while any(len(s.output_token_ids) == 0 for s in seqs):
+        engine.step()
+    start = time.perf_counter()
+    while engine.has_work:
+        engine.step()
+    return batch * (num_tokens - 1) / (time.perf_counter() - start)
+
+
+def engine_prefix_ttft_ratio(engine: LLMEngine, prompts: PromptSource, n: int, repeats: int) -> tuple[float, float]:
+    hit_s, cold_s = [], []
+    for _ in range(repeats):
+        full = prompts.take(n)
+        engine.generate(full[: int(n * 0.9)], GREEDY)  # publishes the first 90% as cached blocks
+        start = time.perf_counter()
+        seq = engine.generate(full, GREEDY)
+        hit_s.append(time.perf_counter() - start)
+        if seq.num_cached_tokens == 0:
+            raise RuntimeError("the prefix-cache request found no cached blocks")
+        cold_s.append(best_of(lambda: engine.generate(prompts.take(n), GREEDY), 1))
+    return min(hit_s), min(cold_s)
+
+
+# -- HF transformers baseline -----------------------------------------------------------
+def hf_prefill(model, prompts: PromptSource, n: int) -> None:
+    ids = torch.tensor([prompts.take(n)])
+    with torch.inference_mode():
+        model(ids, use_cache=True, logits_to_keep=1)
+
+
+def hf_decode_tps(model, prompts: PromptSource, batch: int, prompt_len: int, num_tokens: int) -> float:
+    ids = torch.tensor([prompts.take(prompt_len) for _ in range(batch)])
+    mask = torch.ones_like(ids)
+
+    def gen(k: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                           pad_token_id=0)
+        return time.perf_counter() - start
+
+    decode_s = gen(num_tokens) - gen(1)
+    return batch * (num_tokens - 1) / decode_s
+
+
+def run(quick: bool, model: str | None) -> BenchResult:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    sizes = QUICK if quick else FULL
+    model_dir = resolve_model(model)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1024 * 2**20))
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = PromptSource(engine.model_config.vocab_size)
+    rows: list[tuple[str, str, str, str]] = []
+    metrics: dict[str, float] = {}
+
+    prefill_ratios = []
+    for n in sizes.prefill_lens:
+        ours_s, theirs_s = paired_best_of(
+            lambda: engine_prefill(engine, prompts, n), lambda: hf_prefill(hf, prompts, n), sizes.repeats
+        )
+        ours, theirs = n / ours_s, n / theirs_s
+        prefill_ratios.append(ours / theirs)
+        rows.append((f"prefill tok/s @ {n}", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
+        metrics[f"prefill_tps_{n}"] = ours
+        metrics[f"hf_prefill_tps_{n}"] = theirs
+
+    decode = {}
+    for batch in (1, 8):
+        ours = engine_decode_tps(engine, prompts, batch, sizes.decode_prompt_len, sizes.decode_tokens)
+        theirs = hf_decode_tps(hf, prompts, batch, sizes.decode_prompt_len, sizes.decode_tokens)
+        decode[batch] = (ours, theirs)
+        rows.append((f"decode tok/s @ batch {batch}", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"))
+        metrics[f"decode_tps_b{batch}"] = ours
+        metrics[f"hf_decode_tps_b{batch}"] = theirs
+
+    hit_s, cold_s = engine_prefix_ttft_ratio(engine, prompts, sizes.prefix_prompt_len, sizes.repeats)
+    rows.append((f"TTFT ms, 90% prefix hit @ {sizes.prefix_prompt_len}", f"{hit_s * 1e3:.1f}",
+                 f"{cold_s * 1e3:.1f} (kvrelay cold)", f"{hit_s / cold_s:.3f}"))
+
+    metrics.update({
+        "prefill_speedup_vs_hf": min(prefill_ratios),
+        "decode_speedup_vs_hf": decode[1][0] / decode[1][1],
+        "batch8_decode_throughput_ratio": decode[8][0] / decode[1][0],
+        "prefix_hit_ttft_ratio": hit_s / cold_s,
+    })
+    config = {
+        "model": str(model_dir.name),
+        "quick": quick,
+        "sizes": sizes.__dict__,
+        "baseline": "transformers AutoModelForCausalLM, attn_implementation=eager, fp32",
+        "engine": EngineConfig(kv_cache_bytes=1024 * 2**20).__dict__,
+        "prefill_speedup_vs_hf": "minimum over prompt lengths",
+    }
+    return BenchResult("engine", metrics, config, rows)
