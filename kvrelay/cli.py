@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
 
 def _fail(message: str) -> typer.Exit:
@@ -85,3 +86,19 @@ def bench(
         run_benchmark(name, quick=quick, json_path=json_path, model=model)
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from exc
+
+
+def main() -> None:
+    """Console entry point: usage errors become one line on stderr, exit code 2."""
+    if len(sys.argv) == 1:
+        sys.argv.append("--help")
+    try:
+        result = app(standalone_mode=False)
+    except typer.Abort:
+        raise SystemExit(130) from None
+    except typer.TyperException as exc:
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        typer.echo(f"kvrelay: error: {message}", err=True)
+        raise SystemExit(getattr(exc, "exit_code", 2)) from None
+    # With standalone_mode=False, typer returns a command's exit code instead of exiting.
+    raise SystemExit(result if isinstance(result, int) else 0)
