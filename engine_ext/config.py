@@ -82,6 +82,9 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig = field(default_factory=RopeConfig)
     eos_token_ids: tuple[int, ...] = ()
+    # Sliding-window attention only differs from full attention past the window, so
+    # the engine serves such models exactly by capping the context at the window.
+    attention_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -104,6 +107,9 @@ class ModelConfig:
         model_type = raw.get("model_type", "")
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
+        act = raw.get("hidden_act", raw.get("hidden_activation", "silu"))
+        if act not in ("silu", "swish"):
+            raise ModelLoadError(f"hidden_act {act!r} is not supported (only silu)")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -122,6 +128,7 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             rope=RopeConfig.from_hf(raw),
             eos_token_ids=eos_ids,
+            attention_window=_attention_window(raw),
         )
 
     @classmethod
@@ -137,6 +144,19 @@ class ModelConfig:
             return cls.from_hf(raw)
         except KeyError as exc:
             raise ModelLoadError(f"{path} lacks required field {exc}") from exc
+
+
+def _attention_window(raw: dict[str, Any]) -> int | None:
+    """The sliding window if any layer uses one (Mistral always; Qwen2/3 when enabled)."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None
+    uses_window = (
+        raw.get("model_type") == "mistral"
+        or bool(raw.get("use_sliding_window"))
+        or "sliding_attention" in (raw.get("layer_types") or ())
+    )
+    return int(window) if uses_window else None
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ single-threaded by design; `AsyncEngine` drives it from a background thread."""
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,10 +53,14 @@ class LLMEngine:
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, namespace=self.model_name)
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler())
-        self.max_model_len = min(
-            config.max_model_len or self.model_config.max_position_embeddings,
-            self.model_config.max_position_embeddings,
-        )
+        limits = [self.model_config.max_position_embeddings]
+        if config.max_model_len:
+            limits.append(config.max_model_len)
+        if self.model_config.attention_window:
+            logger.warning("sliding-window model: context capped at its window of %d tokens",
+                           self.model_config.attention_window)
+            limits.append(self.model_config.attention_window)
+        self.max_model_len = min(limits)
         eos = set(self.model_config.eos_token_ids)
         eos_from_tokenizer = self.tokenizer.token_id(self.tokenizer.eos_token)
         if eos_from_tokenizer is not None:
@@ -154,7 +159,7 @@ class LLMEngine:
     # -- convenience for tests and benchmarks ----------------------------------------
     def generate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
         """Run one request to completion synchronously."""
-        seq = self.add_request(f"gen-{id(prompt_token_ids)}", prompt_token_ids, sampling)
+        seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling)
         while not seq.is_finished:
             self.step()
         return seq

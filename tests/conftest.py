@@ -65,9 +65,12 @@ def _reinit(model: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_model(out: Path, kind: str, tok_dir: Path, vocab: int, tie: bool = False,
-                     rope_scaling: dict[str, Any] | None = None, seed: int = 0) -> Path:
+                     rope_scaling: dict[str, Any] | None = None, seed: int = 0,
+                     extra: dict[str, Any] | None = None) -> Path:
     import transformers
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     out.mkdir(parents=True, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tok_dir / name, out / name)
@@ -81,10 +84,13 @@ def build_tiny_model(out: Path, kind: str, tok_dir: Path, vocab: int, tie: bool 
     )
     if rope_scaling is not None:
         common["rope_scaling"] = rope_scaling
+    common.update(extra or {})
     if kind == "llama":
         cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    elif kind == "mistral":
+        cfg, cls = transformers.MistralConfig(head_dim=16, **common), transformers.MistralForCausalLM
     elif kind == "qwen3":
         cfg, cls = transformers.Qwen3Config(head_dim=16, **common), transformers.Qwen3ForCausalLM
     else:
@@ -105,17 +111,17 @@ def tiny_tokenizer_dir(tmp_path_factory) -> tuple[Path, int]:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, tiny_tokenizer_dir) -> Callable[..., Path]:
-    """Factory: tiny_model_dir(kind="llama", tie=False, rope_scaling=None, seed=0) -> model dir.
-    kind is llama | qwen2 | qwen3. Built once per distinct argument set."""
+    """Factory: tiny_model_dir(kind="llama", tie=False, rope_scaling=None, seed=0, **config_overrides)
+    -> model dir. kind is llama | qwen2 | qwen3 | mistral. Built once per distinct argument set."""
     tok_dir, vocab = tiny_tokenizer_dir
     built: dict[str, Path] = {}
 
     def make(kind: str = "llama", tie: bool = False, rope_scaling: dict[str, Any] | None = None,
-             seed: int = 0) -> Path:
-        key = json.dumps([kind, tie, rope_scaling, seed], sort_keys=True)
+             seed: int = 0, **extra: Any) -> Path:
+        key = json.dumps([kind, tie, rope_scaling, seed, extra], sort_keys=True)
         if key not in built:
             out = tmp_path_factory.mktemp(f"tiny_{kind}")
-            built[key] = build_tiny_model(out, kind, tok_dir, vocab, tie, rope_scaling, seed)
+            built[key] = build_tiny_model(out, kind, tok_dir, vocab, tie, rope_scaling, seed, extra)
         return built[key]
 
     return make

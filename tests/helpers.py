@@ -41,14 +41,16 @@ Computers compute; teachers teach; writers write; readers read; singers sing son
 """ * 3
 
 
-def kv_bytes(num_blocks: int, block_size: int = 16) -> int:
+def kv_bytes(num_blocks: int, block_size: int = 16, dtype: str = "float32") -> int:
     """kv_cache_bytes giving exactly `num_blocks` blocks for the tiny models."""
-    return num_blocks * TINY_BLOCK_BYTES * block_size // 16
+    itemsize = 4 if dtype == "float32" else 2
+    return num_blocks * TINY_BLOCK_BYTES * block_size // 16 * itemsize // 4
 
 
 def make_engine(model_dir: Path, num_blocks: int = 64, name: str | None = None, **kw) -> LLMEngine:
     block_size = kw.pop("block_size", 16)
-    cfg = EngineConfig(kv_cache_bytes=kv_bytes(num_blocks, block_size), block_size=block_size, **kw)
+    dtype = kw.get("dtype", "float32")
+    cfg = EngineConfig(kv_cache_bytes=kv_bytes(num_blocks, block_size, dtype), block_size=block_size, **kw)
     engine = LLMEngine(model_dir, cfg, model_name=name)
     assert engine.kv_cache.num_blocks == num_blocks
     return engine

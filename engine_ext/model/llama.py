@@ -57,8 +57,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = cache
-        k_cache[meta.slot_mapping] = k
-        v_cache[meta.slot_mapping] = v
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (N, heads, D)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

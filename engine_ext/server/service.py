@@ -15,7 +15,7 @@ from typing import Any
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
-from engine_ext.server.errors import ModelNotFoundError
+from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -110,9 +110,14 @@ class CompletionService:
             yield chunk(None, last.finish_reason)
             if req.include_usage:
                 yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
-            yield "data: [DONE]\n\n"
+        except EngineError as exc:
+            # The 200 is already sent: report the failure in-band, as OpenAI's API does,
+            # so clients raise an APIError instead of seeing a truncated stream.
+            _, type_ = engine_error_status(exc)
+            yield _sse_line(error_body(str(exc), type_, getattr(exc, "param", None), getattr(exc, "code", None)))
         finally:
             await rest.aclose()  # aborts the request if the client went away mid-stream
+        yield "data: [DONE]\n\n"
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"

@@ -1,0 +1,130 @@
+"""AsyncEngine: the engine thread, result streaming into asyncio, aborts on early exit."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_ext.async_engine import AsyncEngine
+from engine_ext.errors import CapacityError, EngineDeadError
+from engine_ext.sampling import SamplingParams
+from tests.helpers import make_engine, wait_until
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def engines(llama_dir):
+    llm = make_engine(llama_dir, num_blocks=16)
+    llm.aborted = []
+    abort = llm.abort
+
+    def spy_abort(request_id):
+        llm.aborted.append(request_id)
+        return abort(request_id)
+
+    llm.abort = spy_abort
+    eng = AsyncEngine(llm)
+    eng.start()
+    yield llm, eng
+    eng.stop()
+    assert not eng.is_alive
+
+
+async def test_generate_streams_until_finished(engines, llama_dir):
+    llm, eng = engines
+    ids = llm.tokenizer.encode("The quick brown fox")
+    outs = [o async for o in eng.generate("a", ids, GREEDY)]
+    assert len(outs) == 10
+    assert [o.finished for o in outs] == [False] * 9 + [True]
+    assert outs[-1].finish_reason == "length"
+    assert [o.num_output_tokens for o in outs] == list(range(1, 11))
+    tokens = [t for o in outs for t in o.new_token_ids]
+    ref = make_engine(llama_dir, num_blocks=16).generate(ids, GREEDY)
+    assert tokens == ref.output_token_ids
+    assert "".join(o.delta_text for o in outs) == ref.detokenizer.text
+
+
+async def test_concurrent_generations(engines):
+    llm, eng = engines
+    prompts = [llm.tokenizer.encode(t) for t in ("Alice met Bob", "Water boils", "Good morning")]
+
+    async def run(i, ids):
+        return [t async for o in eng.generate(f"c{i}", ids, GREEDY) for t in o.new_token_ids]
+
+    together = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
+    alone = [await run(10 + i, p) for i, p in enumerate(prompts)]
+    assert together == alone
+
+
+async def test_validation_error_is_raised_on_first_iteration(engines):
+    llm, eng = engines
+    gen = eng.generate("big", [5] * 10, SamplingParams(max_tokens=400))
+    with pytest.raises(CapacityError):
+        await anext(gen)
+    assert not llm.has_work
+    assert llm.aborted == []  # a refused request has nothing to abort
+
+
+async def test_leaving_early_aborts_and_frees(engines):
+    llm, eng = engines
+    gen = eng.generate("long", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    first = await anext(gen)
+    assert not first.finished
+    await gen.aclose()
+    assert await asyncio.to_thread(wait_until, lambda: not llm.has_work and
+                                   llm.kv.pool.num_free == llm.kv.pool.num_blocks)
+    assert llm.aborted == ["long"]
+    assert eng._sinks == {}
+
+
+async def test_cancelled_consumer_aborts(engines):
+    llm, eng = engines
+
+    async def consume():
+        async for _ in eng.generate("cancel-me", [5] * 10,
+                                    SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
+            await asyncio.sleep(0.01)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await asyncio.to_thread(wait_until, lambda: not llm.has_work and
+                                   llm.kv.pool.num_free == llm.kv.pool.num_blocks)
+    assert llm.aborted == ["cancel-me"]
+
+
+async def test_not_started_or_stopped_engine_is_dead(llama_dir):
+    eng = AsyncEngine(make_engine(llama_dir, num_blocks=8))
+    with pytest.raises(EngineDeadError):
+        await anext(eng.generate("x", [5], GREEDY))
+    eng.start()
+    assert eng.is_alive
+    eng.stop()
+    with pytest.raises(EngineDeadError):
+        await anext(eng.generate("x", [5], GREEDY))
+
+
+async def test_stop_fails_requests_in_flight(llama_dir):
+    llm = make_engine(llama_dir, num_blocks=16)
+    eng = AsyncEngine(llm)
+    eng.start()
+    step = llm.step
+
+    def slow_step():
+        import time
+
+        time.sleep(0.01)
+        return step()
+
+    llm.step = slow_step
+    gen = eng.generate("inflight", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    await anext(gen)
+    await asyncio.to_thread(eng.stop)
+    with pytest.raises(EngineDeadError):
+        async for _ in gen:
+            pass
+    assert llm.kv.pool.num_free == llm.kv.pool.num_blocks
