@@ -102,6 +102,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     sizes = QUICK if quick else FULL
     model_dir = resolve_model(model)
     engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1024 * 2**20))

@@ -56,7 +56,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def _http(_: Request, exc: HTTPException) -> JSONResponse:
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-        detail = exc.detail if isinstance(exc.detail, str) else phrase
+        detail = exc.detail if isinstance(exc.detail, str) else _phrase(exc.status_code)
         type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return error_response(exc.status_code, detail, type_)
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return f"HTTP {status}"
