@@ -114,7 +114,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
     prefill_ratios = []
     for n in sizes.prefill_lens:
         ours_s, theirs_s = paired_best_of(
-            lambda: engine_prefill(engine, prompts, n), lambda: hf_prefill(hf, prompts, n), sizes.repeats
+            lambda n=n: engine_prefill(engine, prompts, n), lambda n=n: hf_prefill(hf, prompts, n), sizes.repeats
         )
         ours, theirs = n / ours_s, n / theirs_s
         prefill_ratios.append(ours / theirs)

@@ -7,10 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from engine_ext.errors import ModelLoadError
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 Dtype = Literal["float32", "bfloat16", "float16"]
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -187,5 +192,5 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")

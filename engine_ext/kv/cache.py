@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from engine_ext.config import EngineConfig, ModelConfig
+from engine_ext.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine_ext.errors import ModelLoadError
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class KVCache:
     """Per layer, K and V as (num_blocks * block_size, kv_heads, head_dim) slot tensors."""
 
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
-        dtype = _DTYPES[engine_cfg.dtype]
+        dtype = TORCH_DTYPES[engine_cfg.dtype]
         self.block_size = engine_cfg.block_size
         self.bytes_per_block = (
             2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads

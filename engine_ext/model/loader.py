@@ -9,12 +9,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine_ext.config import ModelConfig
+from engine_ext.config import TORCH_DTYPES, ModelConfig
 from engine_ext.errors import ModelLoadError
 from engine_ext.model.llama import CausalLM
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
     index = model_dir / "model.safetensors.index.json"
@@ -87,4 +84,4 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: str = "float32") -> Cau
         raise ModelLoadError(f"weights do not match config.json: {exc}") from exc
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    return model.to(_DTYPES[dtype]).eval()
+    return model.to(TORCH_DTYPES[dtype]).eval()
