@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 run: install
-	$(BIN)/kvrelay engine --host $(HOST) --port $(PORT)
+	$(BIN)/kvrelay up --host $(HOST) --port $(PORT)
 
 test: install
 	$(BIN)/python -m pytest $(PYTEST_ARGS) tests

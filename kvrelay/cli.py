@@ -17,45 +17,144 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-@app.command()
-def engine(
-    model: Annotated[Optional[str], typer.Option(help="HF-format model directory (default: SmolLM2-135M-Instruct, prepared on first use)")] = None,
-    host: Annotated[str, typer.Option(help="address to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    served_model_name: Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")] = None,
-    kv_cache_mb: Annotated[int, typer.Option(min=1, help="KV cache budget in MiB (stands for GPU memory)")] = 512,
-    block_size: Annotated[int, typer.Option(min=1, max=1024)] = 16,
-    max_num_seqs: Annotated[int, typer.Option(min=1)] = 64,
-    max_num_batched_tokens: Annotated[int, typer.Option(min=1)] = 2048,
-    max_model_len: Annotated[Optional[int], typer.Option(min=2)] = None,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
-    log_level: Annotated[str, typer.Option()] = "info",
-) -> None:
-    """Serve one model over the OpenAI API with kvrelay's embedded engine."""
-    import uvicorn
-
-    from engine_ext.async_engine import AsyncEngine
+def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb: int, block_size: int,
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str):
     from engine_ext.config import EngineConfig
     from engine_ext.engine import LLMEngine
     from engine_ext.errors import EngineError
     from engine_ext.model_store import resolve_model
-    from engine_ext.server import create_app
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = EngineConfig(
             kv_cache_bytes=kv_cache_mb * 2**20, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,  # type: ignore[arg-type]
         )
         model_dir = resolve_model(model)
-        llm = LLMEngine(model_dir, config, served_model_name or model_dir.name)
+        return LLMEngine(model_dir, config, served_model_name or model_dir.name)
     except (EngineError, ValueError) as exc:
         raise _fail(str(exc)) from exc
-    typer.echo(
-        f"kvrelay engine: serving {llm.model_name} ({llm.kv_cache.num_blocks} KV blocks of "
-        f"{block_size} tokens); point an OpenAI client at base_url=http://{host}:{port}/v1"
-    )
+
+
+def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
+    from pydantic import ValidationError
+
+    from gateway.settings import GatewaySettings
+
+    overrides: dict[str, object] = {}
+    if upstreams:
+        overrides["upstreams"] = upstreams
+    if database_url:
+        overrides["database_url"] = database_url
+    try:
+        return GatewaySettings(**overrides)
+    except (ValidationError, ValueError) as exc:
+        raise _fail(str(exc).replace("\n", "; ")) from exc
+
+
+ModelOpt = Annotated[Optional[str], typer.Option(help="HF-format model directory (default: SmolLM2-135M-Instruct, prepared on first use)")]
+ServedNameOpt = Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")]
+KvOpt = Annotated[int, typer.Option(min=1, help="KV cache budget in MiB (stands for GPU memory)")]
+BlockOpt = Annotated[int, typer.Option(min=1, max=1024, help="tokens per KV block")]
+SeqsOpt = Annotated[int, typer.Option(min=1, help="requests running at once")]
+BatchOpt = Annotated[int, typer.Option(min=1, help="tokens computed per engine step")]
+LenOpt = Annotated[Optional[int], typer.Option(min=2, help="cap on prompt + completion tokens")]
+DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
+HostOpt = Annotated[str, typer.Option(help="address to bind")]
+LogOpt = Annotated[str, typer.Option(help="log level")]
+
+
+@app.command()
+def engine(
+    model: ModelOpt = None,
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    served_model_name: ServedNameOpt = None,
+    kv_cache_mb: KvOpt = 512,
+    block_size: BlockOpt = 16,
+    max_num_seqs: SeqsOpt = 64,
+    max_num_batched_tokens: BatchOpt = 2048,
+    max_model_len: LenOpt = None,
+    dtype: DtypeOpt = "float32",
+    log_level: LogOpt = "info",
+) -> None:
+    """Serve one model over the OpenAI API with kvrelay's embedded engine."""
+    import uvicorn
+
+    from engine_ext.async_engine import AsyncEngine
+    from engine_ext.server import create_app
+
+    _setup_logging(log_level)
+    llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
+                        max_num_batched_tokens, max_model_len, dtype)
+    typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
+
+
+@app.command()
+def gateway(
+    upstream: Annotated[Optional[list[str]], typer.Option(help="upstream engine base URL (repeat for several; default from KVRELAY_UPSTREAMS)")] = None,
+    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")] = None,
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8080,
+    log_level: LogOpt = "info",
+) -> None:
+    """Run the OpenAI gateway alone, in front of already running engines."""
+    import uvicorn
+
+    from gateway import create_app
+
+    _setup_logging(log_level)
+    settings = _gateway_settings(upstream, database_url)
+    typer.echo(f"kvrelay gateway: upstreams {', '.join(settings.upstreams)}; base_url=http://{host}:{port}/v1")
+    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+
+
+@app.command()
+def up(
+    model: ModelOpt = None,
+    host: HostOpt = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="the gateway's port")] = 8000,
+    engine_port: Annotated[int, typer.Option(min=1, max=65535, help="the embedded engine's port (loopback)")] = 8001,
+    served_model_name: ServedNameOpt = None,
+    kv_cache_mb: KvOpt = 512,
+    max_num_seqs: SeqsOpt = 64,
+    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")] = None,
+    log_level: LogOpt = "info",
+) -> None:
+    """Start the embedded engine and the gateway in front of it, in one process."""
+    import asyncio
+
+    import uvicorn
+
+    from engine_ext.async_engine import AsyncEngine
+    from engine_ext.server import create_app as create_engine_app
+    from gateway import create_app as create_gateway_app
+
+    _setup_logging(log_level)
+    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32")
+    settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
+    engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),
+                                                  host="127.0.0.1", port=engine_port, log_level=log_level))
+    gateway_server = uvicorn.Server(uvicorn.Config(create_gateway_app(settings), host=host, port=port,
+                                                   log_level=log_level))
+
+    async def serve_both() -> None:
+        engine_task = asyncio.create_task(engine_server.serve())
+        while not engine_server.started:  # the gateway's first health check must find the engine
+            if engine_task.done():
+                return
+            await asyncio.sleep(0.05)
+        typer.echo(f"kvrelay: serving {llm.model_name}; point your OpenAI client at base_url=http://{host}:{port}/v1")
+        await gateway_server.serve()
+        engine_server.should_exit = True
+        await engine_task
+
+    asyncio.run(serve_both())
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check is noise
 
 
 @app.command("prepare-model")

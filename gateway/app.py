@@ -1,0 +1,99 @@
+"""The gateway app: `create_app(settings)` builds everything; nothing exists at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy import text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from gateway.call import GatewayState, ProxiedCall
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from gateway.storage.models import Base
+from gateway.storage.writer import RecordWriter
+from gateway.upstream_client import UpstreamClient, build_http_client
+from gateway.upstreams import UpstreamPool
+from kvrelay.openai_errors import error_response, install_request_error_handlers
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        db = create_async_engine(settings.database_url, pool_pre_ping=True)
+        async with db.begin() as conn:
+            await conn.run_sync(Base.metadata.create_all)
+        writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size)
+        writer.start()
+        http = build_http_client(settings)
+        pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor)
+        upstreams = UpstreamClient(http, pool, settings)
+        await upstreams.check_health()
+        health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
+        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics())
+        app.state.db = db
+        try:
+            yield
+        finally:
+            health.cancel()
+            with suppress(asyncio.CancelledError):
+                await health
+            await writer.close()
+            await http.aclose()
+            await db.dispose()
+
+    app = FastAPI(title="kvrelay gateway", lifespan=lifespan)
+    install_request_error_handlers(app)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, state: State) -> Response:
+        return await ProxiedCall(state, "/v1/chat/completions", request).run()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, state: State) -> Response:
+        return await ProxiedCall(state, "/v1/completions", request).run()
+
+    @app.get("/v1/models")
+    async def models(state: State) -> dict[str, Any]:
+        ids = sorted({m for u in state.upstreams.pool.upstreams if u.healthy for m in u.models})
+        data = [{"id": m, "object": "model", "created": 0, "owned_by": "kvrelay"} for m in ids]
+        return {"object": "list", "data": data}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(request: Request, state: State) -> Response:
+        try:
+            async with request.app.state.db.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        except (SQLAlchemyError, OSError) as exc:
+            return error_response(503, f"database unavailable: {type(exc).__name__}", "service_unavailable")
+        if state.upstreams.pool.healthy_count() == 0:
+            return error_response(503, "no healthy upstream", "service_unavailable")
+        return JSONResponse({"status": "ready", "record_backlog": state.writer.backlog})
+
+    @app.get("/metrics")
+    async def metrics(state: State) -> Response:
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def get_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+State = Annotated[GatewayState, Depends(get_state)]

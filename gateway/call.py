@@ -1,0 +1,262 @@
+"""One client request through the gateway, from body to record.
+
+Reads top to bottom as the request path: read and check the body, identify the caller,
+dispatch upstream (with failover), relay the answer (SSE byte for byte), record it once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
+from gateway.identity import identify
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from gateway.sse import inspect, split_events
+from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
+from gateway.upstream_client import Dispatch, UpstreamClient
+from kvrelay.openai_errors import error_body, error_response
+
+logger = logging.getLogger(__name__)
+_FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    upstreams: UpstreamClient
+    writer: RecordWriter
+    metrics: GatewayMetrics
+
+
+class ProxiedCall:
+    def __init__(self, state: GatewayState, endpoint: str, request: Request) -> None:
+        self.state = state
+        self.endpoint = endpoint  # "/v1/chat/completions" or "/v1/completions"
+        self.request = request
+        self.received = time.perf_counter()
+        self.started_at = datetime.now(UTC)
+        self.record = RequestRecord(
+            id=f"req-{uuid.uuid4().hex}", endpoint=endpoint, stream=False, started_at=self.started_at,
+            finished_at=self.started_at, latency_ms=0.0, status="ok", http_status=200,
+            prompt_sha256=sha256_text(""), prompt_chars=0,
+        )
+        self.strip_usage = False
+        self._completion: list[str] = []
+
+    # -- the path ---------------------------------------------------------------------------
+    async def run(self) -> Response:
+        self.state.metrics.in_flight.inc()
+        stack = AsyncExitStack()
+        try:
+            body = self._parse(await self._read_body())
+            payload = self._prepare(body)
+            ident = identify(self.request.headers, body)
+            self.record.session_id, self.record.agent_id = ident.session_id, ident.agent_id
+            self.state.metrics.overhead.observe(time.perf_counter() - self.received)
+            dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
+                self.endpoint, payload, self._headers(), self.record.model or "", ident.session_id))
+            self.record.upstream = dispatch.upstream.url
+            if dispatch.response.status_code >= 400:
+                return await self._upstream_error(dispatch)
+            if self.record.stream:
+                relay = self._relay(dispatch, stack)
+                stack = AsyncExitStack()  # the relay owns the upstream response now
+                return StreamingResponse(relay, media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return await self._unary(dispatch)
+        except GatewayError as exc:
+            return self._fail(exc)
+        finally:
+            await stack.aclose()
+            if not self.record.stream or self.record.upstream is None or self.record.status != "ok":
+                self._finish()
+
+    async def _read_body(self) -> bytes:
+        limit = self.state.settings.max_body_bytes
+        declared = self.request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise BodyTooLargeError(f"request body exceeds {limit} bytes")
+        chunks, size = [], 0
+        async for chunk in self.request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyTooLargeError(f"request body exceeds {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _parse(self, raw: bytes) -> dict[str, Any]:
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            raise BadRequestError("the request body is not valid JSON") from exc
+        if not isinstance(body, dict):
+            raise BadRequestError("the request body must be a JSON object")
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise BadRequestError("model: a non-empty string is required", param="model")
+        self.record.model = model
+        if self.endpoint.endswith("chat/completions"):
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+                raise BadRequestError("messages: a non-empty list of message objects is required", param="messages")
+            prompt_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, (str, list)) or not prompt:
+                raise BadRequestError("prompt: a non-empty string or list is required", param="prompt")
+            prompt_text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise BadRequestError("stream: must be a boolean", param="stream")
+        self.record.stream = stream
+        self.record.prompt_sha256, self.record.prompt_chars = sha256_text(prompt_text), len(prompt_text)
+        if self.state.settings.store_content:
+            self.record.prompt_text = prompt_text
+        return body
+
+    def _prepare(self, body: dict[str, Any]) -> bytes:
+        """The upstream body: usage is always requested for streams, and stripped again
+        for a client that did not ask for it."""
+        if self.record.stream:
+            options = body.get("stream_options")
+            options = options if isinstance(options, dict) else {}
+            if not options.get("include_usage"):
+                self.strip_usage = True
+                body = {**body, "stream_options": {**options, "include_usage": True}}
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    def _headers(self) -> dict[str, str]:
+        return {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
+
+    # -- answers ----------------------------------------------------------------------------
+    async def _unary(self, dispatch: Dispatch) -> Response:
+        content = await self._read_all(dispatch)
+        self._observe_upstream(dispatch)
+        try:
+            parsed = json.loads(content)
+        except ValueError as exc:
+            raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
+        if isinstance(parsed, dict):
+            self._take_usage(parsed.get("usage"))
+            for choice in parsed.get("choices") or []:
+                message = choice.get("message") or {}
+                text = message.get("content") if isinstance(message, dict) else None
+                self._completion.append(text if isinstance(text, str) else choice.get("text") or "")
+        return Response(content, status_code=dispatch.response.status_code, media_type="application/json")
+
+    async def _read_all(self, dispatch: Dispatch) -> bytes:
+        try:
+            return await dispatch.response.aread()
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeoutError(f"{dispatch.upstream.url} stalled mid-response") from exc
+        except httpx.TransportError as exc:
+            raise UpstreamFailedError(f"{dispatch.upstream.url} broke the connection: {type(exc).__name__}") from exc
+
+    async def _upstream_error(self, dispatch: Dispatch) -> Response:
+        content = await self._read_all(dispatch)
+        status = dispatch.response.status_code
+        if status < 500:  # the client's mistake, in the engine's own OpenAI error body
+            self.record.status, self.record.http_status, self.record.error_type = "client_error", status, "upstream_4xx"
+            return Response(content, status_code=status, media_type="application/json")
+        try:
+            message = json.loads(content)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = content[:200].decode(errors="replace")
+        raise UpstreamFailedError(f"upstream {dispatch.upstream.url} returned {status}: {message}")
+
+    async def _relay(self, dispatch: Dispatch, stack: AsyncExitStack) -> AsyncIterator[bytes]:
+        """Forward SSE events as they arrive; note TTFT and usage on the way."""
+        pending = b""
+        deadline = self.received + self.state.settings.timeouts.total_s
+        try:
+            async for chunk in dispatch.response.aiter_raw():
+                events, pending = split_events(pending + chunk)
+                for event in events:
+                    info = inspect(event)
+                    if info.has_content and self.record.first_token_at is None:
+                        self._mark_first_token()
+                    self._completion.append(info.text)
+                    if info.usage is not None:
+                        self._take_usage(info.usage)
+                    if info.error is not None:
+                        self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
+                    if not (info.is_usage_only and self.strip_usage):
+                        yield event
+                if time.perf_counter() > deadline:
+                    raise UpstreamTimeoutError("the stream exceeded the total time limit")
+            if pending:
+                yield pending
+        except (httpx.TimeoutException, UpstreamTimeoutError) as exc:
+            self.record.status, self.record.http_status, self.record.error_type = "timeout", 504, type(exc).__name__
+            yield _sse_error("the upstream stalled mid-stream", "timeout", "upstream_timeout")
+        except httpx.TransportError as exc:
+            self.record.status, self.record.http_status, self.record.error_type = "upstream_error", 502, type(exc).__name__
+            yield _sse_error("the upstream broke the stream", "upstream_error", "upstream_failed")
+        except BaseException:
+            self.record.status, self.record.http_status, self.record.error_type = "cancelled", 499, "client_disconnected"
+            raise
+        finally:
+            self._observe_upstream(dispatch)
+            await stack.aclose()
+            self._finish()
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _fail(self, exc: GatewayError) -> Response:
+        self.record.status, self.record.http_status = exc.record_status, exc.status
+        self.record.error_type = type(exc).__name__
+        return error_response(exc.status, str(exc), exc.type_, exc.param, exc.code)
+
+    def _mark_first_token(self) -> None:
+        elapsed = time.perf_counter() - self.received
+        self.record.ttft_ms = elapsed * 1e3
+        self.record.first_token_at = self.started_at + timedelta(seconds=elapsed)
+        self.state.metrics.ttft.labels(self.record.model or "").observe(elapsed)
+
+    def _take_usage(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        self.record.prompt_tokens = usage.get("prompt_tokens")
+        self.record.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            self.record.cached_tokens = details.get("cached_tokens")
+
+    def _observe_upstream(self, dispatch: Dispatch) -> None:
+        self.state.metrics.upstream_latency.labels(dispatch.upstream.url).observe(time.perf_counter() - dispatch.sent_at)
+
+    def _finish(self) -> None:
+        elapsed = time.perf_counter() - self.received
+        rec = self.record
+        rec.latency_ms = elapsed * 1e3
+        rec.finished_at = self.started_at + timedelta(seconds=elapsed)
+        if rec.status in ("ok", "upstream_error", "timeout", "cancelled") and rec.upstream is not None:
+            completion = "".join(self._completion)
+            rec.completion_sha256, rec.completion_chars = sha256_text(completion), len(completion)
+            if self.state.settings.store_content:
+                rec.completion_text = completion
+        metrics = self.state.metrics
+        metrics.in_flight.dec()
+        metrics.requests.labels(rec.status).inc()
+        metrics.latency.labels(rec.model or "", rec.status).observe(elapsed)
+        for kind, value in (("prompt", rec.prompt_tokens), ("completion", rec.completion_tokens),
+                            ("cached", rec.cached_tokens)):
+            if isinstance(value, int):
+                metrics.tokens.labels(kind).inc(value)
+        self.state.writer.submit(rec)
+
+
+def _sse_error(message: str, type_: str, code: str) -> bytes:
+    return f"data: {json.dumps(error_body(message, type_, None, code))}\n\n".encode()

@@ -1,0 +1,42 @@
+"""The gateway's exception hierarchy: each class carries its HTTP status and OpenAI type."""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    status: int = 500
+    type_: str = "server_error"
+    code: str | None = None
+    record_status: str = "error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class BadRequestError(GatewayError):
+    status, type_, record_status = 400, "invalid_request_error", "client_error"
+
+
+class BodyTooLargeError(GatewayError):
+    status, type_, code, record_status = 413, "invalid_request_error", "body_too_large", "client_error"
+
+
+class ModelNotFoundError(GatewayError):
+    status, type_, code, record_status = 404, "invalid_request_error", "model_not_found", "client_error"
+
+
+class NoUpstreamError(GatewayError):
+    status, type_, code, record_status = 503, "service_unavailable", "no_upstream", "unavailable"
+
+
+class UpstreamUnreachableError(GatewayError):
+    status, type_, code, record_status = 502, "upstream_error", "upstream_unreachable", "upstream_error"
+
+
+class UpstreamFailedError(GatewayError):
+    status, type_, code, record_status = 502, "upstream_error", "upstream_failed", "upstream_error"
+
+
+class UpstreamTimeoutError(GatewayError):
+    status, type_, code, record_status = 504, "timeout", "upstream_timeout", "timeout"

@@ -1,0 +1,86 @@
+"""Gateway settings: environment variables (prefix KVRELAY_) over an optional YAML file.
+
+Nested fields use a double underscore in the environment, e.g.
+KVRELAY_TIMEOUTS__FIRST_BYTE_S=30; lists take JSON, e.g.
+KVRELAY_UPSTREAMS='["http://127.0.0.1:8000"]'. KVRELAY_CONFIG names the YAML file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class Timeouts(BaseModel):
+    connect_s: PositiveFloat = 5.0
+    first_byte_s: PositiveFloat = 60.0  # until the upstream's response headers arrive
+    idle_s: PositiveFloat = 60.0  # between two chunks of a stream
+    total_s: PositiveFloat = 600.0
+
+
+class Breaker(BaseModel):
+    failure_threshold: Annotated[int, Field(ge=1)] = 3  # consecutive failures that open it
+    cooldown_s: PositiveFloat = 10.0  # open for this long, then one trial request
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid")
+
+    upstreams: Annotated[list[str], Field(min_length=1)] = ["http://127.0.0.1:8000"]
+    database_url: str = "sqlite+aiosqlite:///kvrelay.db"
+    store_content: bool = False  # prompt/completion text in the records: explicit opt-in
+    max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20
+    max_connections: Annotated[int, Field(ge=1)] = 512
+    max_keepalive_connections: Annotated[int, Field(ge=0)] = 128
+    retries: Annotated[int, Field(ge=0, le=5)] = 2
+    timeouts: Timeouts = Timeouts()
+    breaker: Breaker = Breaker()
+    health_interval_s: PositiveFloat = 5.0
+    load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
+    record_queue_size: Annotated[int, Field(ge=1)] = 100_000
+    record_batch_size: Annotated[int, Field(ge=1)] = 256
+
+    @field_validator("upstreams")
+    @classmethod
+    def _urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream {url!r} must be an http(s) URL")
+        return [u.rstrip("/") for u in urls]
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _YamlSource(settings_cls)
+
+
+class _YamlSource(PydanticBaseSettingsSource):
+    """The YAML file named by KVRELAY_CONFIG, lowest priority after the environment."""
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("KVRELAY_CONFIG")
+        if not path:
+            return {}
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"cannot read KVRELAY_CONFIG={path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ValueError(f"KVRELAY_CONFIG={path} must hold a mapping")
+        return data

@@ -1,0 +1,67 @@
+"""Server-sent events as the gateway sees them: split into events, look inside, pass on.
+
+Events are forwarded byte for byte; the gateway only parses the `data:` JSON to find the
+first generated content (TTFT) and the usage chunk (which it may strip).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple
+
+_BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+class EventInfo(NamedTuple):
+    has_content: bool  # carries generated text or a tool call (a role-only delta does not)
+    text: str  # the generated text it carries
+    usage: dict[str, Any] | None
+    is_usage_only: bool  # the include_usage chunk: no choices, just usage
+    error: dict[str, Any] | None
+
+
+_NOTHING = EventInfo(False, "", None, False, None)
+
+
+def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """Complete events (each with its trailing blank line) and the unfinished rest."""
+    events = []
+    start = 0
+    for match in _BOUNDARY.finditer(buffer):
+        events.append(buffer[start : match.end()])
+        start = match.end()
+    return events, buffer[start:]
+
+
+def inspect(event: bytes) -> EventInfo:
+    data = b"".join(
+        line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")
+    )
+    if not data or data == b"[DONE]":
+        return _NOTHING
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return _NOTHING
+    if not isinstance(body, dict):
+        return _NOTHING
+    choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
+    has_content = any(_choice_has_content(c) for c in choices)
+    text = "".join(_choice_text(c) for c in choices)
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
+    error = body.get("error") if isinstance(body.get("error"), dict) else None
+    return EventInfo(has_content, text, usage, usage is not None and not choices, error)
+
+
+def _choice_has_content(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return bool(delta.get("content") or delta.get("tool_calls") or delta.get("reasoning_content"))
+    return bool(choice.get("text"))
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""

@@ -1,0 +1,60 @@
+"""SQL records: sessions, agents and proxied requests.
+
+Prompt and completion text are not stored unless `store_content` is on: by default a
+request row keeps only a sha256 and a length of each.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class AgentRow(Base):
+    __tablename__ = "agents"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RequestRow(Base):
+    __tablename__ = "requests"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
+    agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id"), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(256))
+    upstream: Mapped[str | None] = mapped_column(String(512))
+    stream: Mapped[bool] = mapped_column(Boolean)
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    http_status: Mapped[int] = mapped_column(Integer)
+    error_type: Mapped[str | None] = mapped_column(String(64))
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cached_tokens: Mapped[int | None] = mapped_column(Integer)
+    ttft_ms: Mapped[float | None] = mapped_column(Float)
+    latency_ms: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+    first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    prompt_sha256: Mapped[str] = mapped_column(String(64))
+    prompt_chars: Mapped[int] = mapped_column(Integer)
+    completion_sha256: Mapped[str | None] = mapped_column(String(64))
+    completion_chars: Mapped[int | None] = mapped_column(Integer)
+    prompt_text: Mapped[str | None] = mapped_column(Text)
+    completion_text: Mapped[str | None] = mapped_column(Text)

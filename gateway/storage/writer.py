@@ -1,0 +1,138 @@
+"""Request records leave the request path through a bounded queue and reach SQL in batches.
+
+While the database is down the writer keeps its current batch and retries with backoff,
+and new records wait in the queue, so an outage delays records but loses none (unless
+the queue itself overflows, which is counted and logged).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from dataclasses import asdict, dataclass
+from datetime import datetime
+
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.storage.models import AgentRow, RequestRow, SessionRow
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestRecord:
+    id: str
+    endpoint: str
+    stream: bool
+    started_at: datetime
+    finished_at: datetime
+    latency_ms: float
+    status: str  # ok | client_error | upstream_error | timeout | cancelled | unavailable
+    http_status: int
+    prompt_sha256: str
+    prompt_chars: int
+    session_id: str | None = None
+    agent_id: str | None = None
+    model: str | None = None
+    upstream: str | None = None
+    error_type: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    ttft_ms: float | None = None
+    first_token_at: datetime | None = None
+    completion_sha256: str | None = None
+    completion_chars: int | None = None
+    prompt_text: str | None = None
+    completion_text: str | None = None
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class RecordWriter:
+    def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int) -> None:
+        self._engine = engine
+        self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
+        self._batch_size = batch_size
+        self._task: asyncio.Task[None] | None = None
+        self.num_written = 0
+        self.num_dropped = 0
+        self.num_write_errors = 0
+
+    def submit(self, record: RequestRecord) -> None:
+        """Never blocks the request path; on overflow the oldest record is dropped."""
+        if self._queue.full():
+            self._queue.get_nowait()
+            self.num_dropped += 1
+            logger.error("record queue full; dropped the oldest request record")
+        self._queue.put_nowait(record)
+
+    @property
+    def backlog(self) -> int:
+        return self._queue.qsize()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvrelay-record-writer")
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Drain what is queued (bounded by timeout_s), then stop."""
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout_s)
+        except TimeoutError:
+            logger.error("record writer did not drain in %.0fs; %d records not written", timeout_s, self.backlog)
+        self._task.cancel()
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+    async def _run(self) -> None:
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await self._write_until_done(batch)
+            for _ in batch:
+                self._queue.task_done()
+
+    async def _write_until_done(self, batch: list[RequestRecord]) -> None:
+        delay = 0.2
+        while True:
+            try:
+                await self._write(batch)
+                self.num_written += len(batch)
+                return
+            except (SQLAlchemyError, OSError) as exc:
+                self.num_write_errors += 1
+                logger.warning("writing %d records failed (%s); retrying in %.1fs", len(batch), type(exc).__name__, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _write(self, batch: list[RequestRecord]) -> None:
+        insert = _dialect_insert(self._engine.dialect.name)
+        sessions = {r.session_id: r.started_at for r in reversed(batch) if r.session_id}
+        agents = {r.agent_id: (r.session_id, r.started_at) for r in reversed(batch) if r.agent_id}
+        async with self._engine.begin() as conn:
+            if sessions:
+                rows = [{"id": k, "first_seen": v} for k, v in sessions.items()]
+                await conn.execute(insert(SessionRow).values(rows).on_conflict_do_nothing())
+            if agents:
+                rows = [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()]
+                await conn.execute(insert(AgentRow).values(rows).on_conflict_do_nothing())
+            await conn.execute(insert(RequestRow).values([asdict(r) for r in batch]).on_conflict_do_nothing())
+
+
+def _dialect_insert(dialect: str):
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    elif dialect == "sqlite":
+        from sqlalchemy.dialects.sqlite import insert
+    else:
+        raise ValueError(f"unsupported database dialect {dialect!r} (use sqlite or postgresql)")
+    return insert

@@ -1,0 +1,86 @@
+"""Upstream engines: health, circuit breakers, load, and session-affine choice.
+
+A session keeps going to the upstream it first landed on, because that upstream holds
+its KV cache; it moves only when that upstream is unhealthy or carries more than
+`load_guard_factor` times the mean load (one hot session must not pin a replica).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from gateway.settings import Breaker
+
+_MAX_SESSIONS = 100_000
+
+
+@dataclass
+class Upstream:
+    url: str
+    breaker: Breaker
+    healthy: bool = True
+    in_flight: int = 0
+    consecutive_failures: int = 0
+    open_until: float = 0.0  # circuit open (no traffic) until this monotonic time
+    models: frozenset[str] = field(default_factory=frozenset)
+
+    def available(self, now: float) -> bool:
+        """Healthy and the breaker is closed or half-open (cooldown over)."""
+        return self.healthy and now >= self.open_until
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.open_until = 0.0
+        self.healthy = True
+
+    def record_failure(self, now: float) -> None:
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= self.breaker.failure_threshold:
+            self.open_until = now + self.breaker.cooldown_s
+
+    def serves(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+
+class UpstreamPool:
+    def __init__(self, urls: list[str], breaker: Breaker, load_guard_factor: float) -> None:
+        self.upstreams = [Upstream(url, breaker) for url in urls]
+        self.load_guard_factor = load_guard_factor
+        # session -> upstream, least recently used first; bounded so idle sessions age out.
+        self._affinity: OrderedDict[str, Upstream] = OrderedDict()
+
+    def candidates(self, model: str, session_id: str | None) -> list[Upstream]:
+        """Upstreams to try in order: the session's own first (unless overloaded), then
+        the rest by load. Empty when none is available for the model."""
+        now = time.monotonic()
+        usable = [u for u in self.upstreams if u.available(now) and u.serves(model)]
+        by_load = sorted(usable, key=lambda u: u.in_flight)
+        if session_id is None or not by_load:
+            return by_load
+        home = self._affinity.get(session_id)
+        if home is None or home not in usable or self._overloaded(home, usable):
+            home = by_load[0]
+        self._affinity[session_id] = home
+        self._affinity.move_to_end(session_id)
+        if len(self._affinity) > _MAX_SESSIONS:
+            self._affinity.popitem(last=False)
+        return [home] + [u for u in by_load if u is not home]
+
+    def _overloaded(self, upstream: Upstream, usable: list[Upstream]) -> bool:
+        if len(usable) < 2:
+            return False
+        mean = sum(u.in_flight for u in usable) / len(usable)
+        return upstream.in_flight > max(1.0, self.load_guard_factor * mean)
+
+    def knows_no(self, model: str) -> bool:
+        """True when every upstream has listed its models and none lists this one."""
+        return all(u.models for u in self.upstreams) and not any(model in u.models for u in self.upstreams)
+
+    def healthy_count(self) -> int:
+        now = time.monotonic()
+        return sum(1 for u in self.upstreams if u.available(now))
+
+    def forget_session(self, session_id: str) -> None:
+        self._affinity.pop(session_id, None)
