@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from gateway.call import GatewayState, ProxiedCall
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.storage.models import Base
+from gateway.storage import migrate
 from gateway.storage.writer import RecordWriter
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
@@ -31,9 +31,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await asyncio.to_thread(migrate.upgrade, settings.database_url)  # alembic runs its own loop
         db = create_async_engine(settings.database_url, pool_pre_ping=True)
-        async with db.begin() as conn:
-            await conn.run_sync(Base.metadata.create_all)
         writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size)
         writer.start()
         http = build_http_client(settings)

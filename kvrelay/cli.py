@@ -157,6 +157,38 @@ def _setup_logging(level: str) -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check is noise
 
 
+db_app = typer.Typer(help="Database schema (alembic).")
+app.add_typer(db_app, name="db")
+DbUrlOpt = Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")]
+
+
+@db_app.command("upgrade")
+def db_upgrade(revision: Annotated[str, typer.Argument()] = "head", database_url: DbUrlOpt = None) -> None:
+    """Apply migrations up to REVISION (default: head)."""
+    _run_migration("upgrade", revision, database_url)
+
+
+@db_app.command("downgrade")
+def db_downgrade(revision: Annotated[str, typer.Argument(help="target revision, e.g. -1 or base")],
+                 database_url: DbUrlOpt = None) -> None:
+    """Revert migrations down to REVISION."""
+    _run_migration("downgrade", revision, database_url)
+
+
+def _run_migration(direction: str, revision: str, database_url: str | None) -> None:
+    from alembic.util import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from gateway.storage import migrate
+
+    url = _gateway_settings(None, database_url).database_url
+    try:
+        getattr(migrate, direction)(url, revision)
+    except (CommandError, SQLAlchemyError, OSError, ImportError) as exc:
+        raise _fail(f"db {direction} failed: {exc}") from exc
+    typer.echo(f"database at revision {revision} ({direction})")
+
+
 @app.command("prepare-model")
 def prepare_model() -> None:
     """Convert the default model once (happens automatically on first `engine` start)."""
