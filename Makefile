@@ -25,7 +25,7 @@ run: install
 	$(BIN)/kvrelay up --host $(HOST) --port $(PORT)
 
 test: install
-	$(BIN)/python -m pytest $(PYTEST_ARGS) tests
+	scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) tests
 
 bench: install
 	$(BIN)/kvrelay bench engine --json bench-engine.json
