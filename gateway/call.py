@@ -107,7 +107,7 @@ class ProxiedCall:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
-        self.record.model = model
+        self.record.model = model[:256]
         if self.endpoint.endswith("chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -228,11 +228,11 @@ class ProxiedCall:
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):
             return
-        self.record.prompt_tokens = usage.get("prompt_tokens")
-        self.record.completion_tokens = usage.get("completion_tokens")
+        self.record.prompt_tokens = _count(usage.get("prompt_tokens"))
+        self.record.completion_tokens = _count(usage.get("completion_tokens"))
         details = usage.get("prompt_tokens_details")
         if isinstance(details, dict):
-            self.record.cached_tokens = details.get("cached_tokens")
+            self.record.cached_tokens = _count(details.get("cached_tokens"))
 
     def _observe_upstream(self, dispatch: Dispatch) -> None:
         self.state.metrics.upstream_latency.labels(dispatch.upstream.url).observe(time.perf_counter() - dispatch.sent_at)
@@ -256,6 +256,11 @@ class ProxiedCall:
             if isinstance(value, int):
                 metrics.tokens.labels(kind).inc(value)
         self.state.writer.submit(rec)
+
+
+def _count(value: Any) -> int | None:
+    """A token count from an upstream's usage, or None if it is not a sane integer."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else None
 
 
 def _sse_error(message: str, type_: str, code: str) -> bytes:

@@ -95,7 +95,7 @@ class UpstreamClient:
             # The engine may be working on it: a retry could run the generation twice.
             upstream.record_failure(time.monotonic())
             raise UpstreamTimeoutError(f"{upstream.url} sent no response within "
-                                       f"{self.settings.timeouts.first_byte_s:.0f}s") from exc
+                                       f"{self.settings.timeouts.first_byte_s:g}s") from exc
 
     # -- health --------------------------------------------------------------------------
     async def check_health(self) -> None:
@@ -115,8 +115,8 @@ class UpstreamClient:
             logger.info("upstream %s is healthy again", upstream.url)
         if not ok and upstream.healthy:
             logger.warning("upstream %s failed its health check", upstream.url)
-        if ok:
-            upstream.record_success()
+        # A passing health check does not close the breaker: an upstream can answer /health
+        # and still fail every completion. Only a successful request resets it.
         upstream.healthy = ok
 
     async def health_loop(self) -> None:

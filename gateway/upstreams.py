@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from gateway.settings import Breaker
 
 _MAX_SESSIONS = 100_000
+_MIN_GUARDED_LOAD = 4  # below this many in-flight requests a session never leaves its upstream
 
 
 @dataclass
@@ -27,7 +28,8 @@ class Upstream:
     models: frozenset[str] = field(default_factory=frozenset)
 
     def available(self, now: float) -> bool:
-        """Healthy and the breaker is closed or half-open (cooldown over)."""
+        """Healthy and the breaker closed, or its cooldown over (then the next failure
+        re-opens it at once, since the failure count is only reset by a success)."""
         return self.healthy and now >= self.open_until
 
     def record_success(self) -> None:
@@ -69,10 +71,13 @@ class UpstreamPool:
         return [home] + [u for u in by_load if u is not home]
 
     def _overloaded(self, upstream: Upstream, usable: list[Upstream]) -> bool:
-        if len(usable) < 2:
+        """More than load_guard_factor x the mean load of the *other* upstreams (the home
+        one must not dilute its own mean), and busy enough that moving is worth a cache miss."""
+        others = [u for u in usable if u is not upstream]
+        if not others or upstream.in_flight < _MIN_GUARDED_LOAD:
             return False
-        mean = sum(u.in_flight for u in usable) / len(usable)
-        return upstream.in_flight > max(1.0, self.load_guard_factor * mean)
+        mean_others = sum(u.in_flight for u in others) / len(others)
+        return upstream.in_flight > self.load_guard_factor * mean_others
 
     def knows_no(self, model: str) -> bool:
         """True when every upstream has listed its models and none lists this one."""

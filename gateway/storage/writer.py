@@ -13,7 +13,7 @@ import logging
 from dataclasses import asdict, dataclass
 from datetime import datetime
 
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.models import AgentRow, RequestRow, SessionRow
@@ -62,11 +62,13 @@ class RecordWriter:
         self.num_written = 0
         self.num_dropped = 0
         self.num_write_errors = 0
+        self.num_rejected = 0
 
     def submit(self, record: RequestRecord) -> None:
         """Never blocks the request path; on overflow the oldest record is dropped."""
         if self._queue.full():
             self._queue.get_nowait()
+            self._queue.task_done()
             self.num_dropped += 1
             logger.error("record queue full; dropped the oldest request record")
         self._queue.put_nowait(record)
@@ -108,11 +110,27 @@ class RecordWriter:
                 await self._write(batch)
                 self.num_written += len(batch)
                 return
+            except (DataError, IntegrityError, ProgrammingError) as exc:
+                # Not an outage: some row can never be written. Write the rest one by one
+                # so one bad row cannot wedge every later record.
+                logger.error("a batch of %d records was rejected (%s); writing them one by one",
+                             len(batch), type(exc).__name__)
+                await self._write_one_by_one(batch)
+                return
             except (SQLAlchemyError, OSError) as exc:
                 self.num_write_errors += 1
                 logger.warning("writing %d records failed (%s); retrying in %.1fs", len(batch), type(exc).__name__, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
+
+    async def _write_one_by_one(self, batch: list[RequestRecord]) -> None:
+        for record in batch:
+            try:
+                await self._write([record])
+                self.num_written += 1
+            except (DataError, IntegrityError, ProgrammingError) as exc:
+                self.num_rejected += 1
+                logger.error("request record %s rejected by the database: %s", record.id, type(exc).__name__)
 
     async def _write(self, batch: list[RequestRecord]) -> None:
         insert = _dialect_insert(self._engine.dialect.name)

@@ -1,0 +1,97 @@
+"""Fixtures for the gateway tests: fake upstreams and gateways on loopback ports."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from gateway import GatewaySettings, create_app
+from gateway.call import GatewayState
+from gateway.settings import Timeouts
+from tests.gateway.support import Behaviour, FakeUpstream, LoopbackServer, stop_all, wait_rows
+
+FAST_TIMEOUTS = Timeouts(connect_s=1.0, first_byte_s=5.0, idle_s=5.0, total_s=30.0)
+
+
+@dataclass
+class Gateway:
+    url: str
+    app: FastAPI
+    db_path: Path
+    server: LoopbackServer
+
+    @property
+    def v1(self) -> str:
+        return self.url + "/v1"
+
+    @property
+    def state(self) -> GatewayState:
+        return self.app.state.gateway
+
+    @property
+    def pool(self):
+        return self.state.upstreams.pool
+
+    def rows(self, n: int, timeout: float = 5.0, settle: float = 0.05):
+        return wait_rows(self.db_path, n, timeout, settle)
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 30), **kw)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No KVRELAY_* variable from the outer environment leaks into GatewaySettings."""
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("KVRELAY_"):
+            monkeypatch.delenv(name)
+    return monkeypatch
+
+
+@pytest.fixture
+def _servers() -> Iterator[list[LoopbackServer]]:
+    """Every server a test started, stopped together at its end."""
+    servers: list[LoopbackServer] = []
+    yield servers
+    stop_all(servers)
+
+
+@pytest.fixture
+def fake_upstream(_servers) -> Callable[..., FakeUpstream]:
+    """Factory: fake_upstream(**Behaviour fields) -> a running FakeUpstream."""
+
+    def start(**behaviour: Any) -> FakeUpstream:
+        fake = FakeUpstream(Behaviour(**behaviour))
+        _servers.append(fake.server)
+        return fake
+
+    return start
+
+
+@pytest.fixture
+def start_gateway(tmp_path, clean_env, _servers) -> Callable[..., Gateway]:
+    """Factory: start_gateway([upstream urls], **GatewaySettings fields) -> a running Gateway
+    with its own SQLite file, a 0.2 s health loop and short timeouts unless overridden."""
+    counter = itertools.count()
+
+    def start(upstreams: list[str], **settings: Any) -> Gateway:
+        db_path = tmp_path / f"gateway-{next(counter)}.sqlite"
+        settings.setdefault("health_interval_s", 0.2)
+        settings.setdefault("timeouts", FAST_TIMEOUTS)
+        config = GatewaySettings(upstreams=upstreams, database_url=f"sqlite+aiosqlite:///{db_path}", **settings)
+        app = create_app(config)
+        server = LoopbackServer(app)
+        _servers.append(server)
+        return Gateway(server.url, app, db_path, server)
+
+    return start
+
