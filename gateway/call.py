@@ -60,6 +60,7 @@ class ProxiedCall:
     async def run(self) -> Response:
         self.state.metrics.in_flight.inc()
         stack = AsyncExitStack()
+        handed_to_relay = False  # once the relay owns the upstream response, it records the call
         try:
             body = self._parse(await self._read_body())
             payload = self._prepare(body)
@@ -73,7 +74,7 @@ class ProxiedCall:
                 return await self._upstream_error(dispatch)
             if self.record.stream:
                 relay = self._relay(dispatch, stack)
-                stack = AsyncExitStack()  # the relay owns the upstream response now
+                stack, handed_to_relay = AsyncExitStack(), True
                 return StreamingResponse(relay, media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return await self._unary(dispatch)
@@ -81,7 +82,7 @@ class ProxiedCall:
             return self._fail(exc)
         finally:
             await stack.aclose()
-            if not self.record.stream or self.record.upstream is None or self.record.status != "ok":
+            if not handed_to_relay:
                 self._finish()
 
     async def _read_body(self) -> bytes:
