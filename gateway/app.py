@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -19,6 +20,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
 from gateway.storage.writer import RecordWriter
+from gateway.tracing import build_tracer_provider, tracer_from
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
 from kvrelay.openai_errors import error_response, install_request_error_handlers
@@ -26,8 +28,13 @@ from kvrelay.openai_errors import error_response, install_request_error_handlers
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(settings: GatewaySettings | None = None, *, tracer_provider: TracerProvider | None = None) -> FastAPI:
+    """The gateway. Spans go to `tracer_provider` when given (tests pass an in-memory one),
+    else to the exporters the OTEL_* variables name; the app shuts down only a provider
+    it built."""
     settings = settings or GatewaySettings()
+    owned_provider = build_tracer_provider() if tracer_provider is None else None
+    provider = tracer_provider or owned_provider
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -40,7 +47,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
-        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics())
+        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider))
         app.state.db = db
         try:
             yield
@@ -51,6 +58,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
             await writer.close()
             await http.aclose()
             await db.dispose()
+            if owned_provider is not None:
+                owned_provider.shutdown()  # flushes the batch of spans not yet exported
 
     app = FastAPI(title="kvrelay gateway", lifespan=lifespan)
     install_request_error_handlers(app)

@@ -19,13 +19,15 @@ from typing import Any
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from opentelemetry.trace import Tracer
 
 from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
 from gateway.identity import identify
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.sse import inspect, split_events
+from gateway.sse import finish_reasons_of, inspect, split_events
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
+from gateway.tracing import describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.openai_errors import error_body, error_response
 
@@ -39,6 +41,7 @@ class GatewayState:
     upstreams: UpstreamClient
     writer: RecordWriter
     metrics: GatewayMetrics
+    tracer: Tracer
 
 
 class ProxiedCall:
@@ -55,6 +58,8 @@ class ProxiedCall:
         )
         self.strip_usage = False
         self._completion: list[str] = []
+        self._finish_reasons: list[str] = []
+        self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
     async def run(self) -> Response:
@@ -109,6 +114,7 @@ class ProxiedCall:
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
         self.record.model = model[:256]
+        describe_request(self.span, self.endpoint, body, self.record.model)
         if self.endpoint.endswith("chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
@@ -140,7 +146,10 @@ class ProxiedCall:
         return json.dumps(body, separators=(",", ":")).encode()
 
     def _headers(self) -> dict[str, str]:
-        return {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
+        """Content headers, and the trace context: the client's, continued by our span."""
+        headers = {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
+        headers.update(trace_headers(self.span))
+        return headers
 
     # -- answers ----------------------------------------------------------------------------
     async def _unary(self, dispatch: Dispatch) -> Response:
@@ -152,7 +161,11 @@ class ProxiedCall:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
             self._take_usage(parsed.get("usage"))
-            for choice in parsed.get("choices") or []:
+            choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
+            self._finish_reasons.extend(finish_reasons_of(choices))
+            for choice in choices:
+                if not isinstance(choice, dict):
+                    continue
                 message = choice.get("message") or {}
                 text = message.get("content") if isinstance(message, dict) else None
                 self._completion.append(text if isinstance(text, str) else choice.get("text") or "")
@@ -190,6 +203,7 @@ class ProxiedCall:
                     if info.has_content and self.record.first_token_at is None:
                         self._mark_first_token()
                     self._completion.append(info.text)
+                    self._finish_reasons.extend(info.finish_reasons)
                     if info.usage is not None:
                         self._take_usage(info.usage)
                     if info.error is not None:
@@ -256,6 +270,7 @@ class ProxiedCall:
                             ("cached", rec.cached_tokens)):
             if isinstance(value, int):
                 metrics.tokens.labels(kind).inc(value)
+        end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 
 

@@ -19,9 +19,10 @@ class EventInfo(NamedTuple):
     usage: dict[str, Any] | None
     is_usage_only: bool  # the include_usage chunk: no choices, just usage
     error: dict[str, Any] | None
+    finish_reasons: tuple[str, ...]
 
 
-_NOTHING = EventInfo(False, "", None, False, None)
+_NOTHING = EventInfo(False, "", None, False, None, ())
 
 
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
@@ -51,7 +52,13 @@ def inspect(event: bytes) -> EventInfo:
     text = "".join(_choice_text(c) for c in choices)
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
     error = body.get("error") if isinstance(body.get("error"), dict) else None
-    return EventInfo(has_content, text, usage, usage is not None and not choices, error)
+    finish_reasons = finish_reasons_of(choices)
+    return EventInfo(has_content, text, usage, usage is not None and not choices, error, finish_reasons)
+
+
+def finish_reasons_of(choices: list[Any]) -> tuple[str, ...]:
+    """The finish_reason of each choice that has one (the last chunk of a stream, or a unary body)."""
+    return tuple(r for c in choices if isinstance(c, dict) and isinstance(r := c.get("finish_reason"), str))
 
 
 def _choice_has_content(choice: dict[str, Any]) -> bool:

@@ -51,6 +51,16 @@ def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
         raise _fail(str(exc).replace("\n", "; ")) from exc
 
 
+def _build_gateway_app(settings):
+    from gateway import create_app
+    from gateway.tracing import TracingConfigError
+
+    try:
+        return create_app(settings)
+    except TracingConfigError as exc:
+        raise _fail(str(exc)) from exc
+
+
 ModelOpt = Annotated[Optional[str], typer.Option(help="HF-format model directory (default: SmolLM2-135M-Instruct, prepared on first use)")]
 ServedNameOpt = Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")]
 KvOpt = Annotated[int, typer.Option(min=1, help="KV cache budget in MiB (stands for GPU memory)")]
@@ -101,12 +111,11 @@ def gateway(
     """Run the OpenAI gateway alone, in front of already running engines."""
     import uvicorn
 
-    from gateway import create_app
-
     _setup_logging(log_level)
     settings = _gateway_settings(upstream, database_url)
+    gateway_app = _build_gateway_app(settings)
     typer.echo(f"kvrelay gateway: upstreams {', '.join(settings.upstreams)}; base_url=http://{host}:{port}/v1")
-    uvicorn.run(create_app(settings), host=host, port=port, log_level=log_level)
+    uvicorn.run(gateway_app, host=host, port=port, log_level=log_level)
 
 
 @app.command()
@@ -128,14 +137,14 @@ def up(
 
     from engine_ext.async_engine import AsyncEngine
     from engine_ext.server import create_app as create_engine_app
-    from gateway import create_app as create_gateway_app
 
     _setup_logging(log_level)
     llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32")
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
+    gateway_app = _build_gateway_app(settings)
     engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
-    gateway_server = uvicorn.Server(uvicorn.Config(create_gateway_app(settings), host=host, port=port,
+    gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
                                                    log_level=log_level))
 
     async def serve_both() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from opentelemetry.sdk.trace import TracerProvider
 
 from gateway import GatewaySettings, create_app
 from gateway.call import GatewayState
@@ -48,11 +49,11 @@ class Gateway:
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    """No KVRELAY_* variable from the outer environment leaks into GatewaySettings."""
+    """No KVRELAY_* or OTEL_* variable from the outer environment leaks into a gateway."""
     import os
 
     for name in list(os.environ):
-        if name.startswith("KVRELAY_"):
+        if name.startswith(("KVRELAY_", "OTEL_")):
             monkeypatch.delenv(name)
     return monkeypatch
 
@@ -83,12 +84,12 @@ def start_gateway(tmp_path, clean_env, _servers) -> Callable[..., Gateway]:
     with its own SQLite file, a 0.2 s health loop and short timeouts unless overridden."""
     counter = itertools.count()
 
-    def start(upstreams: list[str], **settings: Any) -> Gateway:
+    def start(upstreams: list[str], *, tracer_provider: TracerProvider | None = None, **settings: Any) -> Gateway:
         db_path = tmp_path / f"gateway-{next(counter)}.sqlite"
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("timeouts", FAST_TIMEOUTS)
         config = GatewaySettings(upstreams=upstreams, database_url=f"sqlite+aiosqlite:///{db_path}", **settings)
-        app = create_app(config)
+        app = create_app(config, tracer_provider=tracer_provider)
         server = LoopbackServer(app)
         _servers.append(server)
         return Gateway(server.url, app, db_path, server)

@@ -1,0 +1,146 @@
+"""OpenTelemetry: one GenAI span per proxied call, exporters chosen by the OTEL_* variables.
+
+The tracer provider belongs to the app (never the process-global one), so two gateways
+in one process, or a test with an in-memory exporter, do not share spans. Exporters:
+
+- OTEL_TRACES_EXPORTER: comma list of `otlp`, `console`, `none`. Unset means `otlp` when
+  an OTLP endpoint is configured (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT) and `none`
+  otherwise, so a gateway without a collector does not log export failures forever.
+- OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL: `http/protobuf` (default) or `grpc`.
+- OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES name the resource; the OTLP exporters
+  read their endpoint, headers and timeout from the standard variables themselves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from gateway.storage.writer import RequestRecord
+
+_PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
+_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
+_REQUEST_PARAMS = {  # body field -> GenAI attribute
+    "max_tokens": "gen_ai.request.max_tokens",
+    "max_completion_tokens": "gen_ai.request.max_tokens",
+    "temperature": "gen_ai.request.temperature",
+    "top_p": "gen_ai.request.top_p",
+    "seed": "gen_ai.request.seed",
+}
+
+
+class TracingConfigError(ValueError):
+    """An OTEL_* variable names something the gateway cannot export to."""
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+        return HttpExporter()
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        return GrpcExporter()
+    raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use http/protobuf or grpc")
+
+
+_EXPORTERS: dict[str, Callable[[Mapping[str, str]], SpanExporter]] = {
+    "otlp": _otlp_exporter,
+    "console": lambda env: ConsoleSpanExporter(),
+}
+
+
+def build_tracer_provider(env: Mapping[str, str] | None = None) -> TracerProvider | None:
+    """The provider the OTEL_* variables ask for, or None when nothing is exported."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return None
+    names = env.get("OTEL_TRACES_EXPORTER")
+    if names is None:
+        has_endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        names = "otlp" if has_endpoint else "none"
+    exporters = []
+    for name in (n.strip() for n in names.split(",")):
+        if name in ("", "none"):
+            continue
+        if name not in _EXPORTERS:
+            raise TracingConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (use otlp, console or none)")
+        exporters.append(_EXPORTERS[name](env))
+    if not exporters:
+        return None
+    provider = TracerProvider(resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvrelay-gateway")}))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def tracer_from(provider: TracerProvider | None) -> Tracer:
+    return provider.get_tracer("kvrelay.gateway") if provider is not None else NoOpTracer()
+
+
+def start_call_span(tracer: Tracer, endpoint: str, client_headers: Mapping[str, str]) -> Span:
+    """The call's span, a child of the client's trace when it sent a traceparent."""
+    operation = _OPERATIONS.get(endpoint, "chat")
+    parent: Context = _PROPAGATOR.extract(client_headers)
+    span = tracer.start_span(operation, context=parent, kind=SpanKind.CLIENT)
+    if span.is_recording():
+        span.set_attribute("gen_ai.operation.name", operation)
+        span.set_attribute("gen_ai.provider.name", "kvrelay")
+    return span
+
+
+def describe_request(span: Span, endpoint: str, body: Mapping[str, Any], model: str) -> None:
+    """Name the span `{operation} {model}` and note the sampling parameters asked for."""
+    if not span.is_recording():
+        return
+    span.update_name(f"{_OPERATIONS.get(endpoint, 'chat')} {model}")
+    span.set_attribute("gen_ai.request.model", model)
+    for field, attribute in _REQUEST_PARAMS.items():
+        value = body.get(field)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            span.set_attribute(attribute, value)
+
+
+def trace_headers(span: Span) -> dict[str, str]:
+    """traceparent/tracestate that make the upstream's work a child of this span."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
+    return carrier
+
+
+def end_call_span(span: Span, record: RequestRecord, finish_reasons: list[str]) -> None:
+    """Everything the record knows, as GenAI and kvrelay.* attributes; then end the span."""
+    if span.is_recording():
+        attributes: dict[str, Any] = {
+            "gen_ai.conversation.id": record.session_id,
+            "gen_ai.agent.id": record.agent_id,
+            "gen_ai.usage.input_tokens": record.prompt_tokens,
+            "gen_ai.usage.output_tokens": record.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": record.cached_tokens,
+            "gen_ai.response.time_to_first_chunk": record.ttft_ms / 1e3 if record.ttft_ms is not None else None,
+            "gen_ai.response.finish_reasons": finish_reasons or None,
+            "http.response.status_code": record.http_status,
+            "kvrelay.request.id": record.id,
+            "kvrelay.stream": record.stream,
+            "kvrelay.status": record.status,
+            "kvrelay.upstream": record.upstream,
+            "kvrelay.prompt.sha256": record.prompt_sha256,
+        }
+        if record.upstream is not None:
+            url = urlsplit(record.upstream)
+            attributes["server.address"] = url.hostname
+            attributes["server.port"] = url.port or (443 if url.scheme == "https" else 80)
+        if record.status != "ok":
+            attributes["error.type"] = record.error_type or record.status
+            span.set_status(Status(StatusCode.ERROR, record.error_type or record.status))
+        span.set_attributes({k: v for k, v in attributes.items() if v is not None})
+    span.end()
