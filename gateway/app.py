@@ -13,8 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from gateway.admin import install_admin
+from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -42,19 +44,22 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         db = create_async_engine(settings.database_url, pool_pre_ping=True)
         writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size)
         writer.start()
+        access = await build_access(settings, db)
+        key_refresh = asyncio.create_task(access.refresh_loop(), name="kvrelay-key-refresh")
         http = build_http_client(settings)
         pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor)
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
-        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider))
+        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access)
         app.state.db = db
         try:
             yield
         finally:
-            health.cancel()
-            with suppress(asyncio.CancelledError):
-                await health
+            for task in (health, key_refresh):
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
             await writer.close()
             await http.aclose()
             await db.dispose()
@@ -63,6 +68,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
 
     app = FastAPI(title="kvrelay gateway", lifespan=lifespan)
     install_request_error_handlers(app)
+    install_admin(app)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, state: State) -> Response:
@@ -98,6 +104,15 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+async def build_access(settings: GatewaySettings, db: AsyncEngine) -> AccessControl:
+    """Key checks and rate limits; the tokenizer for estimates loads only when keys are required."""
+    estimator = await asyncio.to_thread(TokenEstimator) if settings.require_api_key else None
+    limiter = RateLimiter(settings.default_requests_per_minute, settings.default_tokens_per_minute)
+    access = AccessControl(KeyStore(db), settings.require_api_key, limiter, settings.key_refresh_s, estimator)
+    await access.refresh()
+    return access
 
 
 def get_state(request: Request) -> GatewayState:

@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry.trace import Tracer
 
+from gateway.auth import AccessControl, Charge
 from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
 from gateway.identity import identify
 from gateway.metrics import GatewayMetrics
@@ -42,6 +43,7 @@ class GatewayState:
     writer: RecordWriter
     metrics: GatewayMetrics
     tracer: Tracer
+    access: AccessControl
 
 
 class ProxiedCall:
@@ -59,6 +61,7 @@ class ProxiedCall:
         self.strip_usage = False
         self._completion: list[str] = []
         self._finish_reasons: list[str] = []
+        self._charge: Charge | None = None
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -67,7 +70,10 @@ class ProxiedCall:
         stack = AsyncExitStack()
         handed_to_relay = False  # once the relay owns the upstream response, it records the call
         try:
+            key = self.state.access.authenticate(self.request.headers)
+            self.record.api_key_id = key.id if key is not None else None
             body = self._parse(await self._read_body())
+            self._charge = self.state.access.admit(key, body)
             payload = self._prepare(body)
             ident = identify(self.request.headers, body)
             self.record.session_id, self.record.agent_id = ident.session_id, ident.agent_id
@@ -149,6 +155,8 @@ class ProxiedCall:
         """Content headers, and the trace context: the client's, continued by our span."""
         headers = {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
         headers.update(trace_headers(self.span))
+        if (upstream_key := self.state.settings.upstream_api_key) is not None:
+            headers["authorization"] = f"Bearer {upstream_key.get_secret_value()}"
         return headers
 
     # -- answers ----------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class ProxiedCall:
     def _fail(self, exc: GatewayError) -> Response:
         self.record.status, self.record.http_status = exc.record_status, exc.status
         self.record.error_type = type(exc).__name__
-        return error_response(exc.status, str(exc), exc.type_, exc.param, exc.code)
+        return error_response(exc.status, str(exc), exc.type_, exc.param, exc.code, exc.headers)
 
     def _mark_first_token(self) -> None:
         elapsed = time.perf_counter() - self.received
@@ -270,6 +278,7 @@ class ProxiedCall:
                             ("cached", rec.cached_tokens)):
             if isinstance(value, int):
                 metrics.tokens.labels(kind).inc(value)
+        self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 

@@ -9,9 +9,10 @@ class GatewayError(Exception):
     code: str | None = None
     record_status: str = "error"
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.param = param
+        self.headers = headers  # extra response headers, e.g. Retry-After
 
 
 class BadRequestError(GatewayError):
@@ -40,3 +41,11 @@ class UpstreamFailedError(GatewayError):
 
 class UpstreamTimeoutError(GatewayError):
     status, type_, code, record_status = 504, "timeout", "upstream_timeout", "timeout"
+
+
+class AuthenticationError(GatewayError):
+    status, type_, code, record_status = 401, "invalid_request_error", "invalid_api_key", "client_error"
+
+
+class RateLimitedError(GatewayError):
+    status, type_, code, record_status = 429, "rate_limit_error", "rate_limit_exceeded", "rate_limited"

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveInt = Annotated[int, Field(ge=1)]
 
 
 class Timeouts(BaseModel):
@@ -46,6 +47,20 @@ class GatewaySettings(BaseSettings):
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000
     record_batch_size: Annotated[int, Field(ge=1)] = 256
+    # access: client keys are created with `kvrelay keys create` or POST /admin/keys
+    require_api_key: bool = False
+    admin_key: SecretStr | None = None  # enables /admin; compared in constant time
+    key_refresh_s: PositiveFloat = 5.0  # a key revoked elsewhere stops working within this
+    default_requests_per_minute: PositiveInt | None = None  # for keys without their own limit
+    default_tokens_per_minute: PositiveInt | None = None
+    upstream_api_key: SecretStr | None = None  # sent to the upstreams as a bearer token
+
+    @field_validator("admin_key")
+    @classmethod
+    def _admin_key_length(cls, key: SecretStr | None) -> SecretStr | None:
+        if key is not None and len(key.get_secret_value()) < 16:
+            raise ValueError("admin_key must be at least 16 characters")
+        return key
 
     @field_validator("upstreams")
     @classmethod

@@ -198,6 +198,66 @@ def _run_migration(direction: str, revision: str, database_url: str | None) -> N
     typer.echo(f"database at revision {revision} ({direction})")
 
 
+keys_app = typer.Typer(help="Client API keys (stored hashed; the secret is shown once).")
+app.add_typer(keys_app, name="keys")
+LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="per-minute limit (default: the gateway's default, if any)")]
+
+
+@keys_app.command("create")
+def keys_create(name: Annotated[str, typer.Argument(help="who the key is for")], rpm: LimitOpt = None,
+                tpm: LimitOpt = None, database_url: DbUrlOpt = None) -> None:
+    """Create a key with optional requests/min (--rpm) and tokens/min (--tpm) limits."""
+    created = _with_keys(database_url, lambda store: store.create(name, rpm, tpm))
+    typer.echo(f"{created.info.id}  {created.secret}")
+    typer.echo("store the key now: kvrelay keeps only its hash", err=True)
+
+
+@keys_app.command("list")
+def keys_list(database_url: DbUrlOpt = None) -> None:
+    """List keys: id, name, prefix, limits, state."""
+    for key in _with_keys(database_url, lambda store: store.list()):
+        state = f"revoked {key.revoked_at:%Y-%m-%d %H:%M}" if key.revoked_at else "active"
+        limits = f"rpm={key.requests_per_minute or '-'} tpm={key.tokens_per_minute or '-'}"
+        typer.echo(f"{key.id}  {key.prefix}...  {limits}  {state}  {key.name}")
+
+
+@keys_app.command("revoke")
+def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (see `kvrelay keys list`)")],
+                database_url: DbUrlOpt = None) -> None:
+    """Revoke a key; running gateways stop accepting it within key_refresh_s."""
+    key = _with_keys(database_url, lambda store: store.revoke(key_id))
+    typer.echo(f"{key.id} revoked")
+
+
+def _with_keys(database_url: str | None, action):
+    """Run `action(KeyStore)` against the (migrated) database; one-line errors."""
+    import asyncio
+
+    from alembic.util import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from gateway.auth import KeyNotFoundError, KeyStore
+    from gateway.storage import migrate
+
+    url = _gateway_settings(None, database_url).database_url
+
+    async def run():
+        engine = create_async_engine(url)
+        try:
+            return await action(KeyStore(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        migrate.upgrade(url)
+        return asyncio.run(run())
+    except (KeyNotFoundError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
+    except (CommandError, SQLAlchemyError, OSError) as exc:
+        raise _fail(f"database {url.split('@')[-1]}: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+
+
 @app.command("prepare-model")
 def prepare_model() -> None:
     """Convert the default model once (happens automatically on first `engine` start)."""

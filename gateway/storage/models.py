@@ -58,3 +58,19 @@ class RequestRow(Base):
     completion_chars: Mapped[int | None] = mapped_column(Integer)
     prompt_text: Mapped[str | None] = mapped_column(Text)
     completion_text: Mapped[str | None] = mapped_column(Text)
+    api_key_id: Mapped[str | None] = mapped_column(String(32), index=True)
+
+
+class ApiKeyRow(Base):
+    """A client API key. Only its sha256 is stored: the secret is shown once, at creation."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to recognise it
+    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    requests_per_minute: Mapped[int | None] = mapped_column(Integer)
+    tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -29,7 +29,7 @@ class RequestRecord:
     started_at: datetime
     finished_at: datetime
     latency_ms: float
-    status: str  # ok | client_error | upstream_error | timeout | cancelled | unavailable
+    status: str  # ok | client_error | rate_limited | upstream_error | timeout | cancelled | unavailable
     http_status: int
     prompt_sha256: str
     prompt_chars: int
@@ -47,6 +47,7 @@ class RequestRecord:
     completion_chars: int | None = None
     prompt_text: str | None = None
     completion_text: str | None = None
+    api_key_id: str | None = None
 
 
 def sha256_text(text: str) -> str:

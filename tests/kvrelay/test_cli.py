@@ -42,3 +42,38 @@ def test_help_lists_the_commands():
     assert proc.returncode == 0
     for command in ("engine", "bench", "prepare-model"):
         assert command in proc.stdout
+
+
+def test_keys_create_list_revoke_round_trip(tmp_path):
+    db = ["--database-url", f"sqlite+aiosqlite:///{tmp_path / 'keys.sqlite'}"]
+    created = run_cli("keys", "create", "ci-bot", "--rpm", "60", *db)
+    assert created.returncode == 0, created.stderr
+    key_id, secret = created.stdout.split()
+    assert key_id.startswith("key_") and secret.startswith("kvr-")
+    listed = run_cli("keys", "list", *db).stdout
+    assert key_id in listed and "rpm=60" in listed and "active" in listed and secret not in listed
+    assert run_cli("keys", "revoke", key_id, *db).returncode == 0
+    assert "revoked" in run_cli("keys", "list", *db).stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("keys", "revoke", "key_nope"), "no API key with id 'key_nope'"),
+    (("keys", "create", " "), "a key needs a name"),
+    (("keys", "create", "x", "--tpm", "0"), "--tpm"),
+])
+def test_keys_bad_input_is_one_line(tmp_path, args, message):
+    proc = run_cli(*args, "--database-url", f"sqlite+aiosqlite:///{tmp_path / 'keys.sqlite'}")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvrelay: error: ") and message in lines[0], proc.stderr
+
+
+def test_gateway_refuses_an_unknown_trace_exporter_in_one_line(tmp_path):
+    import os
+
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "zipkin", "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/g.db"}
+    code = "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', 'gateway']; main()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [\
+        "kvrelay: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin' (use otlp, console or none)"]

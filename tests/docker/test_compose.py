@@ -1,0 +1,136 @@
+"""Static checks of the deployment files in docker/: no Docker engine needed.
+
+The compose file is validated against the compose specification's JSON schema (vendored
+by the check-jsonschema dev dependency); the paths it and the Dockerfiles name must exist;
+the collector pipeline, the gateway's OTEL endpoint and its KVRELAY_* settings must agree.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from functools import cache
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from gateway.settings import GatewaySettings
+
+REPO = Path(__file__).resolve().parents[2]
+DOCKER = REPO / "docker"
+_DEFAULT = re.compile(r"^\$\{(\w+):?-([^}]*)\}$")  # ${VAR:-default} / ${VAR-default}
+
+
+@cache
+def _yaml(name: str) -> dict[str, Any]:
+    return yaml.safe_load((DOCKER / name).read_text())
+
+
+def _compose() -> dict[str, Any]:
+    return copy.deepcopy(_yaml("docker-compose.yml"))
+
+
+def _schema_errors(document: dict[str, Any]) -> list[str]:
+    schema = json.loads(files("check_jsonschema.builtin_schemas.vendor").joinpath("compose-spec.json").read_text())
+    validator = jsonschema.validators.validator_for(schema)(schema)
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(document)]
+
+
+def _services() -> dict[str, dict[str, Any]]:
+    return _compose()["services"]
+
+
+def _environment(service: dict[str, Any]) -> dict[str, Any]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) if "=" in item else (item, None) for item in env)
+    return env
+
+
+def test_compose_file_matches_the_compose_spec() -> None:
+    errors = _schema_errors(_compose())
+    assert not errors, "docker-compose.yml violates the compose spec:\n" + "\n".join(errors)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda d: d["services"]["gateway"].__setitem__("ports", "not-a-list"),
+    lambda d: d.__setitem__("servicez", {}),
+], ids=["ports-not-a-list", "unknown-top-level-key"])
+def test_schema_validation_can_fail(mutate) -> None:
+    document = _compose()
+    mutate(document)
+    assert _schema_errors(document)
+
+
+def test_build_contexts_dockerfiles_and_bind_mounts_exist() -> None:
+    for name, service in _services().items():
+        if build := service.get("build"):
+            context = (DOCKER / (build if isinstance(build, str) else build.get("context", "."))).resolve()
+            assert context.is_dir(), f"{name}: build context {context} missing"
+            dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+            assert (context / dockerfile).is_file(), f"{name}: {dockerfile} not found in {context}"
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0] if isinstance(volume, str) else volume.get("source", "")
+            if source.startswith(("./", "../")):
+                assert (DOCKER / source).exists(), f"{name}: bind mount {source} missing"
+
+
+def _copy_sources(dockerfile: Path) -> list[str]:
+    sources = []
+    for line in dockerfile.read_text().splitlines():
+        words = line.split()
+        if words and words[0].upper() == "COPY":
+            args = [w for w in words[1:] if not w.startswith("--")]
+            sources += args[:-1]
+    return sources
+
+
+@pytest.mark.parametrize("dockerfile", sorted(DOCKER.glob("Dockerfile*")), ids=lambda p: p.name)
+def test_dockerfile_copy_sources_exist(dockerfile: Path) -> None:
+    sources = _copy_sources(dockerfile)
+    assert sources, f"{dockerfile.name} copies nothing"
+    missing = [s for s in sources if not (REPO / s).exists()]
+    assert not missing, f"{dockerfile.name} COPYs paths missing from the repo root: {missing}"
+
+
+def test_collector_pipeline_and_gateway_endpoint_agree() -> None:
+    collector = _yaml("otel-collector.yaml")
+    traces = collector["service"]["pipelines"]["traces"]
+    for section in ("receivers", "processors", "exporters"):
+        undefined = set(traces[section]) - set(collector.get(section) or {})
+        assert not undefined, f"traces pipeline names undefined {section}: {undefined}"
+    http_port = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
+    endpoint = _environment(_services()["gateway"])["OTEL_EXPORTER_OTLP_ENDPOINT"]
+    assert endpoint == f"http://otel-collector:{http_port}" and http_port == "4318"
+    hosts = {exp["endpoint"].split(":")[0] for exp in collector["exporters"].values() if "endpoint" in (exp or {})}
+    assert "jaeger" in hosts and "jaeger" in _services()
+
+
+def test_gateway_environment_names_real_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = _environment(_services()["gateway"])
+    keys = [k for k in env if k.startswith("KVRELAY_") and k != "KVRELAY_CONFIG"]
+    assert keys
+    unknown = [k for k in keys if k.removeprefix("KVRELAY_").lower() not in GatewaySettings.model_fields]
+    assert not unknown, f"gateway environment names no such setting: {unknown}"
+    # What the container sees with nothing set in the shell must make valid settings.
+    for key in [k for k in os.environ if k.startswith("KVRELAY_")]:
+        monkeypatch.delenv(key)
+    for key in keys:
+        value = env[key]
+        if value is None:  # no value: unset in the container when the shell lacks it
+            continue
+        match = _DEFAULT.match(str(value))
+        monkeypatch.setenv(key, match.group(2) if match else str(value))
+    settings = GatewaySettings()
+    assert settings.upstreams == ["http://engine:8000"]
+
+
+def test_only_vllm_is_behind_the_gpu_profile() -> None:
+    profiled = {name: s["profiles"] for name, s in _services().items() if "profiles" in s}
+    assert profiled == {"vllm": ["gpu"]}
