@@ -32,7 +32,9 @@ class Breaker(BaseModel):
 
 
 class GatewaySettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid")
+    # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
+    model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
+                                      env_ignore_empty=True)
 
     upstreams: Annotated[list[str], Field(min_length=1)] = ["http://127.0.0.1:8000"]
     database_url: str = "sqlite+aiosqlite:///kvrelay.db"

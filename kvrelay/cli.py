@@ -47,7 +47,10 @@ def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
         overrides["database_url"] = database_url
     try:
         return GatewaySettings(**overrides)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:  # field and reason only: input values may be secrets
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}" for e in exc.errors())
+        raise _fail(f"invalid gateway settings: {problems}") from exc
+    except ValueError as exc:
         raise _fail(str(exc).replace("\n", "; ")) from exc
 
 
@@ -164,6 +167,7 @@ def up(
 def _setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check is noise
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)
 
 
 db_app = typer.Typer(help="Database schema (alembic).")

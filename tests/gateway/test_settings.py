@@ -102,3 +102,15 @@ def test_bad_yaml_files(clean_env, tmp_path):
     empty.write_text("")
     clean_env.setenv("KVRELAY_CONFIG", str(empty))
     assert GatewaySettings().upstreams == ["http://127.0.0.1:8000"]
+
+
+def test_an_empty_variable_means_unset(clean_env):
+    clean_env.setenv("KVRELAY_ADMIN_KEY", "")
+    clean_env.setenv("KVRELAY_UPSTREAM_API_KEY", "")
+    settings = GatewaySettings()
+    assert settings.admin_key is None and settings.upstream_api_key is None
+
+
+def test_secrets_are_hidden_in_the_settings_repr(clean_env):
+    clean_env.setenv("KVRELAY_ADMIN_KEY", "a-long-admin-secret-value")
+    assert "a-long-admin-secret-value" not in repr(GatewaySettings())

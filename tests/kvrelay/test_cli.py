@@ -77,3 +77,14 @@ def test_gateway_refuses_an_unknown_trace_exporter_in_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [\
         "kvrelay: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin' (use otlp, console or none)"]
+
+
+def test_bad_gateway_settings_name_the_field_but_never_echo_the_value(tmp_path):
+    import os
+
+    env = {**os.environ, "KVRELAY_ADMIN_KEY": "short-secret", "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/g.db"}
+    code = "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', 'gateway']; main()"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "kvrelay: error: invalid gateway settings: admin_key: Value error, admin_key must be at least 16 characters"]
