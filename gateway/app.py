@@ -61,7 +61,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
                 with suppress(asyncio.CancelledError):
                     await task
             await writer.close()
-            await http.aclose()
+            await http.close()
             await db.dispose()
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes the batch of spans not yet exported

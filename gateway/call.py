@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry.trace import Tracer
@@ -81,7 +80,7 @@ class ProxiedCall:
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
                 self.endpoint, payload, self._headers(), self.record.model or "", ident.session_id))
             self.record.upstream = dispatch.upstream.url
-            if dispatch.response.status_code >= 400:
+            if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
             if self.record.stream:
                 relay = self._relay(dispatch, stack)
@@ -161,7 +160,7 @@ class ProxiedCall:
 
     # -- answers ----------------------------------------------------------------------------
     async def _unary(self, dispatch: Dispatch) -> Response:
-        content = await self._read_all(dispatch)
+        content = await dispatch.response.read()
         self._observe_upstream(dispatch)
         try:
             parsed = json.loads(content)
@@ -177,19 +176,11 @@ class ProxiedCall:
                 message = choice.get("message") or {}
                 text = message.get("content") if isinstance(message, dict) else None
                 self._completion.append(text if isinstance(text, str) else choice.get("text") or "")
-        return Response(content, status_code=dispatch.response.status_code, media_type="application/json")
-
-    async def _read_all(self, dispatch: Dispatch) -> bytes:
-        try:
-            return await dispatch.response.aread()
-        except httpx.TimeoutException as exc:
-            raise UpstreamTimeoutError(f"{dispatch.upstream.url} stalled mid-response") from exc
-        except httpx.TransportError as exc:
-            raise UpstreamFailedError(f"{dispatch.upstream.url} broke the connection: {type(exc).__name__}") from exc
+        return Response(content, status_code=dispatch.response.status, media_type="application/json")
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:
-        content = await self._read_all(dispatch)
-        status = dispatch.response.status_code
+        content = await dispatch.response.read()
+        status = dispatch.response.status
         if status < 500:  # the client's mistake, in the engine's own OpenAI error body
             self.record.status, self.record.http_status, self.record.error_type = "client_error", status, "upstream_4xx"
             return Response(content, status_code=status, media_type="application/json")
@@ -204,7 +195,7 @@ class ProxiedCall:
         pending = b""
         deadline = self.received + self.state.settings.timeouts.total_s
         try:
-            async for chunk in dispatch.response.aiter_raw():
+            async for chunk in dispatch.response.chunks():
                 events, pending = split_events(pending + chunk)
                 for event in events:
                     info = inspect(event)
@@ -222,10 +213,10 @@ class ProxiedCall:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
             if pending:
                 yield pending
-        except (httpx.TimeoutException, UpstreamTimeoutError) as exc:
+        except UpstreamTimeoutError as exc:
             self.record.status, self.record.http_status, self.record.error_type = "timeout", 504, type(exc).__name__
             yield _sse_error("the upstream stalled mid-stream", "timeout", "upstream_timeout")
-        except httpx.TransportError as exc:
+        except UpstreamFailedError as exc:
             self.record.status, self.record.http_status, self.record.error_type = "upstream_error", 502, type(exc).__name__
             yield _sse_error("the upstream broke the stream", "upstream_error", "upstream_failed")
         except BaseException:

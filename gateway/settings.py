@@ -40,8 +40,8 @@ class GatewaySettings(BaseSettings):
     database_url: str = "sqlite+aiosqlite:///kvrelay.db"
     store_content: bool = False  # prompt/completion text in the records: explicit opt-in
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20
-    max_connections: Annotated[int, Field(ge=1)] = 512
-    max_keepalive_connections: Annotated[int, Field(ge=0)] = 128
+    max_connections: Annotated[int, Field(ge=1)] = 512  # to all upstreams together
+    keepalive_s: PositiveFloat = 15.0  # an idle upstream connection is kept this long
     retries: Annotated[int, Field(ge=0, le=5)] = 2
     timeouts: Timeouts = Timeouts()
     breaker: Breaker = Breaker()

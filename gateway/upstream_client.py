@@ -3,6 +3,12 @@
 A request is retried (on another upstream when there is one) only on connection
 errors and 502/503, and only before any byte reached the client: those failures mean
 the upstream never started the work, so a retry cannot duplicate a generation.
+
+Why aiohttp and not httpx: with 64 streams in flight, httpx's connection pool rescans
+every pooled connection (a getpeername syscall each) on every request event; profiled
+under `kvrelay bench gateway`, that was over a third of the gateway's CPU. aiohttp's
+connector hands connections out without scanning. Its exceptions never leave this
+module: callers see the gateway's own errors.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
 
-import httpx
+import aiohttp
 
-from gateway.errors import ModelNotFoundError, NoUpstreamError, UpstreamTimeoutError, UpstreamUnreachableError
+from gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedError, UpstreamTimeoutError,
+                            UpstreamUnreachableError)
 from gateway.settings import GatewaySettings
 from gateway.upstreams import Upstream, UpstreamPool
 
@@ -24,23 +31,68 @@ logger = logging.getLogger(__name__)
 _RETRYABLE_STATUS = (502, 503)
 
 
+class UpstreamResponse:
+    """An upstream's answer, headers received. Its body is read through here, and a
+    stall or a broken connection comes out as UpstreamTimeoutError / UpstreamFailedError."""
+
+    def __init__(self, url: str, raw: aiohttp.ClientResponse, idle_s: float) -> None:
+        self._url = url
+        self._raw = raw
+        self._idle_s = idle_s
+        self.status = raw.status
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._idle_s):
+                return await self._raw.read()
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(f"{self._url} stalled mid-response") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the connection: {type(exc).__name__}") from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; no chunk may take longer than idle_s."""
+        content = self._raw.content
+        try:
+            while True:
+                async with asyncio.timeout(self._idle_s):
+                    chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(f"{self._url} stalled mid-stream") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the stream: {type(exc).__name__}") from exc
+
+    def close(self) -> None:
+        """Keep the connection for reuse when the body was read to the end; otherwise drop
+        it, which is also how a client's disconnect cancels the upstream's generation."""
+        if self._raw.content.at_eof():
+            self._raw.release()
+        else:
+            self._raw.close()
+
+
 class Dispatch(NamedTuple):
     upstream: Upstream
-    response: httpx.Response  # headers received; body not yet read
+    response: UpstreamResponse
     sent_at: float  # perf_counter when the request went out
 
 
-def build_http_client(settings: GatewaySettings) -> httpx.AsyncClient:
+def build_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
+    """One session for all upstreams; call inside the running event loop."""
     t = settings.timeouts
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=t.connect_s, read=t.idle_s, write=t.idle_s, pool=t.connect_s),
-        limits=httpx.Limits(max_connections=settings.max_connections,
-                            max_keepalive_connections=settings.max_keepalive_connections),
-    )
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0,
+                                     keepalive_timeout=settings.keepalive_s)
+    # Header and body timeouts are applied per call (first_byte_s, idle_s); these bound
+    # connecting and a stuck write.
+    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
 
 
 class UpstreamClient:
-    def __init__(self, http: httpx.AsyncClient, pool: UpstreamPool, settings: GatewaySettings) -> None:
+    def __init__(self, http: aiohttp.ClientSession, pool: UpstreamPool, settings: GatewaySettings) -> None:
         self.http = http
         self.pool = pool
         self.settings = settings
@@ -60,21 +112,21 @@ class UpstreamClient:
             upstream.in_flight += 1
             try:
                 response = await self._send(upstream, path, body, headers)
-            except httpx.TransportError as exc:  # connect errors and the like: never reached the engine
+            except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
                 upstream.in_flight -= 1
                 upstream.record_failure(time.monotonic())
-                last_error = f"{upstream.url}: {type(exc).__name__}"
+                last_error = f"{upstream.url}: connection failed ({type(exc).__name__})"
                 continue
             except BaseException:
                 upstream.in_flight -= 1
                 raise
-            if response.status_code in _RETRYABLE_STATUS:
-                await response.aclose()
+            if response.status in _RETRYABLE_STATUS:
+                response.close()
                 upstream.in_flight -= 1
                 upstream.record_failure(time.monotonic())
-                last_error = f"{upstream.url}: HTTP {response.status_code}"
+                last_error = f"{upstream.url}: HTTP {response.status}"
                 continue
-            if response.status_code >= 500:
+            if response.status >= 500:
                 upstream.record_failure(time.monotonic())
             else:
                 upstream.record_success()
@@ -82,34 +134,37 @@ class UpstreamClient:
                 yield Dispatch(upstream, response, time.perf_counter())
             finally:
                 upstream.in_flight -= 1
-                await response.aclose()
+                response.close()
             return
         raise UpstreamUnreachableError(f"no upstream accepted the request ({last_error})")
 
-    async def _send(self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
-        request = self.http.build_request("POST", upstream.url + path, content=body, headers=headers)
+    async def _send(self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        t = self.settings.timeouts
         try:
-            return await asyncio.wait_for(self.http.send(request, stream=True),
-                                          self.settings.timeouts.first_byte_s)
-        except (TimeoutError, httpx.ReadTimeout) as exc:
+            async with asyncio.timeout(t.first_byte_s):
+                raw = await self.http.post(upstream.url + path, data=body, headers=headers)
+        except TimeoutError as exc:
             # The engine may be working on it: a retry could run the generation twice.
             upstream.record_failure(time.monotonic())
             raise UpstreamTimeoutError(f"{upstream.url} sent no response within "
-                                       f"{self.settings.timeouts.first_byte_s:g}s") from exc
+                                       f"{t.first_byte_s:g}s") from exc
+        return UpstreamResponse(upstream.url, raw, t.idle_s)
 
     # -- health --------------------------------------------------------------------------
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(u) for u in self.pool.upstreams))
 
     async def _check(self, upstream: Upstream) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s)
         try:
-            health = await self.http.get(upstream.url + "/health", timeout=self.settings.timeouts.connect_s)
-            ok = health.status_code == 200
+            async with self.http.get(upstream.url + "/health", timeout=timeout) as health:
+                ok = health.status == 200
             if ok:
-                models = await self.http.get(upstream.url + "/v1/models", timeout=self.settings.timeouts.connect_s)
-                if models.status_code == 200:
-                    upstream.models = frozenset(m["id"] for m in models.json().get("data", []))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                async with self.http.get(upstream.url + "/v1/models", timeout=timeout) as models:
+                    if models.status == 200:
+                        listing = await models.json(content_type=None)
+                        upstream.models = frozenset(m["id"] for m in listing.get("data", []))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if ok and not upstream.healthy:
             logger.info("upstream %s is healthy again", upstream.url)

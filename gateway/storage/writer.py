@@ -59,6 +59,10 @@ class RecordWriter:
         self._engine = engine
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
         self._batch_size = batch_size
+        insert = _dialect_insert(engine.dialect.name)
+        self._insert_session = insert(SessionRow.__table__).on_conflict_do_nothing()
+        self._insert_agent = insert(AgentRow.__table__).on_conflict_do_nothing()
+        self._insert_request = insert(RequestRow.__table__).on_conflict_do_nothing()
         self._task: asyncio.Task[None] | None = None
         self.num_written = 0
         self.num_dropped = 0
@@ -134,17 +138,18 @@ class RecordWriter:
                 logger.error("request record %s rejected by the database: %s", record.id, type(exc).__name__)
 
     async def _write(self, batch: list[RequestRecord]) -> None:
-        insert = _dialect_insert(self._engine.dialect.name)
+        """One transaction per batch. Statements on the Core tables run as executemany:
+        compiled once and cached, where a multi-VALUES insert of ORM entities was
+        recompiled for every batch (profiled: most of the writer's CPU)."""
         sessions = {r.session_id: r.started_at for r in reversed(batch) if r.session_id}
         agents = {r.agent_id: (r.session_id, r.started_at) for r in reversed(batch) if r.agent_id}
         async with self._engine.begin() as conn:
             if sessions:
-                rows = [{"id": k, "first_seen": v} for k, v in sessions.items()]
-                await conn.execute(insert(SessionRow).values(rows).on_conflict_do_nothing())
+                await conn.execute(self._insert_session, [{"id": k, "first_seen": v} for k, v in sessions.items()])
             if agents:
-                rows = [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()]
-                await conn.execute(insert(AgentRow).values(rows).on_conflict_do_nothing())
-            await conn.execute(insert(RequestRow).values([asdict(r) for r in batch]).on_conflict_do_nothing())
+                await conn.execute(self._insert_agent,
+                                   [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()])
+            await conn.execute(self._insert_request, [asdict(r) for r in batch])
 
 
 def _dialect_insert(dialect: str):
