@@ -9,6 +9,7 @@ this process generates the load. Overhead is the difference of the latency perce
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import statistics
@@ -19,12 +20,15 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import aiohttp
 import httpx
 
 from benchmarks.common import BenchResult
 
 _ROUNDS = 4
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello"}], "stream": True}
+_BODY_BYTES = json.dumps(BODY).encode()
+_JSON = {"content-type": "application/json"}
 
 
 def _free_port() -> int:
@@ -60,16 +64,18 @@ async def _load(url: str, concurrency: int, num_requests: int) -> tuple[list[flo
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(i)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+    # aiohttp, not httpx: httpx's pool costs so much CPU at 64 connections that the load
+    # generator, not the server, would set the latency of both paths.
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
         async def worker() -> None:
             while not queue.empty():
                 queue.get_nowait()
                 start = time.perf_counter()
-                async with client.stream("POST", url, json=BODY) as response:
-                    if response.status_code != 200:
-                        raise RuntimeError(f"{url} answered {response.status_code}")
-                    async for _ in response.aiter_raw():
+                async with client.post(url, data=_BODY_BYTES, headers=_JSON) as response:
+                    if response.status != 200:
+                        raise RuntimeError(f"{url} answered {response.status}")
+                    async for _ in response.content.iter_any():
                         pass
                 latencies.append(time.perf_counter() - start)
 

@@ -197,6 +197,7 @@ class ProxiedCall:
         try:
             async for chunk in dispatch.response.chunks():
                 events, pending = split_events(pending + chunk)
+                forward = []  # the events of one read go out in one write
                 for event in events:
                     info = inspect(event)
                     if info.has_content and self.record.first_token_at is None:
@@ -208,7 +209,9 @@ class ProxiedCall:
                     if info.error is not None:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
                     if not (info.is_usage_only and self.strip_usage):
-                        yield event
+                        forward.append(event)
+                if forward:
+                    yield b"".join(forward)
                 if time.perf_counter() > deadline:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
             if pending:

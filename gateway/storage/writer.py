@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
@@ -149,7 +149,7 @@ class RecordWriter:
             if agents:
                 await conn.execute(self._insert_agent,
                                    [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()])
-            await conn.execute(self._insert_request, [asdict(r) for r in batch])
+            await conn.execute(self._insert_request, [vars(r) for r in batch])  # flat scalars: no deep copy
 
 
 def _dialect_insert(dialect: str):
