@@ -18,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from gateway.admin import install_admin
 from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
+from gateway.inference import Inference
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
@@ -51,7 +52,8 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
-        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access)
+        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access,
+                                         Inference(settings.inference))
         app.state.db = db
         try:
             yield

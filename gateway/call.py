@@ -22,16 +22,19 @@ from opentelemetry.trace import Tracer
 
 from gateway.auth import AccessControl, Charge
 from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
-from gateway.identity import identify
+from gateway.identity import Identity, identify
+from gateway.inference import Inference
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.sse import finish_reasons_of, inspect, split_events
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
-from gateway.tracing import describe_request, end_call_span, start_call_span, trace_headers
+from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
+from engine_ext.protocol import attach_plan
 from kvrelay.openai_errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
+REUSE_HEADER = "x-kvrelay-reuse"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 
 
@@ -43,6 +46,7 @@ class GatewayState:
     metrics: GatewayMetrics
     tracer: Tracer
     access: AccessControl
+    inference: Inference
 
 
 class ProxiedCall:
@@ -61,6 +65,7 @@ class ProxiedCall:
         self._completion: list[str] = []
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
+        self._app_id: str | None = None
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -73,12 +78,11 @@ class ProxiedCall:
             self.record.api_key_id = key.id if key is not None else None
             body = self._parse(await self._read_body())
             self._charge = self.state.access.admit(key, body)
+            body = self._infer(body, identify(self.request.headers, body, self.record.api_key_id))
             payload = self._prepare(body)
-            ident = identify(self.request.headers, body)
-            self.record.session_id, self.record.agent_id = ident.session_id, ident.agent_id
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
-                self.endpoint, payload, self._headers(), self.record.model or "", ident.session_id))
+                self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
@@ -137,6 +141,18 @@ class ProxiedCall:
         self.record.prompt_sha256, self.record.prompt_chars = sha256_text(prompt_text), len(prompt_text)
         if self.state.settings.store_content:
             self.record.prompt_text = prompt_text
+        return body
+
+    def _infer(self, body: dict[str, Any], ident: Identity) -> dict[str, Any]:
+        """Session, agent and the SegmentPlan; the plan rides along unless reuse is off."""
+        result = self.state.inference.plan(ident, body, self.record.id, self.record.model or "")
+        self._app_id = ident.app_id
+        self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
+        self.record.plan = result.plan.model_dump_json()
+        describe_plan(self.span, result.plan, result.session_inferred)
+        reuse = self.request.headers.get(REUSE_HEADER, "on").strip().lower() not in ("off", "0", "false")
+        if self.state.settings.inference.reuse and reuse:
+            return attach_plan(body, result.plan)
         return body
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
@@ -273,6 +289,9 @@ class ProxiedCall:
             if isinstance(value, int):
                 metrics.tokens.labels(kind).inc(value)
         self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
+        if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
+            self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
+                                                  "".join(self._completion))
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 

@@ -1,7 +1,12 @@
-"""Who is calling: session and agent ids from explicit headers or body fields.
+"""Who is calling, as far as the request says so explicitly.
 
-This is the explicit layer only; inferring sessions and agents from unmodified traffic
-(no header, no `user`) builds on it.
+Layered, first hit wins. Session: a session header (ours, or one that agent tools
+already send), then `prompt_cache_key`, `metadata.session_id`, `user`. Agent: an agent
+header, `metadata.agent_id`, then the `name` of the system message. App: the API key,
+else an app header, else one default app. Everything inferred from content (sessions
+linked through earlier outputs, agents told apart by their system prompts) builds on
+this in gateway.inference, always inside one app: two apps that both have a "Planner"
+are never merged.
 """
 
 from __future__ import annotations
@@ -9,24 +14,43 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-SESSION_HEADER = "x-kvrelay-session-id"
-AGENT_HEADER = "x-kvrelay-agent-id"
+SESSION_HEADERS = (
+    "x-kvrelay-session-id", "x-kvrelay-session", "x-session-id",
+    "x-claude-code-session-id", "x-dynamo-session-id", "x-litellm-session-id",
+)
+AGENT_HEADERS = ("x-kvrelay-agent-id", "x-agent-id")
+APP_HEADERS = ("x-kvrelay-app", "x-client-id")
+DEFAULT_APP = "default"
 _MAX_ID_CHARS = 128
 
 
 class Identity(NamedTuple):
-    session_id: str | None
+    app_id: str
+    session_id: str | None  # None: to be inferred from content
     agent_id: str | None
 
 
-def identify(headers: Mapping[str, str], body: dict[str, Any]) -> Identity:
+def identify(headers: Mapping[str, str], body: dict[str, Any], api_key_id: str | None = None) -> Identity:
     metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
-    session = headers.get(SESSION_HEADER) or metadata.get("session_id") or body.get("user")
-    agent = headers.get(AGENT_HEADER) or metadata.get("agent_id")
-    return Identity(_clean(session), _clean(agent))
+    session = _first(headers.get(h) for h in SESSION_HEADERS) or _first(
+        (body.get("prompt_cache_key"), metadata.get("session_id"), body.get("user")))
+    agent = _first(headers.get(h) for h in AGENT_HEADERS) or _first(
+        (metadata.get("agent_id"), _system_name(body)))
+    app = api_key_id or _first(headers.get(h) for h in APP_HEADERS) or DEFAULT_APP
+    return Identity(app, session, agent)
 
 
-def _clean(value: Any) -> str | None:
-    if not isinstance(value, str) or not value.strip():
-        return None
-    return value.strip()[:_MAX_ID_CHARS]
+def _system_name(body: dict[str, Any]) -> Any:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and message.get("role") in ("system", "developer"):
+                return message.get("name")
+    return None
+
+
+def _first(values: Any) -> str | None:
+    for value in values:
+        if isinstance(value, str) and value.strip():
+            return value.strip()[:_MAX_ID_CHARS]
+    return None

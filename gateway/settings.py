@@ -31,6 +31,26 @@ class Breaker(BaseModel):
     cooldown_s: PositiveFloat = 10.0  # open for this long, then one trial request
 
 
+class InferenceSettings(BaseModel):
+    """Structure inferred from traffic, and the SegmentPlan sent to the engine."""
+
+    reuse: bool = True  # attach plans; a request can opt out with `X-Kvrelay-Reuse: off`
+    anchor_chars: Annotated[int, Field(ge=8, le=4096)] = 32  # shortest text found again in prompts
+    session_ttl_s: PositiveFloat = 1800.0  # an idle session is forgotten after this
+    max_sessions: Annotated[int, Field(ge=1)] = 10_000  # per app, least recently used dropped first
+    separators: list[str] = ["<TTSEP>"]  # split messages into blocks (<kv_start>/<kv_end> always do)
+    fixed_prefix_delimiters: list[str] = []  # ends an agent's fixed system prefix explicitly
+    prefix_min_hits: Annotated[int, Field(ge=1)] = 2  # prompts in a row that confirm a fixed prefix
+    same_agent_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9  # share of a system prompt that means same agent
+
+    @field_validator("separators", "fixed_prefix_delimiters")
+    @classmethod
+    def _non_empty(cls, markers: list[str]) -> list[str]:
+        if any(not m for m in markers):
+            raise ValueError("a delimiter cannot be empty")
+        return markers
+
+
 class GatewaySettings(BaseSettings):
     # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
     model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
@@ -45,6 +65,7 @@ class GatewaySettings(BaseSettings):
     retries: Annotated[int, Field(ge=0, le=5)] = 2
     timeouts: Timeouts = Timeouts()
     breaker: Breaker = Breaker()
+    inference: InferenceSettings = InferenceSettings()
     health_interval_s: PositiveFloat = 5.0
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000

@@ -14,6 +14,7 @@ in one process, or a test with an in-memory exporter, do not share spans. Export
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -25,6 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine_ext.protocol import SegmentPlan
 from gateway.storage.writer import RequestRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
@@ -108,6 +110,20 @@ def describe_request(span: Span, endpoint: str, body: Mapping[str, Any], model: 
         value = body.get(field)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             span.set_attribute(attribute, value)
+
+
+def describe_plan(span: Span, plan: SegmentPlan, session_inferred: bool) -> None:
+    """What inference found: counts by segment kind, placeholder names, how the session was known."""
+    if not span.is_recording():
+        return
+    kinds = Counter(s.kind for s in plan.segments)
+    span.set_attributes({
+        "kvrelay.plan.version": plan.version,
+        "kvrelay.plan.num_segments": len(plan.segments),
+        **{f"kvrelay.plan.num_{kind}": n for kind, n in kinds.items()},
+        "kvrelay.plan.placeholders": [s.name for s in plan.segments if s.kind == "placeholder" and s.name],
+        "kvrelay.session.inferred": session_inferred,
+    })
 
 
 def trace_headers(span: Span) -> dict[str, str]:

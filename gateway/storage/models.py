@@ -59,6 +59,7 @@ class RequestRow(Base):
     prompt_text: Mapped[str | None] = mapped_column(Text)
     completion_text: Mapped[str | None] = mapped_column(Text)
     api_key_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    plan: Mapped[str | None] = mapped_column(Text)
 
 
 class ApiKeyRow(Base):

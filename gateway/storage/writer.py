@@ -48,6 +48,7 @@ class RequestRecord:
     prompt_text: str | None = None
     completion_text: str | None = None
     api_key_id: str | None = None
+    plan: str | None = None  # the SegmentPlan as JSON: offsets, kinds, names and hashes, no text
 
 
 def sha256_text(text: str) -> str:

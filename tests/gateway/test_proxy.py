@@ -52,6 +52,15 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None,
 
 
 # -- pass-through ----------------------------------------------------------------------------
+def test_with_reuse_off_the_body_reaches_the_upstream_unchanged(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    with gw.client() as http:
+        assert http.post("/v1/chat/completions", json=CHAT, headers={"X-Kvrelay-Reuse": "off"}).status_code == 200
+    assert fake.received[-1].body == CHAT
+    assert gw.rows(1)[0].plan is not None  # still inferred and recorded
+
+
 def test_unary_chat_passes_through_and_is_recorded(fake_upstream, start_gateway):
     fake = fake_upstream()
     gw = start_gateway([fake.url])
@@ -66,7 +75,9 @@ def test_unary_chat_passes_through_and_is_recorded(fake_upstream, start_gateway)
 
     (got,) = fake.received
     assert got.path == "/v1/chat/completions"
-    assert got.body == CHAT  # nothing added to a non-streaming request
+    plan = got.body.pop("kv_transfer_params")["kvrelay"]
+    assert got.body == CHAT  # nothing else added to a non-streaming request
+    assert (plan["session_id"], plan["agent_id"]) == ("s1", "a1")
     assert got.headers["content-type"] == "application/json"
     assert got.headers["x-request-id"] == "rid-1"
     assert got.headers["traceparent"] == headers["traceparent"]
@@ -115,7 +126,8 @@ def test_stream_without_usage_request_gets_no_usage_chunk_but_is_recorded(fake_u
     # the upstream was asked for usage all the same
     (got,) = fake.received
     assert got.body["stream_options"] == {"include_usage": True}
-    assert {k: v for k, v in got.body.items() if k != "stream_options"} == {**CHAT, "stream": True}
+    added = ("stream_options", "kv_transfer_params")
+    assert {k: v for k, v in got.body.items() if k not in added} == {**CHAT, "stream": True}
     # byte for byte what the upstream sent, minus the usage event
     usage_event = sse({"id": "cmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",
                        "choices": [], "usage": USAGE})

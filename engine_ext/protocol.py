@@ -1,0 +1,105 @@
+"""SegmentPlan: what the gateway tells the engine about a request's prompt (version 1).
+
+The gateway attaches a plan to the upstream body as `kv_transfer_params["kvrelay"]`
+(vLLM's field for connector parameters, so the same body works for the embedded engine
+and for vLLM with the kvrelay connector). A plan covers every character of every
+message with segments, in order:
+
+- `fixed_prefix`: the learned fixed part of the agent's system prompt;
+- `placeholder`: text equal to an earlier response of the session, a tool result or
+  the shared user question, named by the KVCOMM convention (`user_question`,
+  `agent_<id>_current`, `agent_<id>_history_<k>`, `condition_<id>_current`,
+  `condition_<id>_history_<k>`);
+- `shared_block`: a delimited block that recurs across requests (e.g. a retrieved
+  document), keyed by its content hash even though no response produced it;
+- `private`: everything else.
+
+Offsets are Python string indices into the message's `content` (for /v1/completions, the
+prompt is message 0). `content_hash` is the sha256 of the segment's text, so the engine
+can check that what it holds is what the plan claims. A plan is advice: an engine that
+cannot reuse a segment as planned computes it densely.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PLAN_VERSION = 1
+PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
+
+SegmentKind = Literal["fixed_prefix", "placeholder", "shared_block", "private"]
+NonNegative = Annotated[int, Field(ge=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Segment(_Frozen):
+    message_index: NonNegative
+    char_start: NonNegative
+    char_end: NonNegative
+    kind: SegmentKind
+    name: str | None = None  # placeholder name; the agent id for a fixed prefix
+    content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    source_request: str | None = None  # the request whose output (or prompt) it came from
+
+    @model_validator(mode="after")
+    def _span(self) -> Segment:
+        if self.char_end <= self.char_start:
+            raise ValueError(f"segment [{self.char_start}, {self.char_end}) is empty")
+        if self.kind == "placeholder" and not self.name:
+            raise ValueError("a placeholder segment needs a name")
+        return self
+
+
+class RoundInfo(_Frozen):
+    """An All-Gather round: requests that each read the same set of previous outputs."""
+
+    id: str
+    size: Annotated[int, Field(ge=1)]  # expected number of requests, learned from earlier rounds
+    index: NonNegative  # this request's position in the round
+
+
+class WorkflowInfo(_Frozen):
+    steps_to_execution: dict[str, NonNegative]  # agent id -> steps until it runs (0: running now)
+    next: list[str]  # the agents predicted to run next
+
+
+class SegmentPlan(_Frozen):
+    version: Literal[1] = PLAN_VERSION
+    session_id: str
+    agent_id: str | None
+    request_id: str
+    segments: list[Segment]
+    round: RoundInfo | None = None
+    workflow: WorkflowInfo | None = None
+    adapter: str | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SegmentPlan:
+        previous: Segment | None = None
+        for segment in self.segments:
+            if previous is not None and (segment.message_index, segment.char_start) < \
+                    (previous.message_index, previous.char_end):
+                raise ValueError("segments must be in order and must not overlap")
+            previous = segment
+        return self
+
+
+def attach_plan(body: dict, plan: SegmentPlan) -> dict:
+    """The body with the plan under kv_transfer_params, keeping the client's other entries."""
+    params = body.get("kv_transfer_params")
+    params = dict(params) if isinstance(params, dict) else {}
+    params[PLAN_KEY] = plan.model_dump(mode="json")
+    return {**body, "kv_transfer_params": params}
+
+
+def read_plan(body: dict) -> SegmentPlan | None:
+    """The plan in a request body, or None; raises pydantic.ValidationError if malformed."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict) or PLAN_KEY not in params:
+        return None
+    return SegmentPlan.model_validate(params[PLAN_KEY])

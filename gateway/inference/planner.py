@@ -1,0 +1,220 @@
+"""Inference on the request path: session, agent and the SegmentPlan of one request.
+
+`plan()` runs before the upstream call; `observe_response()` after it, so the answer an
+agent just produced is recognised when the next agent's prompt quotes it. Both are
+synchronous and touch only memory: the cost is a few numpy passes over the prompt.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections import Counter
+from typing import Any, NamedTuple
+
+from engine_ext.protocol import Segment, SegmentPlan
+from gateway.identity import Identity
+from gateway.inference.agents import resolve_agent
+from gateway.inference.blocks import split_blocks
+from gateway.inference.prefix import PrefixLearner
+from gateway.inference.state import AgentState, AppState, KnownText, SessionState, TextKind
+from gateway.inference.textindex import Match
+from gateway.settings import InferenceSettings
+
+_LINKING_KINDS: frozenset[TextKind] = frozenset({"response", "tool", "question"})
+
+
+class PromptMessage(NamedTuple):
+    index: int
+    role: str
+    name: str | None
+    content: str | None  # None when the content is not a plain string (parts, tool calls only)
+
+
+class PlanResult(NamedTuple):
+    session_id: str
+    agent_id: str
+    plan: SegmentPlan
+    session_inferred: bool  # no header or body field named the session
+
+
+def prompt_messages(body: dict[str, Any]) -> list[PromptMessage]:
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return [PromptMessage(i, str(m.get("role", "")), m.get("name") if isinstance(m.get("name"), str) else None,
+                              m.get("content") if isinstance(m.get("content"), str) else None)
+                for i, m in enumerate(messages) if isinstance(m, dict)]
+    prompt = body.get("prompt")
+    return [PromptMessage(0, "user", None, prompt if isinstance(prompt, str) else None)]
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Inference:
+    def __init__(self, settings: InferenceSettings) -> None:
+        self.settings = settings
+        self.apps: dict[str, AppState] = {}
+
+    def app(self, app_id: str) -> AppState:
+        app = self.apps.get(app_id)
+        if app is None:
+            s = self.settings
+            app = self.apps[app_id] = AppState(s.anchor_chars, s.session_ttl_s, s.max_sessions)
+        return app
+
+    def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
+        app = self.app(ident.app_id)
+        messages = prompt_messages(body)
+        found = {m.index: app.index.find(m.content) for m in messages if m.content}
+        session_id = ident.session_id or self._linked_session(app, found) or f"sess-{uuid.uuid4().hex[:16]}"
+        session = app.session(session_id)
+        session.num_requests += 1
+        system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
+        agent = resolve_agent(app, ident.agent_id, system.content if system else None, model,
+                              self._new_learner, self.settings.same_agent_ratio)
+        fixed_chars = agent.prefix.observe(system.content).fixed_chars if system and system.content else 0
+        builder = _SegmentBuilder(app, session, agent, request_id)
+        for message in messages:
+            if message.content:
+                fixed = fixed_chars if system is not None and message.index == system.index else 0
+                builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
+        builder.add_question(messages)
+        plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
+                           segments=builder.segments(), adapter=body.get("model") if isinstance(body.get("model"), str) else None)
+        return PlanResult(session_id, agent.id, plan, ident.session_id is None)
+
+    def observe_response(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str) -> None:
+        """Remember a completed answer so later prompts that quote it are linked to it."""
+        text = text.strip()
+        if not text:
+            return
+        app = self.app(app_id)
+        session = app.session(session_id)
+        seq = app.add_text(session, text, KnownText("response", agent_id, request_id, sha256(text)))
+        if seq is not None:
+            session.responses.setdefault(agent_id, []).append(seq)
+
+    def _linked_session(self, app: AppState, found: dict[int, list[Match]]) -> str | None:
+        """The live session whose texts cover most of the prompt, if any."""
+        chars: Counter[str] = Counter()
+        for matches in found.values():
+            for match in matches:
+                for ref in match.refs:
+                    session = app.sessions.get(ref.session_id)
+                    if session is not None and session.texts[ref.seq].kind in _LINKING_KINDS:
+                        chars[ref.session_id] += match.end - match.start
+        return chars.most_common(1)[0][0] if chars else None
+
+    def _new_learner(self) -> PrefixLearner:
+        s = self.settings
+        return PrefixLearner(s.prefix_min_hits, s.anchor_chars, tuple(s.fixed_prefix_delimiters))
+
+
+class _SegmentBuilder:
+    """Collects the named spans of each message, then fills the gaps with private ones."""
+
+    def __init__(self, app: AppState, session: SessionState, agent: AgentState, request_id: str) -> None:
+        self.app, self.session, self.agent, self.request_id = app, session, agent, request_id
+        self._spans: dict[int, list[tuple[int, int, str, str | None, str, str | None]]] = {}
+        self._texts: dict[int, str] = {}
+
+    def add_message(self, message: PromptMessage, matches: list[Match], fixed_chars: int,
+                    separators: list[str]) -> None:
+        content = message.content or ""
+        self._texts[message.index] = content
+        spans = self._spans.setdefault(message.index, [])
+        if fixed_chars:
+            spans.append((0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
+        for match in matches:
+            named = self._name(match)
+            if named is not None and match.start >= fixed_chars:
+                kind, name, known = named
+                spans.append((match.start, match.end, kind, name, known.content_hash, known.request_id))
+        if message.role == "tool" and not matches:
+            self._add_new(spans, 0, len(content), content, "tool")
+        for block in split_blocks(content, tuple(separators)):
+            if block.start >= fixed_chars and not _overlaps(spans, block.start, block.end):
+                self._add_new(spans, block.start, block.end, content, "block")
+
+    def add_question(self, messages: list[PromptMessage]) -> None:
+        """The first request of a session brings the shared user question."""
+        if self.session.question_seq is not None or self.session.num_requests > 1:
+            return
+        asks = [m for m in messages if m.role == "user" and m.name in (None, "user") and m.content]
+        if not asks:
+            return
+        message = asks[-1]
+        spans = self._spans.setdefault(message.index, [])
+        if not spans:
+            self._add_new(spans, 0, len(message.content or ""), message.content or "", "question")
+
+    def segments(self) -> list[Segment]:
+        out: list[Segment] = []
+        for index in sorted(self._texts):
+            text, cursor = self._texts[index], 0
+            for start, end, kind, name, digest, source in sorted(self._spans.get(index, [])):
+                if start < cursor:
+                    continue  # overlaps a span already placed
+                if start > cursor:
+                    out.append(_private(index, text, cursor, start))
+                out.append(Segment(message_index=index, char_start=start, char_end=end, kind=kind,  # type: ignore[arg-type]
+                                   name=name, content_hash=digest, source_request=source))
+                cursor = end
+            if cursor < len(text):
+                out.append(_private(index, text, cursor, len(text)))
+        return out
+
+    def _add_new(self, spans: list, start: int, end: int, content: str, kind: TextKind) -> None:
+        """A text seen for the first time: remember it and plan it as what it will be."""
+        text = content[start:end]
+        stripped = text.strip()
+        start += len(text) - len(text.lstrip())
+        end = start + len(stripped)
+        known = KnownText(kind, self.agent.id, self.request_id, sha256(stripped))
+        seq = self.app.add_text(self.session, stripped, known)
+        if seq is None:
+            return
+        if kind == "tool":
+            self.session.tools.setdefault(self.agent.id, []).append(seq)
+        elif kind == "question":
+            self.session.question_seq = seq
+        named = self._name_known(seq, known)
+        if named is not None:
+            spans.append((start, end, named[0], named[1], known.content_hash, self.request_id))
+
+    def _name(self, match: Match) -> tuple[str, str | None, KnownText] | None:
+        """(kind, name, text) for a match: texts of this session first, then shared blocks."""
+        for ref in match.refs:
+            if ref.session_id == self.session.id:
+                known = self.session.texts[ref.seq]
+                named = self._name_known(ref.seq, known)
+                if named is not None:
+                    return (*named, known)
+        for ref in match.refs:
+            other = self.app.sessions.get(ref.session_id)
+            if other is not None and other.texts[ref.seq].kind == "block":
+                return ("shared_block", None, other.texts[ref.seq])
+        return None
+
+    def _name_known(self, seq: int, known: KnownText) -> tuple[str, str | None] | None:
+        if known.kind == "block":
+            return ("shared_block", None)
+        if known.kind == "question":
+            return ("placeholder", "user_question")
+        series = (self.session.responses if known.kind == "response" else self.session.tools).get(known.agent_id or "", [])
+        if seq not in series:
+            return None
+        back = len(series) - 1 - series.index(seq)
+        stem = "agent" if known.kind == "response" else "condition"
+        return ("placeholder", f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}")
+
+
+def _overlaps(spans: list, start: int, end: int) -> bool:
+    return any(s < end and start < e for s, e, *_ in spans)
+
+
+def _private(index: int, text: str, start: int, end: int) -> Segment:
+    return Segment(message_index=index, char_start=start, char_end=end, kind="private",
+                   content_hash=sha256(text[start:end]))

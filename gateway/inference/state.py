@@ -1,0 +1,95 @@
+"""What the gateway remembers of each app: its agents, its live sessions, their texts.
+
+Everything is per app (API key or client id), so two apps never share agents, sessions
+or texts. Sessions are bounded: one idle for `session_ttl_s` or pushed out by
+`max_sessions` (least recently used first) is dropped with its texts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from gateway.inference.prefix import PrefixLearner
+from gateway.inference.textindex import TextIndex
+
+TextKind = Literal["response", "tool", "question", "block"]
+
+
+class TextRef(NamedTuple):
+    session_id: str
+    seq: int  # the text's number within its session
+
+
+@dataclass(frozen=True)
+class KnownText:
+    kind: TextKind
+    agent_id: str | None  # who produced it (response) or received it (tool)
+    request_id: str  # the request that produced or first carried it
+    content_hash: str
+
+
+@dataclass
+class AgentState:
+    id: str
+    model: str
+    prefix: PrefixLearner
+    system_text: str | None = None  # the last system prompt seen, for telling agents apart
+
+
+@dataclass
+class SessionState:
+    id: str
+    last_seen: float
+    texts: dict[int, KnownText] = field(default_factory=dict)
+    responses: dict[str, list[int]] = field(default_factory=dict)  # agent -> its responses' seqs, oldest first
+    tools: dict[str, list[int]] = field(default_factory=dict)  # agent -> tool results' seqs
+    question_seq: int | None = None
+    num_requests: int = 0
+
+    def next_seq(self) -> int:
+        return len(self.texts)
+
+
+class AppState:
+    def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int) -> None:
+        self.agents: dict[str, AgentState] = {}
+        self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
+        self.sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self._ttl_s = session_ttl_s
+        self._max_sessions = max_sessions
+
+    def session(self, session_id: str, now: float | None = None) -> SessionState:
+        """The live session (created if new), marked as just used."""
+        now = time.monotonic() if now is None else now
+        self.expire(now)
+        state = self.sessions.get(session_id)
+        if state is None:
+            state = self.sessions[session_id] = SessionState(session_id, now)
+            while len(self.sessions) > self._max_sessions:
+                self._drop(next(iter(self.sessions)))
+        self.sessions.move_to_end(session_id)
+        state.last_seen = now
+        return state
+
+    def add_text(self, session: SessionState, text: str, known: KnownText) -> int | None:
+        """Remember a text of the session; its seq, or None if too short to find again."""
+        seq = session.next_seq()
+        if not self.index.add(text, TextRef(session.id, seq)):
+            return None
+        session.texts[seq] = known
+        return seq
+
+    def expire(self, now: float) -> None:
+        while self.sessions:
+            oldest = next(iter(self.sessions.values()))
+            if now - oldest.last_seen < self._ttl_s:
+                break
+            self._drop(oldest.id)
+
+    def _drop(self, session_id: str) -> None:
+        session = self.sessions.pop(session_id)
+        for seq in session.texts:
+            self.index.remove(TextRef(session_id, seq))

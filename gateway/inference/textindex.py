@@ -1,0 +1,129 @@
+"""TextIndex: find known texts (earlier outputs, tool results, blocks) inside a prompt.
+
+Each known text is keyed by a polynomial hash of its first `anchor_chars` characters.
+A prompt is scanned once: the hash of every window of `anchor_chars` characters is
+computed with numpy (prefix sums mod 2^64, normalised by inverse powers of the odd
+base), so the scan is linear in the prompt and runs at C speed: a 64k-character prompt
+costs about a millisecond whatever the number of known texts. Candidate positions are
+then verified character for character, so a hash collision costs time, never a wrong
+match. Texts shorter than `anchor_chars` are not indexed: short strings recur by chance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Generic, NamedTuple, TypeVar
+
+import numpy as np
+
+Ref = TypeVar("Ref", bound=Hashable)
+_BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible mod 2^64
+_BASE_INV = np.uint64(pow(int(_BASE), -1, 2**64))
+
+
+class Match(NamedTuple, Generic[Ref]):
+    start: int
+    end: int
+    refs: tuple[Ref, ...]  # every known text equal to prompt[start:end] (outputs can coincide)
+
+
+def _codes(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32).astype(np.uint64)
+
+
+class _Powers:
+    """B^i and B^-i mod 2^64, grown on demand."""
+
+    def __init__(self) -> None:
+        self.pow = np.ones(1, dtype=np.uint64)
+        self.inv = np.ones(1, dtype=np.uint64)
+
+    def ensure(self, n: int) -> None:
+        if len(self.pow) >= n:
+            return
+        size = max(n, 2 * len(self.pow))
+        with np.errstate(over="ignore"):
+            self.pow = np.cumprod(np.full(size, _BASE, dtype=np.uint64)) * _BASE_INV  # B^0 .. B^(size-1)
+            self.inv = np.cumprod(np.full(size, _BASE_INV, dtype=np.uint64)) * _BASE
+
+
+_POWERS = _Powers()
+
+
+def _anchor_hash(codes: np.ndarray) -> int:
+    _POWERS.ensure(len(codes))
+    with np.errstate(over="ignore"):
+        return int(np.sum(codes * _POWERS.pow[: len(codes)], dtype=np.uint64))
+
+
+class TextIndex(Generic[Ref]):
+    def __init__(self, anchor_chars: int = 32) -> None:
+        if anchor_chars < 4:
+            raise ValueError("anchor_chars must be at least 4")
+        self.anchor_chars = anchor_chars
+        self._by_anchor: dict[int, dict[str, list[Ref]]] = {}  # anchor hash -> text -> refs
+        self._anchor_of: dict[Ref, tuple[int, str]] = {}
+        self._keys = np.zeros(0, dtype=np.uint64)  # sorted anchor hashes, rebuilt lazily
+        self._keys_stale = False
+
+    def __len__(self) -> int:
+        return len(self._anchor_of)
+
+    def add(self, text: str, ref: Ref) -> bool:
+        """Index `text` under `ref`; False when it is too short to index."""
+        if len(text) < self.anchor_chars or ref in self._anchor_of:
+            return False
+        anchor = _anchor_hash(_codes(text[: self.anchor_chars]))
+        self._by_anchor.setdefault(anchor, {}).setdefault(text, []).append(ref)
+        self._anchor_of[ref] = (anchor, text)
+        self._keys_stale = True
+        return True
+
+    def remove(self, ref: Ref) -> None:
+        entry = self._anchor_of.pop(ref, None)
+        if entry is None:
+            return
+        anchor, text = entry
+        texts = self._by_anchor[anchor]
+        texts[text].remove(ref)
+        if not texts[text]:
+            del texts[text]
+        if not texts:
+            del self._by_anchor[anchor]
+            self._keys_stale = True
+
+    def find(self, prompt: str) -> list[Match[Ref]]:
+        """Known texts inside `prompt`, leftmost first, the longest at each position,
+        never overlapping."""
+        k = self.anchor_chars
+        if len(prompt) < k or not self._by_anchor:
+            return []
+        codes = _codes(prompt)
+        n = len(codes)
+        _POWERS.ensure(n + 1)
+        with np.errstate(over="ignore"):
+            prefix = np.zeros(n + 1, dtype=np.uint64)
+            np.cumsum(codes * _POWERS.pow[:n], out=prefix[1:])
+            windows = (prefix[k:] - prefix[: n - k + 1]) * _POWERS.inv[: n - k + 1]  # (n-k+1,) hash per start
+        keys = self._sorted_keys()
+        slots = np.minimum(np.searchsorted(keys, windows), len(keys) - 1)
+        candidates = np.flatnonzero(keys[slots] == windows)
+        matches: list[Match[Ref]] = []
+        covered_until = 0
+        for start in candidates.tolist():
+            if start < covered_until:
+                continue
+            best: tuple[str, list[Ref]] | None = None
+            for text, refs in self._by_anchor.get(int(windows[start]), {}).items():
+                if (best is None or len(text) > len(best[0])) and prompt.startswith(text, start):
+                    best = (text, refs)
+            if best is not None:
+                matches.append(Match(start, start + len(best[0]), tuple(best[1])))
+                covered_until = start + len(best[0])
+        return matches
+
+    def _sorted_keys(self) -> np.ndarray:
+        if self._keys_stale:
+            self._keys = np.array(sorted(self._by_anchor), dtype=np.uint64)
+            self._keys_stale = False
+        return self._keys
