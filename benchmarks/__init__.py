@@ -15,6 +15,7 @@ from benchmarks.common import BenchResult, report
 BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "gateway": "benchmarks.gateway",
+    "inference": "benchmarks.inference",
 }
 
 

@@ -63,8 +63,10 @@ class TextIndex(Generic[Ref]):
         self.anchor_chars = anchor_chars
         self._by_anchor: dict[int, dict[str, list[Ref]]] = {}  # anchor hash -> text -> refs
         self._anchor_of: dict[Ref, tuple[int, str]] = {}
-        self._keys = np.zeros(0, dtype=np.uint64)  # sorted anchor hashes, rebuilt lazily
-        self._keys_stale = False
+        self._table = np.zeros(1, dtype=bool)  # see _filter; rebuilt lazily after changes
+        self._mask = np.uint64(0)
+        self._keys_stale = True
+        self._num_dead_bits = 0
 
     def __len__(self) -> int:
         return len(self._anchor_of)
@@ -76,7 +78,10 @@ class TextIndex(Generic[Ref]):
         anchor = _anchor_hash(_codes(text[: self.anchor_chars]))
         self._by_anchor.setdefault(anchor, {}).setdefault(text, []).append(ref)
         self._anchor_of[ref] = (anchor, text)
-        self._keys_stale = True
+        if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
+            self._keys_stale = True  # grow the filter
+        elif not self._keys_stale:
+            self._table[np.uint64(anchor) & self._mask] = True
         return True
 
     def remove(self, ref: Ref) -> None:
@@ -90,7 +95,9 @@ class TextIndex(Generic[Ref]):
             del texts[text]
         if not texts:
             del self._by_anchor[anchor]
-            self._keys_stale = True
+            self._num_dead_bits += 1  # its filter bit stays set; rebuilt once many are dead
+            if self._num_dead_bits > 1024 + len(self._by_anchor):
+                self._keys_stale = True
 
     def find(self, prompt: str) -> list[Match[Ref]]:
         """Known texts inside `prompt`, leftmost first, the longest at each position,
@@ -105,16 +112,15 @@ class TextIndex(Generic[Ref]):
             prefix = np.zeros(n + 1, dtype=np.uint64)
             np.cumsum(codes * _POWERS.pow[:n], out=prefix[1:])
             windows = (prefix[k:] - prefix[: n - k + 1]) * _POWERS.inv[: n - k + 1]  # (n-k+1,) hash per start
-        keys = self._sorted_keys()
-        slots = np.minimum(np.searchsorted(keys, windows), len(keys) - 1)
-        candidates = np.flatnonzero(keys[slots] == windows)
+        filter_, mask = self._filter()
+        candidates = np.flatnonzero(filter_[windows & mask])  # a superset: low hash bits only
         matches: list[Match[Ref]] = []
         covered_until = 0
         for start in candidates.tolist():
             if start < covered_until:
                 continue
             best: tuple[str, list[Ref]] | None = None
-            for text, refs in self._by_anchor.get(int(windows[start]), {}).items():
+            for text, refs in self._by_anchor.get(int(windows[start]), {}).items():  # {} when the filter erred
                 if (best is None or len(text) > len(best[0])) and prompt.startswith(text, start):
                     best = (text, refs)
             if best is not None:
@@ -122,8 +128,14 @@ class TextIndex(Generic[Ref]):
                 covered_until = start + len(best[0])
         return matches
 
-    def _sorted_keys(self) -> np.ndarray:
+    def _filter(self) -> tuple[np.ndarray, np.uint64]:
+        """A table indexed by the low bits of a hash, true where some anchor has those bits.
+        A gather from it is far cheaper than a search of every window among the anchors;
+        sized at about 64 slots per anchor, so few windows pass by accident."""
         if self._keys_stale:
-            self._keys = np.array(sorted(self._by_anchor), dtype=np.uint64)
-            self._keys_stale = False
-        return self._keys
+            bits = min(24, max(16, (64 * len(self._by_anchor)).bit_length()))
+            self._mask = np.uint64((1 << bits) - 1)
+            self._table = np.zeros(1 << bits, dtype=bool)
+            self._table[np.array(list(self._by_anchor), dtype=np.uint64) & self._mask] = True
+            self._keys_stale, self._num_dead_bits = False, 0
+        return self._table, self._mask

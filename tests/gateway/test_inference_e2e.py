@@ -1,0 +1,157 @@
+"""A plain OpenAI-client multi-agent loop through the gateway: the plans the upstream sees."""
+
+from __future__ import annotations
+
+import openai
+
+from engine_ext.protocol import SegmentPlan, read_plan
+
+TASK = "Write a Python function that returns the n-th Fibonacci number, with tests for n = 0, 1 and 10."
+SYSTEMS = {
+    "planner": "You are the Planner. Break the user's task into small numbered steps for the coder.",
+    "coder": "You are the Coder. Implement the plan you are given in Python, in one code block.",
+    "reviewer": "You are the Reviewer. Check the code against the plan and list any defects you find.",
+}
+ANSWERS = {
+    "planner": "1. Define fib(n) iteratively with two running values.\n2. Handle n = 0 and n = 1.\n3. Add asserts.",
+    "coder": "```python\ndef fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n```",
+    "reviewer": "The code follows the plan; fib(0) == 0, fib(1) == 1 and fib(10) == 55 all hold. No defects.",
+}
+
+
+def ask(client: openai.OpenAI, fake, agent: str, transcript: list[dict], **kw) -> tuple[str, SegmentPlan]:
+    """One agent turn, AutoGen style: the whole transcript, other agents as named users."""
+    fake.behaviour.pieces = [ANSWERS[agent]]
+    messages = [{"role": "system", "content": SYSTEMS[agent]}]
+    for turn in transcript:
+        if turn["name"] == agent:
+            messages.append({"role": "assistant", "content": turn["content"]})
+        else:
+            messages.append({"role": "user", "name": turn["name"], "content": turn["content"]})
+    answer = client.chat.completions.create(model="fake", messages=messages, **kw).choices[0].message.content
+    plan = read_plan(fake.received[-1].body)
+    assert plan is not None
+    return answer, plan
+
+
+def placeholders(plan: SegmentPlan, body: dict) -> dict[str, str]:
+    """placeholder name -> the text it covers."""
+    messages = body["messages"]
+    return {s.name: messages[s.message_index]["content"][s.char_start:s.char_end]
+            for s in plan.segments if s.kind == "placeholder"}
+
+
+def run_loop(gw, fake, app: str | None = None) -> list[tuple[SegmentPlan, dict]]:
+    headers = {"x-kvrelay-app": app} if app else {}
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, default_headers=headers)
+    transcript = [{"name": "user", "content": TASK}]
+    seen = []
+    for agent in ("planner", "coder", "reviewer", "planner"):
+        answer, plan = ask(client, fake, agent, transcript)
+        seen.append((plan, fake.received[-1].body))
+        transcript.append({"name": agent, "content": answer})
+    return seen
+
+
+def test_a_plain_multi_agent_loop_gets_one_session_three_agents_and_named_placeholders(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    seen = run_loop(gw, fake)
+    plans = [p for p, _ in seen]
+    assert len({p.session_id for p in plans}) == 1  # no header: linked through the shared texts
+    planner, coder, reviewer = plans[0].agent_id, plans[1].agent_id, plans[2].agent_id
+    assert len({planner, coder, reviewer}) == 3 and plans[3].agent_id == planner
+
+    assert placeholders(plans[0], seen[0][1]) == {"user_question": TASK}
+    assert placeholders(plans[1], seen[1][1]) == {"user_question": TASK, f"agent_{planner}_current": ANSWERS["planner"]}
+    assert placeholders(plans[2], seen[2][1]) == {"user_question": TASK, f"agent_{planner}_current": ANSWERS["planner"],
+                                                  f"agent_{coder}_current": ANSWERS["coder"]}
+    last = placeholders(plans[3], seen[3][1])
+    assert last[f"agent_{reviewer}_current"] == ANSWERS["reviewer"] and last[f"agent_{planner}_current"] == ANSWERS["planner"]
+
+    by_name = {s.name: s for s in plans[2].segments if s.kind == "placeholder"}
+    assert by_name[f"agent_{planner}_current"].source_request == plans[0].request_id
+    assert by_name[f"agent_{coder}_current"].source_request == plans[1].request_id
+    rows = {r.id: r for r in gw.rows(4)}
+    assert {rows[p.request_id].session_id for p in plans} == {plans[0].session_id}
+    assert rows[plans[1].request_id].agent_id == coder
+
+
+def test_segments_cover_every_message_and_hash_their_text(fake_upstream, start_gateway):
+    import hashlib
+
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    for plan, body in run_loop(gw, fake):
+        for index, message in enumerate(body["messages"]):
+            covered = [s for s in plan.segments if s.message_index == index]
+            assert "".join(message["content"][s.char_start:s.char_end] for s in covered) == message["content"]
+            for s in covered:
+                assert s.content_hash == hashlib.sha256(message["content"][s.char_start:s.char_end].encode()).hexdigest()
+
+
+def test_the_planners_fixed_prefix_is_learned_on_its_second_request(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    plans = [p for p, _ in run_loop(gw, fake)]
+    assert all(s.kind != "fixed_prefix" for s in plans[0].segments)
+    fixed = [s for s in plans[3].segments if s.kind == "fixed_prefix"]
+    assert [(s.message_index, s.char_start, s.char_end, s.name) for s in fixed] == \
+        [(0, 0, len(SYSTEMS["planner"]), plans[0].agent_id)]
+
+
+def test_two_apps_with_the_same_agents_are_never_merged(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    client_a = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, default_headers={"x-kvrelay-app": "a"})
+    client_b = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, default_headers={"x-kvrelay-app": "b"})
+    transcript = [{"name": "user", "content": TASK}]
+    _, plan_a = ask(client_a, fake, "planner", transcript)
+    _, plan_b = ask(client_b, fake, "planner", transcript)
+    answer_b = ANSWERS["planner"]
+    _, coder_a = ask(client_a, fake, "coder", [*transcript, {"name": "planner", "content": answer_b}])
+    assert plan_a.session_id != plan_b.session_id
+    assert coder_a.session_id == plan_a.session_id
+    source = {s.name: s.source_request for s in coder_a.segments if s.kind == "placeholder"}
+    assert source[f"agent_{plan_a.agent_id}_current"] == plan_a.request_id  # app a's planner, not app b's
+
+
+def test_explicit_session_header_wins_over_content_linking(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    transcript = [{"name": "user", "content": TASK}]
+    _, first = ask(client, fake, "planner", transcript)
+    _, second = ask(client, fake, "coder", [*transcript, {"name": "planner", "content": ANSWERS["planner"]}],
+                    extra_headers={"x-session-id": "explicit-1"})
+    assert second.session_id == "explicit-1" != first.session_id
+
+
+def test_recurring_delimited_blocks_become_shared_segments(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    doc = "Retrieved document: the Fibonacci sequence starts 0, 1, 1, 2, 3, 5, 8, 13, 21, 34, 55."
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    plans = []
+    for question in ("Which number follows 21 in the sequence above, exactly?",
+                     "What is the tenth Fibonacci number according to the document?"):
+        client.chat.completions.create(model="fake", messages=[
+            {"role": "user", "content": f"{doc}<TTSEP>{question}"}])
+        body = fake.received[-1].body
+        plans.append((read_plan(body), body))
+    for plan, body in plans:
+        shared = [s for s in plan.segments if s.kind == "shared_block"]
+        texts = [body["messages"][s.message_index]["content"][s.char_start:s.char_end] for s in shared]
+        assert doc in texts
+    hashes = [{s.content_hash for s in p.segments if s.kind == "shared_block"} for p, _ in plans]
+    assert hashes[0] & hashes[1]  # the same document, the same content hash
+
+
+def test_a_plan_merges_with_client_kv_transfer_params(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    with gw.client() as http:
+        http.post("/v1/chat/completions", json={"model": "fake", "messages": [{"role": "user", "content": TASK}],
+                                                "kv_transfer_params": {"do_remote_prefill": True}})
+    params = fake.received[-1].body["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["kvrelay"]["version"] == 1
