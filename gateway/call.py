@@ -66,6 +66,7 @@ class ProxiedCall:
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
         self._app_id: str | None = None
+        self._in_round = False
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -82,7 +83,8 @@ class ProxiedCall:
             payload = self._prepare(body)
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
-                self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id))
+                self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id,
+                hold=self._in_round))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
@@ -146,7 +148,7 @@ class ProxiedCall:
     def _infer(self, body: dict[str, Any], ident: Identity) -> dict[str, Any]:
         """Session, agent and the SegmentPlan; the plan rides along unless reuse is off."""
         result = self.state.inference.plan(ident, body, self.record.id, self.record.model or "")
-        self._app_id = ident.app_id
+        self._app_id, self._in_round = ident.app_id, result.plan.round is not None
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
         describe_plan(self.span, result.plan, result.session_inferred)

@@ -124,6 +124,9 @@ def describe_plan(span: Span, plan: SegmentPlan, session_inferred: bool) -> None
         "kvrelay.plan.placeholders": [s.name for s in plan.segments if s.kind == "placeholder" and s.name],
         "kvrelay.session.inferred": session_inferred,
     })
+    if plan.round is not None:
+        span.set_attributes({"kvrelay.round.id": plan.round.id, "kvrelay.round.size": plan.round.size,
+                             "kvrelay.round.index": plan.round.index})
 
 
 def trace_headers(span: Span) -> dict[str, str]:

@@ -99,9 +99,9 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], model: str,
-                       session_id: str | None) -> AsyncIterator[Dispatch]:
+                       session_id: str | None, hold: bool = False) -> AsyncIterator[Dispatch]:
         """Open the response of the first upstream that accepts the request."""
-        candidates = self.pool.candidates(model, session_id)
+        candidates = self.pool.candidates(model, session_id, hold)
         if not candidates:
             if self.pool.knows_no(model):
                 raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")

@@ -53,16 +53,18 @@ class UpstreamPool:
         # session -> upstream, least recently used first; bounded so idle sessions age out.
         self._affinity: OrderedDict[str, Upstream] = OrderedDict()
 
-    def candidates(self, model: str, session_id: str | None) -> list[Upstream]:
+    def candidates(self, model: str, session_id: str | None, hold: bool = False) -> list[Upstream]:
         """Upstreams to try in order: the session's own first (unless overloaded), then
-        the rest by load. Empty when none is available for the model."""
+        the rest by load. Empty when none is available for the model. `hold` keeps the
+        session home even when overloaded: the requests of an All-Gather round share
+        their KV only if they land on the same upstream."""
         now = time.monotonic()
         usable = [u for u in self.upstreams if u.available(now) and u.serves(model)]
         by_load = sorted(usable, key=lambda u: u.in_flight)
         if session_id is None or not by_load:
             return by_load
         home = self._affinity.get(session_id)
-        if home is None or home not in usable or self._overloaded(home, usable):
+        if home is None or home not in usable or (not hold and self._overloaded(home, usable)):
             home = by_load[0]
         self._affinity[session_id] = home
         self._affinity.move_to_end(session_id)

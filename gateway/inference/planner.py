@@ -81,8 +81,10 @@ class Inference:
                 fixed = fixed_chars if system is not None and message.index == system.index else 0
                 builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
         builder.add_question(messages)
+        round_info = session.rounds.assign(frozenset(builder.responses_read))
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
-                           segments=builder.segments(), adapter=body.get("model") if isinstance(body.get("model"), str) else None)
+                           segments=builder.segments(), round=round_info,
+                           adapter=body.get("model") if isinstance(body.get("model"), str) else None)
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)
 
     def observe_response(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str) -> None:
@@ -119,6 +121,7 @@ class _SegmentBuilder:
         self.app, self.session, self.agent, self.request_id = app, session, agent, request_id
         self._spans: dict[int, list[tuple[int, int, str, str | None, str, str | None]]] = {}
         self._texts: dict[int, str] = {}
+        self.responses_read: set[int] = set()  # seqs of this session's responses found in the prompt
 
     def add_message(self, message: PromptMessage, matches: list[Match], fixed_chars: int,
                     separators: list[str]) -> None:
@@ -191,6 +194,8 @@ class _SegmentBuilder:
                 known = self.session.texts[ref.seq]
                 named = self._name_known(ref.seq, known)
                 if named is not None:
+                    if known.kind == "response":
+                        self.responses_read.add(ref.seq)
                     return (*named, known)
         for ref in match.refs:
             other = self.app.sessions.get(ref.session_id)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
 from gateway.inference.prefix import PrefixLearner
+from gateway.inference.rounds import RoundDetector
 from gateway.inference.textindex import TextIndex
 
 TextKind = Literal["response", "tool", "question", "block"]
@@ -48,6 +49,10 @@ class SessionState:
     tools: dict[str, list[int]] = field(default_factory=dict)  # agent -> tool results' seqs
     question_seq: int | None = None
     num_requests: int = 0
+    rounds: RoundDetector = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rounds = RoundDetector(self.id)
 
     def next_seq(self) -> int:
         return len(self.texts)

@@ -155,3 +155,63 @@ def test_a_plan_merges_with_client_kv_transfer_params(fake_upstream, start_gatew
                                                 "kv_transfer_params": {"do_remote_prefill": True}})
     params = fake.received[-1].body["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["kvrelay"]["version"] == 1
+
+
+def _all_gather(gw, fake, separator: str, num_agents: int = 3, num_rounds: int = 3) -> list[list[SegmentPlan]]:
+    """Generative-Agents style: each round, every agent reads all outputs of the last round."""
+    import random
+
+    rng = random.Random(7)
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    systems = [f"You are villager {i}, living in a small town; you talk with your neighbours each day." for i in
+               range(num_agents)]
+    outputs = [f"Villager {i} opens the day: I will walk to the market and buy bread, then water my garden."
+               for i in range(num_agents)]
+    rounds = []
+    for r in range(num_rounds):
+        plans, new_outputs = [], []
+        for i in range(num_agents):
+            shown = outputs[:]
+            rng.shuffle(shown)
+            fake.behaviour.pieces = [f"Round {r}, villager {i}: having heard everyone, I decide to visit the "
+                                     f"library and then help neighbour {(i + 1) % num_agents} with the harvest."]
+            content = "What your neighbours said:" + separator + separator.join(shown)
+            messages = [{"role": "system", "content": systems[i]}, {"role": "user", "content": content}]
+            if r == 0:
+                messages[1]["content"] = f"Day starts. Your own plan: {outputs[i]}"
+            new_outputs.append(client.chat.completions.create(model="fake", messages=messages,
+                                                              extra_headers={"x-session-id": "town"})
+                               .choices[0].message.content)
+            plans.append(read_plan(fake.received[-1].body))
+        outputs = new_outputs
+        rounds.append(plans)
+    return rounds
+
+
+def test_all_gather_rounds_are_detected_with_size_and_index(fake_upstream, start_gateway):
+    for separator in ("\n\n", "<TTSEP>"):
+        fake = fake_upstream()
+        gw = start_gateway([fake.url])
+        rounds = _all_gather(gw, fake, separator)
+        assert all(p.round is None for p in rounds[0])  # nobody read two earlier outputs yet
+        ids = []
+        for plans in rounds[1:]:
+            assert [p.round.index for p in plans] == [0, 1, 2]
+            assert {p.round.size for p in plans} == {3}
+            assert len({p.round.id for p in plans}) == 1
+            ids.append(plans[0].round.id)
+        assert len(set(ids)) == 2
+
+
+def test_all_requests_of_a_round_go_to_the_same_upstream_even_under_load(fake_upstream, start_gateway):
+    fakes = [fake_upstream(), fake_upstream()]
+    gw = start_gateway([f.url for f in fakes])
+    home = gw.pool.upstreams[0]
+    home.in_flight = 50  # looks overloaded: a plain session request would move off it
+    try:
+        gw.pool.candidates("fake", "town")  # make it the session's home
+        gw.pool._affinity["town"] = home
+        assert gw.pool.candidates("fake", "town", hold=True)[0] is home
+        assert gw.pool.candidates("fake", "town")[0] is not home
+    finally:
+        home.in_flight = 0
