@@ -51,7 +51,11 @@ class PrefixLearner:
             return PrefixObservation(0, True)
         if prompt.startswith(self.candidate):
             self.hits += 1
-            return PrefixObservation(len(self.candidate) if self.fixed else 0, False)
+            end = len(self.candidate)
+            if 0 < end < len(prompt) and not prompt[end - 1].isspace() and not prompt[end].isspace():
+                self.candidate = prompt[:_word_boundary(prompt, end)]  # it ended inside this prompt's word
+                return PrefixObservation(len(self.candidate) if self.fixed else 0, True)
+            return PrefixObservation(end if self.fixed else 0, False)
         common = _word_boundary(prompt, len(os.path.commonprefix([self.candidate, prompt])))
         self.candidate, self.hits = prompt[:common], 2  # this prompt and the ones before share it
         return PrefixObservation(common if self.fixed else 0, True)

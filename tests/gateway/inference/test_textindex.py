@@ -1,0 +1,214 @@
+"""TextIndex: exact spans of known texts in a prompt, leftmost-longest, never overlapping,
+with Python-string offsets whatever the characters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gateway.inference.textindex import Match, TextIndex
+
+TEXT_A = "The quarterly report shows revenue up 12 percent."
+TEXT_B = "Tool result: 42 rows returned from the orders table."
+
+
+def index(*texts: tuple[str, str], anchor_chars: int = 32) -> TextIndex[str]:
+    idx: TextIndex[str] = TextIndex(anchor_chars)
+    for text, ref in texts:
+        assert idx.add(text, ref) is True
+    return idx
+
+
+def test_finds_text_at_the_start_of_a_prompt():
+    prompt = TEXT_A + " and then more words"
+    assert index((TEXT_A, "a")).find(prompt) == [Match(0, 49, ("a",))]
+
+
+def test_finds_text_in_the_middle_of_a_prompt():
+    prompt = "Summary: " + TEXT_A + " Please continue."
+    assert index((TEXT_A, "a")).find(prompt) == [Match(9, 58, ("a",))]
+
+
+def test_finds_text_at_the_end_of_a_prompt():
+    prompt = "Earlier you said: " + TEXT_A
+    assert index((TEXT_A, "a")).find(prompt) == [Match(18, 67, ("a",))]
+
+
+def test_finds_a_prompt_that_is_exactly_the_text():
+    assert index((TEXT_A, "a")).find(TEXT_A) == [Match(0, len(TEXT_A), ("a",))]
+
+
+def test_finds_several_texts_leftmost_first():
+    prompt = "x " + TEXT_B + " y " + TEXT_A + " z"
+    b_start = 2
+    a_start = b_start + len(TEXT_B) + 3
+    assert index((TEXT_A, "a"), (TEXT_B, "b")).find(prompt) == [
+        Match(b_start, b_start + len(TEXT_B), ("b",)),
+        Match(a_start, a_start + len(TEXT_A), ("a",)),
+    ]
+
+
+def test_finds_the_same_text_twice_in_one_prompt():
+    prompt = TEXT_A + "|" + TEXT_A
+    assert index((TEXT_A, "a")).find(prompt) == [Match(0, 49, ("a",)), Match(50, 99, ("a",))]
+
+
+def test_longer_text_wins_when_both_share_the_anchor_and_both_match():
+    short, long = "ABCDEFGHij", "ABCDEFGHijklmnop"
+    idx = index((short, "short"), (long, "long"), anchor_chars=8)
+    assert idx.find("xx" + long + "yy") == [Match(2, 18, ("long",))]
+
+
+def test_shorter_text_is_found_when_the_longer_one_does_not_match():
+    short, long = "ABCDEFGHij", "ABCDEFGHijklmnop"
+    idx = index((short, "short"), (long, "long"), anchor_chars=8)
+    assert idx.find("xx" + "ABCDEFGHijQQQQQQ" + "yy") == [Match(2, 12, ("short",))]
+
+
+def test_overlapping_candidates_keep_only_the_leftmost():
+    first, second = "0123456789abcdef", "89abcdefGHIJ"  # second starts inside first
+    idx = index((first, "first"), (second, "second"), anchor_chars=8)
+    assert idx.find("..0123456789abcdefGHIJ..") == [Match(2, 18, ("first",))]
+
+
+def test_second_text_found_right_after_the_first_ends():
+    first, second = "0123456789abcdef", "GHIJKLMNOP"
+    idx = index((first, "first"), (second, "second"), anchor_chars=8)
+    assert idx.find(first + second) == [Match(0, 16, ("first",)), Match(16, 26, ("second",))]
+
+
+def test_identical_texts_under_two_refs_are_both_returned():
+    idx = index((TEXT_A, "r1"), (TEXT_A, "r2"))
+    assert idx.find("> " + TEXT_A) == [Match(2, 51, ("r1", "r2"))]
+
+
+def test_text_shorter_than_anchor_is_refused_and_never_found():
+    idx: TextIndex[str] = TextIndex(32)
+    short = "x" * 31
+    assert idx.add(short, "s") is False
+    assert len(idx) == 0
+    assert idx.find(short * 3) == []
+
+
+def test_text_exactly_anchor_chars_long_is_indexed():
+    idx: TextIndex[str] = TextIndex(8)
+    assert idx.add("abcdefgh", "e") is True
+    assert idx.find("--abcdefgh--") == [Match(2, 10, ("e",))]
+
+
+def test_adding_the_same_ref_twice_returns_false_and_keeps_the_first_text():
+    idx = index((TEXT_A, "a"))
+    assert idx.add(TEXT_B, "a") is False
+    assert len(idx) == 1
+    assert idx.find(TEXT_B) == []
+    assert idx.find(TEXT_A) == [Match(0, 49, ("a",))]
+
+
+def test_remove_makes_a_text_unfindable_and_keeps_the_others():
+    idx = index((TEXT_A, "a"), (TEXT_B, "b"))
+    idx.find(TEXT_A)  # build the sorted keys before removing
+    idx.remove("a")
+    prompt = TEXT_A + " " + TEXT_B
+    assert idx.find(prompt) == [Match(50, 50 + len(TEXT_B), ("b",))]
+    assert len(idx) == 1
+
+
+def test_remove_one_of_two_refs_with_identical_text_keeps_the_other():
+    idx = index((TEXT_A, "r1"), (TEXT_A, "r2"))
+    idx.remove("r1")
+    assert idx.find(TEXT_A) == [Match(0, 49, ("r2",))]
+
+
+def test_remove_shorter_text_sharing_an_anchor_keeps_the_longer():
+    short, long = "ABCDEFGHij", "ABCDEFGHijklmnop"
+    idx = index((short, "short"), (long, "long"), anchor_chars=8)
+    idx.remove("long")
+    assert idx.find(long) == [Match(0, 10, ("short",))]
+    idx.remove("short")
+    assert idx.find(long) == []
+
+
+def test_remove_unknown_ref_is_a_no_op():
+    idx = index((TEXT_A, "a"))
+    idx.remove("missing")
+    assert idx.find(TEXT_A) == [Match(0, 49, ("a",))]
+
+
+def test_readding_a_removed_ref_makes_it_findable_again():
+    idx = index((TEXT_A, "a"))
+    idx.remove("a")
+    assert idx.find(TEXT_A) == []
+    assert idx.add(TEXT_B, "a") is True
+    assert idx.find(TEXT_B) == [Match(0, len(TEXT_B), ("a",))]
+
+
+def test_non_ascii_text_gives_python_string_offsets():
+    text = "Café crème, 東京の天気は晴れ 😀🎉 — naïve résumé ok"
+    prompt = "Prefix ☃ " + text + " suffix"
+    idx = index((text, "u"), anchor_chars=16)
+    [match] = idx.find(prompt)
+    assert (match.start, match.end) == (9, 9 + len(text))
+    assert prompt[match.start:match.end] == text
+
+
+def test_near_miss_after_the_anchor_is_not_found():
+    idx = index((TEXT_A, "a"))
+    altered = TEXT_A[:40] + "X" + TEXT_A[41:]
+    assert idx.find("see " + altered + " end") == []
+
+
+def test_near_miss_inside_the_anchor_is_not_found():
+    idx = index((TEXT_A, "a"))
+    altered = TEXT_A[:5] + "#" + TEXT_A[6:]
+    assert idx.find("see " + altered + " end") == []
+
+
+def test_truncated_text_is_not_found():
+    idx = index((TEXT_A, "a"))
+    assert idx.find(TEXT_A[:-1]) == []
+
+
+def test_anchor_chars_below_four_is_rejected():
+    with pytest.raises(ValueError, match="at least 4"):
+        TextIndex(3)
+
+
+def test_anchor_chars_of_four_is_accepted():
+    idx = index(("abcd", "x"), anchor_chars=4)
+    assert idx.find("zzabcdzz") == [Match(2, 6, ("x",))]
+
+
+def test_prompt_shorter_than_anchor_returns_empty():
+    idx = index(("abcdefgh", "x"), anchor_chars=8)
+    assert idx.find("abcdefg") == []
+    assert idx.find("") == []
+
+
+def test_empty_index_finds_nothing():
+    assert TextIndex(8).find("abcdefgh" * 4) == []
+
+
+def test_randomized_planted_texts_are_found_at_exactly_their_spans():
+    rnd = random.Random(20240917)
+    text_alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZÄÖÜ東京😀🎉"
+    filler_alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,\n"  # disjoint from text_alphabet
+    for _ in range(60):
+        anchor = rnd.choice([6, 8, 12, 32])
+        idx: TextIndex[str] = TextIndex(anchor)
+        texts = {
+            f"t{i}": "".join(rnd.choices(text_alphabet, k=rnd.randint(anchor, anchor + 40)))
+            for i in range(rnd.randint(1, 6))
+        }
+        for ref, text in texts.items():
+            assert idx.add(text, ref) is True
+        for i in range(rnd.randint(0, 3)):  # indexed but never planted
+            idx.add("".join(rnd.choices(text_alphabet, k=anchor + 5)), f"decoy{i}")
+        prompt, expected = "", []
+        for _ in range(rnd.randint(1, 8)):
+            prompt += "".join(rnd.choices(filler_alphabet, k=rnd.randint(1, 60)))
+            ref = rnd.choice(sorted(texts))
+            expected.append(Match(len(prompt), len(prompt) + len(texts[ref]), (ref,)))
+            prompt += texts[ref]
+        prompt += "".join(rnd.choices(filler_alphabet, k=rnd.randint(0, 60)))
+        assert idx.find(prompt) == expected
