@@ -12,7 +12,7 @@ import uuid
 from collections import Counter
 from typing import Any, NamedTuple
 
-from engine_ext.protocol import Segment, SegmentPlan
+from engine_ext.protocol import Segment, SegmentPlan, WorkflowInfo
 from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
 from gateway.inference.blocks import split_blocks
@@ -82,8 +82,9 @@ class Inference:
                 builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
         builder.add_question(messages)
         round_info = session.rounds.assign(frozenset(builder.responses_read))
+        workflow = self._step(app, session, agent.id, builder.responses_read)
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
-                           segments=builder.segments(), round=round_info,
+                           segments=builder.segments(), round=round_info, workflow=workflow,
                            adapter=body.get("model") if isinstance(body.get("model"), str) else None)
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)
 
@@ -97,6 +98,17 @@ class Inference:
         seq = app.add_text(session, text, KnownText("response", agent_id, request_id, sha256(text)))
         if seq is not None:
             session.responses.setdefault(agent_id, []).append(seq)
+
+    def _step(self, app: AppState, session: SessionState, agent_id: str, responses_read: set[int]) -> WorkflowInfo:
+        """Teach the app's step graph this run, and read the workflow position from it.
+        A source is fresh when this agent reads one of its outputs for the first time."""
+        seen = session.read_by.setdefault(agent_id, set())
+        read_from = {session.texts[seq].agent_id or "" for seq in responses_read}
+        fresh_from = {session.texts[seq].agent_id or "" for seq in responses_read - seen}
+        seen |= responses_read
+        app.graph.observe(agent_id, read_from, fresh_from, session.last_agent)
+        session.last_agent = agent_id
+        return app.graph.workflow(agent_id)
 
     def _linked_session(self, app: AppState, found: dict[int, list[Match]]) -> str | None:
         """The live session whose texts cover most of the prompt, if any."""

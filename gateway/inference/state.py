@@ -14,6 +14,7 @@ from typing import Literal, NamedTuple
 
 from gateway.inference.prefix import PrefixLearner
 from gateway.inference.rounds import RoundDetector
+from gateway.inference.stepgraph import StepGraph
 from gateway.inference.textindex import TextIndex
 
 TextKind = Literal["response", "tool", "question", "block"]
@@ -49,6 +50,8 @@ class SessionState:
     tools: dict[str, list[int]] = field(default_factory=dict)  # agent -> tool results' seqs
     question_seq: int | None = None
     num_requests: int = 0
+    last_agent: str | None = None  # the agent of the latest request
+    read_by: dict[str, set[int]] = field(default_factory=dict)  # agent -> response seqs its prompts quoted
     rounds: RoundDetector = field(init=False)
 
     def __post_init__(self) -> None:
@@ -61,6 +64,7 @@ class SessionState:
 class AppState:
     def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int) -> None:
         self.agents: dict[str, AgentState] = {}
+        self.graph = StepGraph()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._ttl_s = session_ttl_s

@@ -215,3 +215,34 @@ def test_all_requests_of_a_round_go_to_the_same_upstream_even_under_load(fake_up
         assert gw.pool.candidates("fake", "town")[0] is not home
     finally:
         home.in_flight = 0
+
+
+def test_the_step_graph_of_a_sequential_loop(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    plans = [p for p, _ in run_loop(gw, fake)]
+    planner, coder, reviewer = (plans[i].agent_id for i in range(3))
+    assert plans[1].workflow.steps_to_execution[coder] == 0
+    assert plans[1].workflow.next == []  # nothing has read the coder yet: no successor known
+    # at the planner's second request the loop is known: the coder reads the planner (1 step),
+    # the reviewer waits for both (AND: max(0, 1) + 1)
+    assert plans[3].workflow.steps_to_execution == {planner: 0, coder: 1, reviewer: 2}
+    assert plans[3].workflow.next == [coder]
+    graph = gw.state.inference.app("default").graph
+    assert graph.aggregation(reviewer) == "and" and graph.aggregation(coder) == "or"
+    assert (planner, coder, "dataflow") in graph.edges() and (coder, reviewer, "dataflow") in graph.edges()
+    assert (reviewer, planner, "dataflow") in graph.edges()
+    steps = graph.steps_to_execution(coder)
+    assert steps[reviewer] == 1 and steps[planner] >= 1
+
+
+def test_all_gather_agents_learn_and_aggregation(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    rounds = _all_gather(gw, fake, "\n\n")
+    graph = gw.state.inference.app("default").graph
+    agents = [p.agent_id for p in rounds[0]]
+    assert len(set(agents)) == 3
+    # every villager read the fresh outputs of all the others before each of its runs
+    assert all(graph.aggregation(a) == "and" for a in agents)
+    assert "flowchart LR" in graph.mermaid() and all(a in graph.mermaid() for a in agents)
