@@ -33,12 +33,8 @@ class NewKey(BaseModel):
     tokens_per_minute: Annotated[int | None, Field(ge=1)] = None
 
 
-def _state(request: Request) -> GatewayState:
-    return request.app.state.gateway
-
-
 def _require_admin(request: Request) -> GatewayState:
-    state = _state(request)
+    state: GatewayState = request.app.state.gateway
     admin_key = state.settings.admin_key
     if admin_key is None:
         raise AdminRefused(403, "the admin API is disabled; set KVRELAY_ADMIN_KEY to enable it")

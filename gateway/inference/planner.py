@@ -31,6 +31,17 @@ class PromptMessage(NamedTuple):
     content: str | None  # None when the content is not a plain string (parts, tool calls only)
 
 
+class _Span(NamedTuple):
+    """A named part of one message, before the gaps are filled with private segments."""
+
+    start: int
+    end: int
+    kind: str
+    name: str | None
+    content_hash: str
+    source_request: str | None
+
+
 class PlanResult(NamedTuple):
     session_id: str
     agent_id: str
@@ -131,7 +142,7 @@ class _SegmentBuilder:
 
     def __init__(self, app: AppState, session: SessionState, agent: AgentState, request_id: str) -> None:
         self.app, self.session, self.agent, self.request_id = app, session, agent, request_id
-        self._spans: dict[int, list[tuple[int, int, str, str | None, str, str | None]]] = {}
+        self._spans: dict[int, list[_Span]] = {}
         self._texts: dict[int, str] = {}
         self.responses_read: set[int] = set()  # seqs of this session's responses found in the prompt
 
@@ -141,12 +152,12 @@ class _SegmentBuilder:
         self._texts[message.index] = content
         spans = self._spans.setdefault(message.index, [])
         if fixed_chars:
-            spans.append((0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
+            spans.append(_Span(0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
         for match in matches:
             named = self._name(match)
             if named is not None and match.start >= fixed_chars:
                 kind, name, known = named
-                spans.append((match.start, match.end, kind, name, known.content_hash, known.request_id))
+                spans.append(_Span(match.start, match.end, kind, name, known.content_hash, known.request_id))
         if message.role == "tool" and not matches:
             self._add_new(spans, 0, len(content), content, "tool")
         for block in split_blocks(content, tuple(separators)):
@@ -169,19 +180,20 @@ class _SegmentBuilder:
         out: list[Segment] = []
         for index in sorted(self._texts):
             text, cursor = self._texts[index], 0
-            for start, end, kind, name, digest, source in sorted(self._spans.get(index, [])):
-                if start < cursor:
+            for span in sorted(self._spans.get(index, [])):
+                if span.start < cursor:
                     continue  # overlaps a span already placed
-                if start > cursor:
-                    out.append(_private(index, text, cursor, start))
-                out.append(Segment(message_index=index, char_start=start, char_end=end, kind=kind,  # type: ignore[arg-type]
-                                   name=name, content_hash=digest, source_request=source))
-                cursor = end
+                if span.start > cursor:
+                    out.append(_private(index, text, cursor, span.start))
+                out.append(Segment(message_index=index, char_start=span.start, char_end=span.end,
+                                   kind=span.kind, name=span.name, content_hash=span.content_hash,  # type: ignore[arg-type]
+                                   source_request=span.source_request))
+                cursor = span.end
             if cursor < len(text):
                 out.append(_private(index, text, cursor, len(text)))
         return out
 
-    def _add_new(self, spans: list, start: int, end: int, content: str, kind: TextKind) -> None:
+    def _add_new(self, spans: list[_Span], start: int, end: int, content: str, kind: TextKind) -> None:
         """A text seen for the first time: remember it and plan it as what it will be."""
         text = content[start:end]
         stripped = text.strip()
@@ -197,7 +209,7 @@ class _SegmentBuilder:
             self.session.question_seq = seq
         named = self._name_known(seq, known)
         if named is not None:
-            spans.append((start, end, named[0], named[1], known.content_hash, self.request_id))
+            spans.append(_Span(start, end, named[0], named[1], known.content_hash, self.request_id))
 
     def _name(self, match: Match) -> tuple[str, str | None, KnownText] | None:
         """(kind, name, text) for a match: texts of this session first, then shared blocks."""
@@ -228,8 +240,8 @@ class _SegmentBuilder:
         return ("placeholder", f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}")
 
 
-def _overlaps(spans: list, start: int, end: int) -> bool:
-    return any(s < end and start < e for s, e, *_ in spans)
+def _overlaps(spans: list[_Span], start: int, end: int) -> bool:
+    return any(span.start < end and start < span.end for span in spans)
 
 
 def _private(index: int, text: str, start: int, end: int) -> Segment:

@@ -63,9 +63,9 @@ class TextIndex(Generic[Ref]):
         self.anchor_chars = anchor_chars
         self._by_anchor: dict[int, dict[str, list[Ref]]] = {}  # anchor hash -> text -> refs
         self._anchor_of: dict[Ref, tuple[int, str]] = {}
-        self._table = np.zeros(1, dtype=bool)  # see _filter; rebuilt lazily after changes
+        self._table = np.zeros(1, dtype=bool)  # see _filter; rebuilt lazily when _filter_stale
         self._mask = np.uint64(0)
-        self._keys_stale = True
+        self._filter_stale = True
         self._num_dead_bits = 0
 
     def __len__(self) -> int:
@@ -79,8 +79,8 @@ class TextIndex(Generic[Ref]):
         self._by_anchor.setdefault(anchor, {}).setdefault(text, []).append(ref)
         self._anchor_of[ref] = (anchor, text)
         if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
-            self._keys_stale = True  # grow the filter
-        elif not self._keys_stale:
+            self._filter_stale = True  # grow the filter
+        elif not self._filter_stale:
             self._table[np.uint64(anchor) & self._mask] = True
         return True
 
@@ -97,7 +97,7 @@ class TextIndex(Generic[Ref]):
             del self._by_anchor[anchor]
             self._num_dead_bits += 1  # its filter bit stays set; rebuilt once many are dead
             if self._num_dead_bits > 1024 + len(self._by_anchor):
-                self._keys_stale = True
+                self._filter_stale = True
 
     def find(self, prompt: str) -> list[Match[Ref]]:
         """Known texts inside `prompt`, leftmost first, the longest at each position,
@@ -132,10 +132,10 @@ class TextIndex(Generic[Ref]):
         """A table indexed by the low bits of a hash, true where some anchor has those bits.
         A gather from it is far cheaper than a search of every window among the anchors;
         sized at about 64 slots per anchor, so few windows pass by accident."""
-        if self._keys_stale:
+        if self._filter_stale:
             bits = min(24, max(16, (64 * len(self._by_anchor)).bit_length()))
             self._mask = np.uint64((1 << bits) - 1)
             self._table = np.zeros(1 << bits, dtype=bool)
             self._table[np.array(list(self._by_anchor), dtype=np.uint64) & self._mask] = True
-            self._keys_stale, self._num_dead_bits = False, 0
+            self._filter_stale, self._num_dead_bits = False, 0
         return self._table, self._mask
