@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from gateway.admin import install_admin
 from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
-from gateway.inference import Inference
+from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
@@ -52,17 +52,22 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
+        inference = Inference(settings.inference)
+        store, saver = await start_store(settings, db, inference)
+        hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
         app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access,
-                                         Inference(settings.inference))
+                                         inference, store, hold)
         app.state.db = db
         try:
             yield
         finally:
-            for task in (health, key_refresh):
+            for task in (health, key_refresh, *([saver] if saver else [])):
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
             await writer.close()
+            if store is not None:
+                await final_flush(store)
             await http.close()
             await db.dispose()
             if owned_provider is not None:
@@ -115,6 +120,24 @@ async def build_access(settings: GatewaySettings, db: AsyncEngine) -> AccessCont
     access = AccessControl(KeyStore(db), settings.require_api_key, limiter, settings.key_refresh_s, estimator)
     await access.refresh()
     return access
+
+
+async def start_store(settings: GatewaySettings, db: AsyncEngine,
+                      inference: Inference) -> tuple[StateStore | None, asyncio.Task[None] | None]:
+    """Rebuild the inferred state from SQL and start saving it, unless persistence is off."""
+    if not settings.inference.persist:
+        return None, None
+    store = StateStore(db, inference, settings.inference.flush_interval_s)
+    loaded = await store.load()
+    logger.info("inferred state restored: %d agents, %d sessions, %d segments", *loaded)
+    return store, asyncio.create_task(store.run(), name="kvrelay-state-saver")
+
+
+async def final_flush(store: StateStore) -> None:
+    try:
+        await store.flush()
+    except (SQLAlchemyError, OSError) as exc:
+        logger.error("the last changes to the inferred state were not saved (%s)", type(exc).__name__)
 
 
 def get_state(request: Request) -> GatewayState:

@@ -23,14 +23,14 @@ from opentelemetry.trace import Tracer
 from gateway.auth import AccessControl, Charge
 from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
 from gateway.identity import Identity, identify
-from gateway.inference import Inference
+from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.sse import finish_reasons_of, inspect, split_events
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
-from engine_ext.protocol import attach_plan
+from engine_ext.protocol import RoundInfo, attach_plan
 from kvrelay.openai_errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ class GatewayState:
     tracer: Tracer
     access: AccessControl
     inference: Inference
+    store: StateStore | None = None  # None: inferred state is not persisted
+    round_hold: RoundHold | None = None  # None: requests of a round are never held
 
 
 class ProxiedCall:
@@ -66,7 +68,7 @@ class ProxiedCall:
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
         self._app_id: str | None = None
-        self._in_round = False
+        self._round: RoundInfo | None = None
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -79,12 +81,17 @@ class ProxiedCall:
             self.record.api_key_id = key.id if key is not None else None
             body = self._parse(await self._read_body())
             self._charge = self.state.access.admit(key, body)
-            body = self._infer(body, identify(self.request.headers, body, self.record.api_key_id))
+            ident = identify(self.request.headers, body, self.record.api_key_id)
+            if self.state.store is not None and ident.session_id is not None:
+                await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
+            body = self._infer(body, ident)
             payload = self._prepare(body)
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
+            if self._round is not None and self.state.round_hold is not None:
+                await self.state.round_hold.wait(self._round)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
                 self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id,
-                hold=self._in_round))
+                hold=self._round is not None))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
@@ -148,7 +155,7 @@ class ProxiedCall:
     def _infer(self, body: dict[str, Any], ident: Identity) -> dict[str, Any]:
         """Session, agent and the SegmentPlan; the plan rides along unless reuse is off."""
         result = self.state.inference.plan(ident, body, self.record.id, self.record.model or "")
-        self._app_id, self._in_round = ident.app_id, result.plan.round is not None
+        self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
         describe_plan(self.span, result.plan, result.session_inferred)

@@ -42,6 +42,9 @@ class InferenceSettings(BaseModel):
     fixed_prefix_delimiters: list[str] = []  # ends an agent's fixed system prefix explicitly
     prefix_min_hits: Annotated[int, Field(ge=1)] = 2  # prompts in a row that confirm a fixed prefix
     same_agent_ratio: Annotated[float, Field(gt=0, le=1)] = 0.9  # share of a system prompt that means same agent
+    persist: bool = True  # save the inferred state to SQL (texts included) so a restart continues sessions
+    flush_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5  # how often changed state is saved
+    round_hold_ms: Annotated[float, Field(ge=0, le=20)] = 0.0  # hold a round's early requests for the rest (0: off)
 
     @field_validator("separators", "fixed_prefix_delimiters")
     @classmethod

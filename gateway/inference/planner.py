@@ -17,7 +17,7 @@ from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
 from gateway.inference.blocks import split_blocks
 from gateway.inference.prefix import PrefixLearner
-from gateway.inference.state import AgentState, AppState, KnownText, SessionState, TextKind
+from gateway.inference.state import AgentState, AppState, Changes, KnownText, SessionState, TextKind
 from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
 
@@ -40,6 +40,7 @@ class _Span(NamedTuple):
     name: str | None
     content_hash: str
     source_request: str | None
+    seq: int | None = None  # a text of this session: named once the whole prompt is read
 
 
 class PlanResult(NamedTuple):
@@ -67,6 +68,7 @@ class Inference:
     def __init__(self, settings: InferenceSettings) -> None:
         self.settings = settings
         self.apps: dict[str, AppState] = {}
+        self.changes = Changes()  # for the StateStore, which saves them to SQL
 
     def app(self, app_id: str) -> AppState:
         app = self.apps.get(app_id)
@@ -84,7 +86,7 @@ class Inference:
         session.num_requests += 1
         system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
         agent = resolve_agent(app, ident.agent_id, system.content if system else None, model,
-                              self._new_learner, self.settings.same_agent_ratio)
+                              self.new_learner, self.settings.same_agent_ratio)
         fixed_chars = agent.prefix.observe(system.content).fixed_chars if system and system.content else 0
         builder = _SegmentBuilder(app, session, agent, request_id)
         for message in messages:
@@ -97,7 +99,13 @@ class Inference:
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
                            segments=builder.segments(), round=round_info, workflow=workflow,
                            adapter=body.get("model") if isinstance(body.get("model"), str) else None)
+        self.changes.sessions.add((ident.app_id, session_id))
+        self.changes.agents.add((ident.app_id, agent.id))
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)
+
+    def has_session(self, app_id: str, session_id: str) -> bool:
+        app = self.apps.get(app_id)
+        return app is not None and session_id in app.sessions
 
     def observe_response(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str) -> None:
         """Remember a completed answer so later prompts that quote it are linked to it."""
@@ -109,6 +117,7 @@ class Inference:
         seq = app.add_text(session, text, KnownText("response", agent_id, request_id, sha256(text)))
         if seq is not None:
             session.responses.setdefault(agent_id, []).append(seq)
+            self.changes.sessions.add((app_id, session_id))
 
     def _step(self, app: AppState, session: SessionState, agent_id: str, responses_read: set[int]) -> WorkflowInfo:
         """Teach the app's step graph this run, and read the workflow position from it.
@@ -132,7 +141,7 @@ class Inference:
                         chars[ref.session_id] += match.end - match.start
         return chars.most_common(1)[0][0] if chars else None
 
-    def _new_learner(self) -> PrefixLearner:
+    def new_learner(self) -> PrefixLearner:
         s = self.settings
         return PrefixLearner(s.prefix_min_hits, s.anchor_chars, tuple(s.fixed_prefix_delimiters))
 
@@ -154,10 +163,8 @@ class _SegmentBuilder:
         if fixed_chars:
             spans.append(_Span(0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
         for match in matches:
-            named = self._name(match)
-            if named is not None and match.start >= fixed_chars:
-                kind, name, known = named
-                spans.append(_Span(match.start, match.end, kind, name, known.content_hash, known.request_id))
+            if match.start >= fixed_chars and (span := self._span(match)) is not None:
+                spans.append(span)
         if message.role == "tool" and not matches:
             self._add_new(spans, 0, len(content), content, "tool")
         for block in split_blocks(content, tuple(separators)):
@@ -177,12 +184,20 @@ class _SegmentBuilder:
             self._add_new(spans, 0, len(message.content or ""), message.content or "", "question")
 
     def segments(self) -> list[Segment]:
+        """Every message cut into segments. A quoted text is named relative to the newest
+        text of the session this prompt holds, not to the newest text there is: every
+        agent of an All-Gather round names the previous round's outputs alike, even when
+        some agents of the round have already answered."""
+        horizon = max((span.seq for spans in self._spans.values() for span in spans if span.seq is not None),
+                      default=-1)
         out: list[Segment] = []
         for index in sorted(self._texts):
             text, cursor = self._texts[index], 0
             for span in sorted(self._spans.get(index, [])):
-                if span.start < cursor:
-                    continue  # overlaps a span already placed
+                if span.seq is not None:
+                    span = self._named(span, horizon)
+                if span is None or span.start < cursor:
+                    continue  # unnamed, or overlaps a span already placed
                 if span.start > cursor:
                     out.append(_private(index, text, cursor, span.start))
                 out.append(Segment(message_index=index, char_start=span.start, char_end=span.end,
@@ -207,37 +222,36 @@ class _SegmentBuilder:
             self.session.tools.setdefault(self.agent.id, []).append(seq)
         elif kind == "question":
             self.session.question_seq = seq
-        named = self._name_known(seq, known)
-        if named is not None:
-            spans.append(_Span(start, end, named[0], named[1], known.content_hash, self.request_id))
+        spans.append(_Span(start, end, "placeholder", None, known.content_hash, self.request_id, seq))
 
-    def _name(self, match: Match) -> tuple[str, str | None, KnownText] | None:
-        """(kind, name, text) for a match: texts of this session first, then shared blocks."""
+    def _span(self, match: Match) -> _Span | None:
+        """The span of a match: a text of this session first, else a block of another."""
         for ref in match.refs:
             if ref.session_id == self.session.id:
                 known = self.session.texts[ref.seq]
-                named = self._name_known(ref.seq, known)
-                if named is not None:
-                    if known.kind == "response":
-                        self.responses_read.add(ref.seq)
-                    return (*named, known)
+                if known.kind == "response":
+                    self.responses_read.add(ref.seq)
+                return _Span(match.start, match.end, "placeholder", None, known.content_hash, known.request_id,
+                             ref.seq)
         for ref in match.refs:
             other = self.app.sessions.get(ref.session_id)
-            if other is not None and other.texts[ref.seq].kind == "block":
-                return ("shared_block", None, other.texts[ref.seq])
+            if other is not None and (known := other.texts[ref.seq]).kind == "block":
+                return _Span(match.start, match.end, "shared_block", None, known.content_hash, known.request_id)
         return None
 
-    def _name_known(self, seq: int, known: KnownText) -> tuple[str, str | None] | None:
+    def _named(self, span: _Span, horizon: int) -> _Span | None:
+        """Kind and name of a span over a text of this session (seq); None when it has none."""
+        known = self.session.texts[span.seq]  # type: ignore[index]
         if known.kind == "block":
-            return ("shared_block", None)
+            return span._replace(kind="shared_block")
         if known.kind == "question":
-            return ("placeholder", "user_question")
+            return span._replace(name="user_question")
         series = (self.session.responses if known.kind == "response" else self.session.tools).get(known.agent_id or "", [])
-        if seq not in series:
+        if span.seq not in series:
             return None
-        back = len(series) - 1 - series.index(seq)
+        back = sum(1 for seq in series if span.seq < seq <= horizon)
         stem = "agent" if known.kind == "response" else "condition"
-        return ("placeholder", f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}")
+        return span._replace(name=f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}")
 
 
 def _overlaps(spans: list[_Span], start: int, end: int) -> bool:

@@ -18,7 +18,7 @@ MIN_SHARED_OUTPUTS = 2
 
 
 @dataclass
-class _Round:
+class RoundState:
     id: str
     expected: int
     num_requests: int = 0
@@ -27,9 +27,17 @@ class _Round:
 @dataclass
 class RoundDetector:
     session_id: str
-    rounds: dict[frozenset[int], _Round] = field(default_factory=dict)
+    rounds: dict[frozenset[int], RoundState] = field(default_factory=dict)
     last_size: int | None = None  # how many requests the latest finished round had
     _current: frozenset[int] | None = None
+
+    @property
+    def current(self) -> RoundState | None:
+        """The latest round (the one a new request most likely joins)."""
+        return self.rounds[self._current] if self._current is not None else None
+
+    def restore_current(self, round_id: str | None) -> None:
+        self._current = next((k for k, r in self.rounds.items() if r.id == round_id), None)
 
     def assign(self, outputs_read: frozenset[int]) -> RoundInfo | None:
         """The round of a request that read these outputs (their text seqs), or None."""
@@ -40,7 +48,7 @@ class RoundDetector:
             if self._current is not None:
                 self.last_size = self.rounds[self._current].num_requests
             expected = self.last_size or len(outputs_read)
-            state = self.rounds[outputs_read] = _Round(f"{self.session_id}/r{len(self.rounds) + 1}", expected)
+            state = self.rounds[outputs_read] = RoundState(f"{self.session_id}/r{len(self.rounds) + 1}", expected)
             self._current = outputs_read
         index = state.num_requests
         state.num_requests += 1

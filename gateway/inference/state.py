@@ -38,7 +38,6 @@ class AgentState:
     id: str
     model: str
     prefix: PrefixLearner
-    system_text: str | None = None  # the last system prompt seen, for telling agents apart
 
 
 @dataclass
@@ -52,6 +51,8 @@ class SessionState:
     num_requests: int = 0
     last_agent: str | None = None  # the agent of the latest request
     read_by: dict[str, set[int]] = field(default_factory=dict)  # agent -> response seqs its prompts quoted
+    first_seen: float = field(default_factory=time.time)  # wall clock, for the records
+    num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
     rounds: RoundDetector = field(init=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +60,27 @@ class SessionState:
 
     def next_seq(self) -> int:
         return len(self.texts)
+
+
+@dataclass
+class Changes:
+    """What changed since the last save to SQL: keys only, the rows are built when saved,
+    so a session touched by ten requests between two saves is written once."""
+
+    sessions: set[tuple[str, str]] = field(default_factory=set)  # (app, session)
+    agents: set[tuple[str, str]] = field(default_factory=set)  # (app, agent): its prefix and step-graph node
+
+    def take(self) -> Changes:
+        taken = Changes(self.sessions, self.agents)
+        self.sessions, self.agents = set(), set()
+        return taken
+
+    def merge(self, other: Changes) -> None:
+        self.sessions |= other.sessions
+        self.agents |= other.agents
+
+    def __bool__(self) -> bool:
+        return bool(self.sessions or self.agents)
 
 
 class AppState:
@@ -82,6 +104,14 @@ class AppState:
         self.sessions.move_to_end(session_id)
         state.last_seen = now
         return state
+
+    def adopt(self, session: SessionState) -> None:
+        """Take in a session rebuilt from SQL, with its texts, as the most recently used."""
+        if session.id in self.sessions:
+            self._drop(session.id)
+        self.sessions[session.id] = session
+        while len(self.sessions) > self._max_sessions:
+            self._drop(next(iter(self.sessions)))
 
     def add_text(self, session: SessionState, text: str, known: KnownText) -> int | None:
         """Remember a text of the session; its seq, or None if too short to find again."""

@@ -26,7 +26,7 @@ Aggregation = Literal["and", "or"]
 
 
 @dataclass
-class _Node:
+class StepNode:
     dataflow: Counter[str] = field(default_factory=Counter)  # source agent -> times its output was read
     succession: Counter[str] = field(default_factory=Counter)  # agent that ran just before -> times
     waited_all: int = 0  # runs triggered by fresh output of every predecessor
@@ -35,17 +35,17 @@ class _Node:
 
 class StepGraph:
     def __init__(self) -> None:
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, StepNode] = {}
 
     def observe(self, agent: str, read_from: set[str], fresh_from: set[str], previous: str | None) -> None:
         """Agent `agent` runs; it read outputs of `read_from`, of which `fresh_from` are new
         since its previous run; `previous` ran just before it in the session."""
-        node = self.nodes.setdefault(agent, _Node())
+        node = self.nodes.setdefault(agent, StepNode())
         for source in read_from - {agent}:
-            self.nodes.setdefault(source, _Node())
+            self.nodes.setdefault(source, StepNode())
             node.dataflow[source] += 1
         if previous is not None and previous != agent:
-            self.nodes.setdefault(previous, _Node())
+            self.nodes.setdefault(previous, StepNode())
             node.succession[previous] += 1
         predecessors = self.predecessors(agent)
         fresh = fresh_from & predecessors

@@ -84,6 +84,10 @@ class TextIndex(Generic[Ref]):
             self._table[np.uint64(anchor) & self._mask] = True
         return True
 
+    def text_of(self, ref: Ref) -> str | None:
+        entry = self._anchor_of.get(ref)
+        return entry[1] if entry is not None else None
+
     def remove(self, ref: Ref) -> None:
         entry = self._anchor_of.pop(ref, None)
         if entry is None:

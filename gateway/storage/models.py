@@ -75,3 +75,76 @@ class ApiKeyRow(Base):
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# What the gateway inferred from traffic (gateway.inference), keyed by app so two apps
+# with the same agent names stay apart. The in-memory state is a bounded cache of these
+# rows; they let a restarted gateway continue its sessions.
+
+
+class InferredAgentRow(Base):
+    __tablename__ = "inference_agents"
+
+    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    model: Mapped[str] = mapped_column(String(256))
+    prefix_candidate: Mapped[str | None] = mapped_column(Text)  # the fixed system prefix being learned
+    prefix_hits: Mapped[int] = mapped_column(Integer)
+    fixed_prefix_chars: Mapped[int] = mapped_column(Integer)  # 0 until the prefix is confirmed
+    waited_all: Mapped[int] = mapped_column(Integer)  # step-graph triggers (see StepGraph)
+    waited_some: Mapped[int] = mapped_column(Integer)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class StepEdgeRow(Base):
+    __tablename__ = "inference_edges"
+
+    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    target: Mapped[str] = mapped_column(String(128), primary_key=True)
+    source: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # dataflow | succession
+    count: Mapped[int] = mapped_column(Integer)
+
+
+class InferredSessionRow(Base):
+    __tablename__ = "inference_sessions"
+
+    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    num_requests: Mapped[int] = mapped_column(Integer)
+    question_seq: Mapped[int | None] = mapped_column(Integer)
+    last_agent: Mapped[str | None] = mapped_column(String(128))
+    series: Mapped[str] = mapped_column(Text)  # JSON: responses, tools and reads per agent (segment seqs)
+    last_round_size: Mapped[int | None] = mapped_column(Integer)
+    current_round: Mapped[str | None] = mapped_column(String(160))
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
+
+
+class SegmentRow(Base):
+    """A text of a session found again in later prompts: an agent's response, a tool
+    result, the user question or a recurring block. The text itself is kept (it is what
+    a later prompt is matched against); `content_hash` is what the engine keys KV by."""
+
+    __tablename__ = "inference_segments"
+
+    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # response | tool | question | block
+    agent_id: Mapped[str | None] = mapped_column(String(128))
+    request_id: Mapped[str] = mapped_column(String(64))
+    content_hash: Mapped[str] = mapped_column(String(64))
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RoundRow(Base):
+    __tablename__ = "inference_rounds"
+
+    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    round_id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    outputs: Mapped[str] = mapped_column(Text)  # JSON list of the segment seqs every member read
+    expected: Mapped[int] = mapped_column(Integer)
+    num_requests: Mapped[int] = mapped_column(Integer)

@@ -16,6 +16,7 @@ from datetime import datetime
 from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from gateway.storage.dialect import dialect_insert
 from gateway.storage.models import AgentRow, RequestRow, SessionRow
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class RecordWriter:
         self._engine = engine
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
         self._batch_size = batch_size
-        insert = _dialect_insert(engine.dialect.name)
+        insert = dialect_insert(engine.dialect.name)
         self._insert_session = insert(SessionRow.__table__).on_conflict_do_nothing()
         self._insert_agent = insert(AgentRow.__table__).on_conflict_do_nothing()
         self._insert_request = insert(RequestRow.__table__).on_conflict_do_nothing()
@@ -152,12 +153,3 @@ class RecordWriter:
                                    [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()])
             await conn.execute(self._insert_request, [vars(r) for r in batch])  # flat scalars: no deep copy
 
-
-def _dialect_insert(dialect: str):
-    if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
-    else:
-        raise ValueError(f"unsupported database dialect {dialect!r} (use sqlite or postgresql)")
-    return insert

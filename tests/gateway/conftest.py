@@ -81,11 +81,13 @@ def fake_upstream(_servers) -> Callable[..., FakeUpstream]:
 @pytest.fixture
 def start_gateway(tmp_path, clean_env, _servers) -> Callable[..., Gateway]:
     """Factory: start_gateway([upstream urls], **GatewaySettings fields) -> a running Gateway
-    with its own SQLite file, a 0.2 s health loop and short timeouts unless overridden."""
+    with its own SQLite file (or `db_path`, to restart on the database of a stopped one),
+    a 0.2 s health loop and short timeouts unless overridden."""
     counter = itertools.count()
 
-    def start(upstreams: list[str], *, tracer_provider: TracerProvider | None = None, **settings: Any) -> Gateway:
-        db_path = tmp_path / f"gateway-{next(counter)}.sqlite"
+    def start(upstreams: list[str], *, tracer_provider: TracerProvider | None = None, db_path: Path | None = None,
+              **settings: Any) -> Gateway:
+        db_path = db_path or tmp_path / f"gateway-{next(counter)}.sqlite"
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("timeouts", FAST_TIMEOUTS)
         config = GatewaySettings(upstreams=upstreams, database_url=f"sqlite+aiosqlite:///{db_path}", **settings)

@@ -1,0 +1,114 @@
+"""The inferred state as SQL rows and back: agents, step-graph edges, sessions, segments, rounds.
+
+Rows are plain dicts for Core executemany (see StateStore). Going back, a session is
+rebuilt whole: its texts re-enter the app's TextIndex, so placeholders in its next
+prompts are found as if the gateway had never stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.inference.prefix import PrefixLearner
+from gateway.inference.rounds import RoundState
+from gateway.inference.state import AgentState, AppState, KnownText, SessionState, TextRef
+from gateway.inference.stepgraph import StepNode
+
+Row = dict[str, Any]
+
+
+def agent_row(app_id: str, agent: AgentState, node: StepNode | None, now: datetime) -> Row:
+    fixed = agent.prefix.fixed
+    return {"app_id": app_id, "agent_id": agent.id, "model": agent.model,
+            "prefix_candidate": agent.prefix.candidate, "prefix_hits": agent.prefix.hits,
+            "fixed_prefix_chars": len(fixed) if fixed else 0,
+            "waited_all": node.waited_all if node else 0, "waited_some": node.waited_some if node else 0,
+            "updated_at": now}
+
+
+def edge_rows(app_id: str, target: str, node: StepNode) -> list[Row]:
+    return [{"app_id": app_id, "target": target, "source": source, "kind": kind, "count": count}
+            for kind, counter in (("dataflow", node.dataflow), ("succession", node.succession))
+            for source, count in counter.items()]
+
+
+def session_row(app_id: str, session: SessionState) -> Row:
+    series = {"responses": session.responses, "tools": session.tools,
+              "read_by": {agent: sorted(seqs) for agent, seqs in session.read_by.items()}}
+    current = session.rounds.current
+    return {"app_id": app_id, "session_id": session.id, "num_requests": session.num_requests,
+            "question_seq": session.question_seq, "last_agent": session.last_agent,
+            "series": json.dumps(series), "last_round_size": session.rounds.last_size,
+            "current_round": current.id if current else None,
+            "first_seen": datetime.fromtimestamp(session.first_seen, UTC),
+            "last_seen": _wall(session.last_seen)}
+
+
+def segment_rows(app: AppState, app_id: str, session: SessionState, start: int, now: datetime) -> list[Row]:
+    rows = []
+    for seq in range(start, session.next_seq()):
+        known = session.texts[seq]
+        text = app.index.text_of(TextRef(session.id, seq))
+        if text is None:
+            raise LookupError(f"text {seq} of session {session.id} is not indexed")
+        rows.append({"app_id": app_id, "session_id": session.id, "seq": seq, "kind": known.kind,
+                     "agent_id": known.agent_id, "request_id": known.request_id,
+                     "content_hash": known.content_hash, "text": text, "created_at": now})
+    return rows
+
+
+def round_rows(app_id: str, session: SessionState) -> list[Row]:
+    return [{"app_id": app_id, "session_id": session.id, "round_id": state.id,
+             "outputs": json.dumps(sorted(outputs)), "expected": state.expected, "num_requests": state.num_requests}
+            for outputs, state in session.rounds.rounds.items()]
+
+
+def restore_agent(app: AppState, row: Any, learner: PrefixLearner) -> None:
+    learner.candidate, learner.hits = row.prefix_candidate, row.prefix_hits
+    app.agents[row.agent_id] = AgentState(row.agent_id, row.model, learner)
+    node = app.graph.nodes.setdefault(row.agent_id, StepNode())
+    node.waited_all, node.waited_some = row.waited_all, row.waited_some
+
+
+def restore_edge(app: AppState, row: Any) -> None:
+    node = app.graph.nodes.setdefault(row.target, StepNode())
+    app.graph.nodes.setdefault(row.source, StepNode())
+    (node.dataflow if row.kind == "dataflow" else node.succession)[row.source] = row.count
+
+
+def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[Any]) -> SessionState:
+    """Rebuild a session and index its texts; `segments` in seq order."""
+    session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp())
+    series = json.loads(row.series)
+    session.responses = {agent: list(seqs) for agent, seqs in series["responses"].items()}
+    session.tools = {agent: list(seqs) for agent, seqs in series["tools"].items()}
+    session.read_by = {agent: set(seqs) for agent, seqs in series["read_by"].items()}
+    session.num_requests, session.question_seq, session.last_agent = row.num_requests, row.question_seq, row.last_agent
+    for segment in segments:
+        if segment.seq != session.next_seq():
+            break  # a gap: later texts could not be numbered the same again
+        app.index.add(segment.text, TextRef(session.id, segment.seq))
+        session.texts[segment.seq] = KnownText(segment.kind, segment.agent_id, segment.request_id,
+                                               segment.content_hash)
+    session.num_saved_texts = session.next_seq()
+    for r in rounds:
+        session.rounds.rounds[frozenset(json.loads(r.outputs))] = RoundState(r.round_id, r.expected, r.num_requests)
+    session.rounds.last_size = row.last_round_size
+    session.rounds.restore_current(row.current_round)
+    app.adopt(session)
+    return session
+
+
+def _aware(value: datetime) -> datetime:
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # SQLite drops the zone
+
+
+def _wall(monotonic: float) -> datetime:
+    return datetime.fromtimestamp(time.time() - (time.monotonic() - monotonic), UTC)
+
+
+def _monotonic(wall: datetime) -> float:
+    return time.monotonic() - max(0.0, time.time() - _aware(wall).timestamp())

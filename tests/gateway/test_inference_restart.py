@@ -1,0 +1,80 @@
+"""A gateway restarted mid-session continues it: rounds, placeholders and the step graph."""
+
+from __future__ import annotations
+
+import random
+
+import openai
+
+from engine_ext.protocol import SegmentPlan, read_plan
+
+QUESTION = "The town council asks: should the old mill by the river become a library or a bakery?"
+NUM_AGENTS = 3
+
+
+def _round(gw, fake, r: int, outputs: list[str], rng: random.Random, headers: dict[str, str]
+           ) -> tuple[list[SegmentPlan], list[dict], list[str]]:
+    """One All-Gather round: every villager reads all outputs of the last round, shuffled."""
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
+    plans, bodies, answers = [], [], []
+    for i in range(NUM_AGENTS):
+        shown = outputs[:]
+        rng.shuffle(shown)
+        user = QUESTION if r == 0 else "What your neighbours said:\n\n" + "\n\n".join(shown)
+        fake.behaviour.pieces = [f"Round {r}, villager {i}: I have listened, and I now argue that the mill "
+                                 f"should become a {('library', 'bakery')[(i + r) % 2]} for the whole town."]
+        messages = [{"role": "system", "content": f"You are villager {i} of a small river town; you speak plainly."},
+                    {"role": "user", "content": user}]
+        answers.append(client.chat.completions.create(model="fake", messages=messages, extra_headers=headers)
+                       .choices[0].message.content)
+        bodies.append(fake.received[-1].body)
+        plans.append(read_plan(bodies[-1]))
+    return plans, bodies, answers
+
+
+def _covered(plan: SegmentPlan, body: dict, kind: str) -> dict[str, str]:
+    return {s.name or s.content_hash: body["messages"][s.message_index]["content"][s.char_start:s.char_end]
+            for s in plan.segments if s.kind == kind}
+
+
+def _run(gw_first, start_gateway, fake, headers: dict[str, str]) -> None:
+    rng = random.Random(3)
+    first, _, outputs = _round(gw_first, fake, 0, [], rng, headers)
+    second, _, outputs = _round(gw_first, fake, 1, outputs, rng, headers)
+    gw_first.server.stop()  # lifespan exit: the last changes are saved
+
+    gw = start_gateway([fake.url], db_path=gw_first.db_path)
+    third, bodies, _ = _round(gw, fake, 2, outputs, rng, headers)
+
+    assert {p.session_id for p in first + second + third} == {first[0].session_id}
+    assert [p.agent_id for p in third] == [p.agent_id for p in first]  # agents recognised by their system prompts
+    assert [p.round.index for p in third] == [0, 1, 2] and {p.round.size for p in third} == {3}
+    assert third[0].round.id != second[0].round.id and third[0].round.id.endswith("/r2")
+    for plan, body in zip(third, bodies):
+        quoted = _covered(plan, body, "placeholder")
+        assert sorted(quoted) == sorted(f"agent_{p.agent_id}_current" for p in first)
+        assert sorted(quoted.values()) == sorted(outputs)
+        assert _covered(plan, body, "fixed_prefix")  # the fixed system prefix survived too
+    assert third[0].workflow.steps_to_execution  # the step graph came back with the agents
+
+
+def test_a_session_named_by_header_continues_after_a_restart(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    _run(start_gateway([fake.url]), start_gateway, fake, {"x-session-id": "town-7"})
+
+
+def test_a_session_found_by_content_continues_after_a_restart(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    _run(start_gateway([fake.url]), start_gateway, fake, {})
+
+
+def test_a_session_pushed_out_of_memory_is_restored_on_its_next_request(fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url], inference={"max_sessions": 1, "flush_interval_s": 0.05})
+    rng = random.Random(5)
+    _, _, outputs = _round(gw, fake, 0, [], rng, {"x-session-id": "town-1"})
+    _round(gw, fake, 0, [], random.Random(6), {"x-session-id": "town-2"})  # pushes town-1 out
+    assert not gw.state.inference.has_session("default", "town-1")
+    plans, _, _ = _round(gw, fake, 1, outputs, rng, {"x-session-id": "town-1"})
+    assert [p.round.index for p in plans] == [0, 1, 2]
+    assert all(len([s for s in p.segments if s.kind == "placeholder"]) == NUM_AGENTS for p in plans)
