@@ -1,4 +1,5 @@
-"""/admin routes: manage client API keys and look at the upstreams, behind the admin key.
+"""/admin routes, behind the admin key: manage client API keys, look at the upstreams and at
+the sessions, agents, rounds and step graphs inferred from traffic.
 
 The admin key is separate from client keys (a leaked client key cannot mint others) and
 is configured, not stored: KVRELAY_ADMIN_KEY. Without it the admin API is off.
@@ -8,21 +9,24 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
+from gateway.inference.views import session_agents, session_detail, session_summary
 from kvrelay.openai_errors import error_response
 
 
 class AdminRefused(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "admin_unauthorized") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class NewKey(BaseModel):
@@ -81,7 +85,46 @@ def admin_router() -> APIRouter:
                  "models": sorted(u.models)} for u in state.upstreams.pool.upstreams]
         return {"object": "list", "data": data}
 
+    @router.get("/sessions")
+    async def sessions(state: Admin, app: str | None = None,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
+        """Live sessions (in memory), most recently used first."""
+        apps = state.inference.apps
+        live = [(app_id, s) for app_id, a in apps.items() if app in (None, app_id) for s in a.sessions.values()]
+        live.sort(key=lambda item: item[1].last_seen, reverse=True)
+        return {"object": "list", "data": [session_summary(app_id, s) for app_id, s in live[:limit]]}
+
+    @router.get("/sessions/{session_id}", response_model=None)
+    async def session(session_id: str, state: Admin, app: str | None = None,
+                      format: Literal["json", "mermaid"] = "json") -> Response:
+        """One session, live or restored from SQL, with its agents, segments, rounds and step graph."""
+        app_id = await _session_app(state, session_id, app)
+        found = state.inference.apps[app_id].sessions[session_id]
+        if format == "mermaid":
+            graph = state.inference.apps[app_id].graph
+            return PlainTextResponse(graph.mermaid(set(session_agents(found))) + "\n")
+        return JSONResponse(session_detail(state.inference.apps[app_id], app_id, found))
+
     return router
+
+
+async def _session_app(state: GatewayState, session_id: str, app: str | None) -> str:
+    """The app whose session this is, with the session in memory (restored if need be)."""
+    apps = [app] if app is not None else [a for a, s in state.inference.apps.items() if session_id in s.sessions]
+    if not apps and state.store is not None:
+        try:
+            apps = await state.store.sessions_named(session_id)
+        except (SQLAlchemyError, OSError) as exc:
+            raise AdminRefused(503, f"database unavailable: {type(exc).__name__}", code="database_unavailable") from exc
+    if len(apps) > 1:
+        raise AdminRefused(409, f"session {session_id!r} exists in several apps ({', '.join(sorted(apps))}); "
+                                "name one with ?app=", code="ambiguous_session")
+    if apps and state.store is not None:
+        await state.store.restore(apps[0], session_id)
+    if not apps or not state.inference.has_session(apps[0], session_id):
+        raise AdminRefused(404, f"no session {session_id!r}" + (f" in app {app!r}" if app else ""),
+                           code="session_not_found")
+    return apps[0]
 
 
 def install_admin(app: Any) -> None:
@@ -89,4 +132,4 @@ def install_admin(app: Any) -> None:
 
     @app.exception_handler(AdminRefused)
     async def _refused(_: Request, exc: AdminRefused) -> JSONResponse:
-        return error_response(exc.status, str(exc), "invalid_request_error", code="admin_unauthorized")
+        return error_response(exc.status, str(exc), "invalid_request_error", code=exc.code)

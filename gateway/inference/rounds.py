@@ -29,6 +29,7 @@ class RoundDetector:
     session_id: str
     rounds: dict[frozenset[int], RoundState] = field(default_factory=dict)
     last_size: int | None = None  # how many requests the latest finished round had
+    unsaved: set[frozenset[int]] = field(default_factory=set)  # rounds changed since the last save to SQL
     _current: frozenset[int] | None = None
 
     @property
@@ -52,4 +53,5 @@ class RoundDetector:
             self._current = outputs_read
         index = state.num_requests
         state.num_requests += 1
+        self.unsaved.add(outputs_read)
         return RoundInfo(id=state.id, size=max(state.expected, state.num_requests), index=index)

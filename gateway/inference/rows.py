@@ -60,10 +60,11 @@ def segment_rows(app: AppState, app_id: str, session: SessionState, start: int, 
     return rows
 
 
-def round_rows(app_id: str, session: SessionState) -> list[Row]:
-    return [{"app_id": app_id, "session_id": session.id, "round_id": state.id,
-             "outputs": json.dumps(sorted(outputs)), "expected": state.expected, "num_requests": state.num_requests}
-            for outputs, state in session.rounds.rounds.items()]
+def round_rows(app_id: str, session: SessionState, keys: set[frozenset[int]]) -> list[Row]:
+    rounds = session.rounds.rounds
+    return [{"app_id": app_id, "session_id": session.id, "round_id": rounds[outputs].id,
+             "outputs": json.dumps(sorted(outputs)), "expected": rounds[outputs].expected,
+             "num_requests": rounds[outputs].num_requests} for outputs in keys]
 
 
 def restore_agent(app: AppState, row: Any, learner: PrefixLearner) -> None:

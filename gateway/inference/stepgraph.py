@@ -122,14 +122,18 @@ class StepGraph:
         steps = self.steps_to_execution(current)
         return WorkflowInfo(steps_to_execution=steps, next=sorted(a for a, s in steps.items() if s == 1))
 
-    def mermaid(self) -> str:
-        """The graph as Mermaid flowchart text (AND nodes drawn as rhombi)."""
+    def mermaid(self, agents: set[str] | None = None) -> str:
+        """The graph (or its part among `agents`) as Mermaid flowchart text: AND nodes as
+        rhombi, dataflow edges solid, succession edges dotted."""
+        keep = sorted(set(self.nodes) if agents is None else agents & set(self.nodes))
+        ids = {agent: f"n{i}" for i, agent in enumerate(keep)}  # agent ids are free text: never used as ids
         lines = ["flowchart LR"]
-        for agent in sorted(self.nodes):
-            lines.append(f'    {_node_id(agent)}{{"{agent}"}}' if self.aggregation(agent) == "and"
-                         else f'    {_node_id(agent)}["{agent}"]')
+        for agent in keep:
+            label = '"' + agent.replace('"', "#quot;") + '"'
+            lines.append(f"    {ids[agent]}{{{label}}}" if self.aggregation(agent) == "and" else f"    {ids[agent]}[{label}]")
         for src, dst, kind in self.edges():
-            lines.append(f"    {_node_id(src)} {'-->' if kind == 'dataflow' else '-.->'} {_node_id(dst)}")
+            if src in ids and dst in ids:
+                lines.append(f"    {ids[src]} {'-->' if kind == 'dataflow' else '-.->'} {ids[dst]}")
         return "\n".join(lines)
 
 
@@ -141,7 +145,3 @@ def _reachable(successors: dict[str, set[str]], start: str, avoid: str) -> set[s
                 seen.add(nxt)
                 frontier.append(nxt)
     return seen - {start}
-
-
-def _node_id(agent: str) -> str:
-    return "n_" + "".join(c if c.isalnum() else "_" for c in agent)

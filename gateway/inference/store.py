@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from gateway.inference import rows
 from gateway.inference.planner import Inference
-from gateway.inference.state import Changes
+from gateway.inference.state import Changes, SessionState
 from gateway.storage.dialect import upsert
 from gateway.storage.models import InferredAgentRow, InferredSessionRow, RoundRow, SegmentRow, StepEdgeRow
 
@@ -31,6 +31,14 @@ logger = logging.getLogger(__name__)
 
 _RESTORE_TIMEOUT_S = 0.5  # a new session's first request waits at most this for the database
 _RESTORE_BACKOFF_S = 5.0  # after a failed restore, skip restores this long (the database is likely down)
+
+
+class _Saved(NamedTuple):
+    """What a save covered of one session, marked saved once the transaction commits."""
+
+    session: SessionState
+    num_texts: int
+    rounds: set[frozenset[int]]
 
 
 class LoadResult(NamedTuple):
@@ -112,8 +120,9 @@ class StateStore:
             self._inference.changes.merge(changes)  # saved next time (upserts: a repeat is harmless)
             self.num_save_errors += 1
             raise
-        for session, num_saved in advance:
-            session.num_saved_texts = max(session.num_saved_texts, num_saved)
+        for saved in advance:
+            saved.session.num_saved_texts = max(saved.session.num_saved_texts, saved.num_texts)
+            saved.session.rounds.unsaved -= saved.rounds
         self.num_saves += 1
         return sum(len(v) for v in batch.values())
 
@@ -126,10 +135,10 @@ class StateStore:
             except (SQLAlchemyError, OSError) as exc:
                 logger.warning("saving inferred state failed (%s); retrying", type(exc).__name__)
 
-    def _rows(self, changes: Changes) -> tuple[dict[type, list[rows.Row]], list[tuple[object, int]]]:
+    def _rows(self, changes: Changes) -> tuple[dict[type, list[rows.Row]], list[_Saved]]:
         now = datetime.now(UTC)
         batch: dict[type, list[rows.Row]] = {t: [] for t in self._upserts}
-        advance = []
+        advance: list[_Saved] = []
         for app_id, agent_id in sorted(changes.agents):
             app = self._inference.apps.get(app_id)
             agent = app.agents.get(agent_id) if app else None
@@ -146,8 +155,9 @@ class StateStore:
                 continue  # dropped from memory since: its last saved state stands
             batch[InferredSessionRow].append(rows.session_row(app_id, session))
             batch[SegmentRow] += rows.segment_rows(app, app_id, session, session.num_saved_texts, now)
-            batch[RoundRow] += rows.round_rows(app_id, session)
-            advance.append((session, session.next_seq()))
+            rounds = set(session.rounds.unsaved)
+            batch[RoundRow] += rows.round_rows(app_id, session, rounds)
+            advance.append(_Saved(session, session.next_seq(), rounds))
         return batch, advance
 
     async def _read_session(self, conn: AsyncConnection, app_id: str, session_id: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,9 +17,24 @@ from opentelemetry.sdk.trace import TracerProvider
 from gateway import GatewaySettings, create_app
 from gateway.call import GatewayState
 from gateway.settings import Timeouts
+from gateway.storage import migrate
 from tests.gateway.support import Behaviour, FakeUpstream, LoopbackServer, stop_all, wait_rows
 
+PG_URL = os.environ.get("KVRELAY_TEST_POSTGRES_URL")
+PG_CTL = os.environ.get("KVRELAY_TEST_PG_CTL")
+needs_pg = pytest.mark.skipif(not PG_URL, reason="no PostgreSQL (run through scripts/with-postgres.sh, as make test does)")
 FAST_TIMEOUTS = Timeouts(connect_s=1.0, first_byte_s=5.0, idle_s=5.0, total_s=30.0)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_pg)])
+def db_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path}/records.db"
+    else:
+        url = PG_URL
+        migrate.downgrade(url, "base")  # a clean schema for every test
+    migrate.upgrade(url)
+    return url
 
 
 @dataclass

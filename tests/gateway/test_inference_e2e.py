@@ -246,3 +246,28 @@ def test_all_gather_agents_learn_and_aggregation(fake_upstream, start_gateway):
     # every villager read the fresh outputs of all the others before each of its runs
     assert all(graph.aggregation(a) == "and" for a in agents)
     assert "flowchart LR" in graph.mermaid() and all(a in graph.mermaid() for a in agents)
+
+
+def test_with_a_round_hold_the_requests_of_a_round_leave_together(fake_upstream, start_gateway):
+    from concurrent.futures import ThreadPoolExecutor
+
+    fake = fake_upstream(pieces=["Villager answer: the market first, then the library, then the harvest."])
+    gw = start_gateway([fake.url], inference={"round_hold_ms": 20})
+    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0,
+                           default_headers={"x-session-id": "town"})
+    outputs = [f"Villager {i} opens the day: I will walk to the market and buy bread, then water my garden."
+               for i in range(3)]
+    for i, text in enumerate(outputs):  # round 0: each villager's own plan becomes its output
+        fake.behaviour.pieces = [text]
+        client.chat.completions.create(model="fake", messages=[
+            {"role": "system", "content": f"You are villager {i}, living in a small town by the river."},
+            {"role": "user", "content": "Day starts. What is your plan?"}])
+
+    def member(i: int) -> None:
+        client.chat.completions.create(model="fake", messages=[
+            {"role": "system", "content": f"You are villager {i}, living in a small town by the river."},
+            {"role": "user", "content": "What your neighbours said:\n\n" + "\n\n".join(outputs)}])
+
+    with ThreadPoolExecutor(3) as pool:
+        list(pool.map(member, range(3)))
+    assert gw.state.round_hold is not None and gw.state.round_hold.num_released_together == 2

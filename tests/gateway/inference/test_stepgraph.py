@@ -55,5 +55,18 @@ def test_mermaid_draws_and_nodes_as_rhombi_and_succession_dotted():
     g.observe("k", set(), set(), "j")
     text = g.mermaid()
     assert text.splitlines()[0] == "flowchart LR"
-    assert '    n_j{"j"}' in text and '    n_x["x"]' in text
-    assert "    n_x --> n_j" in text and "    n_j -.-> n_k" in text
+    # sorted: j=n0, k=n1, x=n2, y=n3
+    assert '    n0{"j"}' in text and '    n2["x"]' in text
+    assert "    n2 --> n0" in text and "    n0 -.-> n1" in text
+
+
+def test_mermaid_keeps_free_text_agent_ids_from_breaking_the_chart_and_can_show_a_part():
+    g = StepGraph()
+    g.observe('say "hi"', set(), set(), None)
+    g.observe("a-b", {'say "hi"'}, {'say "hi"'}, 'say "hi"')
+    g.observe("a_b", {"a-b"}, {"a-b"}, "a-b")
+    text = g.mermaid()
+    assert '["say #quot;hi#quot;"]' in text and '"a-b"' in text and '"a_b"' in text
+    assert len({line.split("[")[0] for line in text.splitlines()[1:4]}) == 3  # distinct node ids
+    part = g.mermaid({"a-b", "a_b", "absent"})
+    assert "say" not in part and part.count("-->") == 1

@@ -16,22 +16,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from gateway.storage import RecordWriter, RequestRecord, RequestRow, SessionRow
 from gateway.storage import migrate
 from gateway.storage.models import AgentRow
-
-PG_URL = os.environ.get("KVRELAY_TEST_POSTGRES_URL")
-PG_CTL = os.environ.get("KVRELAY_TEST_PG_CTL")
-needs_pg = pytest.mark.skipif(not PG_URL, reason="no PostgreSQL (run through scripts/with-postgres.sh, as make test does)")
-
-
-@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=needs_pg)])
-def db_url(request, tmp_path) -> str:
-    if request.param == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path}/records.db"
-    else:
-        url = PG_URL
-        migrate.downgrade(url, "base")  # a clean schema for every test
-    migrate.upgrade(url)
-    return url
-
+from tests.gateway.conftest import PG_CTL, PG_URL, needs_pg
 
 def record(i: int, session: str | None = "s1", agent: str | None = "a1") -> RequestRecord:
     now = datetime.now(UTC)
