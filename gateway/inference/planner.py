@@ -7,6 +7,7 @@ synchronous and touch only memory: the cost is a few numpy passes over the promp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import uuid
 from collections import Counter
@@ -17,7 +18,8 @@ from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
 from gateway.inference.blocks import split_blocks
 from gateway.inference.prefix import PrefixLearner
-from gateway.inference.state import AgentState, AppState, Changes, KnownText, SessionState, TextKind
+from gateway.inference.question import common_core
+from gateway.inference.state import AgentState, AppState, Changes, KnownText, SessionState, TextKind, TextRef
 from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
 
@@ -93,7 +95,7 @@ class Inference:
             if message.content:
                 fixed = fixed_chars if system is not None and message.index == system.index else 0
                 builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
-        builder.add_question(messages)
+        builder.add_question(messages, self.settings.anchor_chars)
         round_info = session.rounds.assign(frozenset(builder.responses_read))
         workflow = self._step(app, session, agent.id, builder.responses_read)
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
@@ -171,17 +173,35 @@ class _SegmentBuilder:
             if block.start >= fixed_chars and not _overlaps(spans, block.start, block.end):
                 self._add_new(spans, block.start, block.end, content, "block")
 
-    def add_question(self, messages: list[PromptMessage]) -> None:
-        """The first request of a session brings the shared user question."""
-        if self.session.question_seq is not None or self.session.num_requests > 1:
-            return
+    def add_question(self, messages: list[PromptMessage], anchor_chars: int) -> None:
+        """The first request of a session brings the shared user question; a later agent
+        that wraps it in its own template narrows it to the text they share."""
         asks = [m for m in messages if m.role == "user" and m.name in (None, "user") and m.content]
         if not asks:
             return
-        message = asks[-1]
+        session = self.session
+        if session.question_seq is None:
+            if session.num_requests == 1 and not self._spans.get(asks[-1].index):
+                message = asks[-1]
+                self._add_new(self._spans.setdefault(message.index, []), 0, len(message.content or ""),
+                              message.content or "", "question")
+            return
+        seq = session.question_seq
+        if self.agent.id in session.question_tried or any(
+                span.seq == seq for spans in self._spans.values() for span in spans):
+            return
+        session.question_tried.add(self.agent.id)
+        message = asks[0]
+        question = self.app.index.text_of(TextRef(session.id, seq)) or ""
+        core = common_core(question, message.content or "", anchor_chars)
         spans = self._spans.setdefault(message.index, [])
-        if not spans:
-            self._add_new(spans, 0, len(message.content or ""), message.content or "", "question")
+        if core is None or _overlaps(spans, core.message_start, core.message_start + core.end - core.start):
+            return
+        text = question[core.start:core.end]
+        known = dataclasses.replace(session.texts[seq], content_hash=sha256(text))
+        self.app.replace_text(session, seq, text, known)
+        start = core.message_start
+        spans.append(_Span(start, start + len(text), "placeholder", None, known.content_hash, known.request_id, seq))
 
     def segments(self) -> list[Segment]:
         """Every message cut into segments. A quoted text is named relative to the newest

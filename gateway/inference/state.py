@@ -51,6 +51,7 @@ class SessionState:
     num_requests: int = 0
     last_agent: str | None = None  # the agent of the latest request
     read_by: dict[str, set[int]] = field(default_factory=dict)  # agent -> response seqs its prompts quoted
+    question_tried: set[str] = field(default_factory=set)  # agents whose template was compared with the question
     first_seen: float = field(default_factory=time.time)  # wall clock, for the records
     num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
     rounds: RoundDetector = field(init=False)
@@ -120,6 +121,14 @@ class AppState:
             return None
         session.texts[seq] = known
         return seq
+
+    def replace_text(self, session: SessionState, seq: int, text: str, known: KnownText) -> None:
+        """Narrow a known text (the question, to the part agents share); saved again."""
+        ref = TextRef(session.id, seq)
+        self.index.remove(ref)
+        self.index.add(text, ref)
+        session.texts[seq] = known
+        session.num_saved_texts = min(session.num_saved_texts, seq)
 
     def expire(self, now: float) -> None:
         while self.sessions:
