@@ -261,17 +261,11 @@ class _SegmentBuilder:
 
     def _named(self, span: _Span, horizon: int) -> _Span | None:
         """Kind and name of a span over a text of this session (seq); None when it has none."""
-        known = self.session.texts[span.seq]  # type: ignore[index]
-        if known.kind == "block":
+        seq = span.seq if span.seq is not None else -1
+        if self.session.texts[seq].kind == "block":
             return span._replace(kind="shared_block")
-        if known.kind == "question":
-            return span._replace(name="user_question")
-        series = (self.session.responses if known.kind == "response" else self.session.tools).get(known.agent_id or "", [])
-        if span.seq not in series:
-            return None
-        back = sum(1 for seq in series if span.seq < seq <= horizon)
-        stem = "agent" if known.kind == "response" else "condition"
-        return span._replace(name=f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}")
+        name = self.session.placeholder_name(seq, horizon)
+        return span._replace(name=name) if name is not None else None
 
 
 def _overlaps(spans: list[_Span], start: int, end: int) -> bool:

@@ -62,6 +62,22 @@ class SessionState:
     def next_seq(self) -> int:
         return len(self.texts)
 
+    def placeholder_name(self, seq: int, horizon: int | None = None) -> str | None:
+        """The KVCOMM name of text `seq` (None for a block), counting back from text
+        `horizon` (default: the newest): `agent_<id>_history_<k>` is k outputs older."""
+        known = self.texts[seq]
+        if known.kind == "question":
+            return "user_question"
+        if known.kind == "block":
+            return None
+        series = (self.responses if known.kind == "response" else self.tools).get(known.agent_id or "", [])
+        if seq not in series:
+            return None
+        horizon = self.next_seq() if horizon is None else horizon
+        back = sum(1 for later in series if seq < later <= horizon)
+        stem = "agent" if known.kind == "response" else "condition"
+        return f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}"
+
 
 @dataclass
 class Changes:

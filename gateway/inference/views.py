@@ -50,20 +50,5 @@ def _fixed_chars(app: AppState, agent_id: str) -> int:
 def _segment(app: AppState, session: SessionState, seq: int) -> dict[str, Any]:
     known = session.texts[seq]
     text = app.index.text_of(TextRef(session.id, seq)) or ""
-    return {"seq": seq, "kind": known.kind, "name": _name(session, seq), "agent": known.agent_id,
+    return {"seq": seq, "kind": known.kind, "name": session.placeholder_name(seq), "agent": known.agent_id,
             "request_id": known.request_id, "content_hash": known.content_hash, "chars": len(text)}
-
-
-def _name(session: SessionState, seq: int) -> str | None:
-    """The placeholder name the text has now (KVCOMM convention), None for a block."""
-    known = session.texts[seq]
-    if known.kind == "question":
-        return "user_question"
-    if known.kind == "block":
-        return None
-    series = (session.responses if known.kind == "response" else session.tools).get(known.agent_id or "", [])
-    if seq not in series:
-        return None
-    back = len(series) - 1 - series.index(seq)
-    stem = "agent" if known.kind == "response" else "condition"
-    return f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}"

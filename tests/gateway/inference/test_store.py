@@ -4,6 +4,8 @@ gateway plans the next request exactly as one that never stopped."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 from sqlalchemy import func, select
@@ -50,20 +52,26 @@ def _without_ids(result) -> dict:
     return result.plan.model_dump(exclude={"request_id"})
 
 
-async def _store(url: str, inference: Inference) -> StateStore:
-    return StateStore(create_async_engine(url), inference)
+@asynccontextmanager
+async def _store(url: str, inference: Inference) -> AsyncIterator[StateStore]:
+    engine = create_async_engine(url)
+    try:
+        yield StateStore(engine, inference)
+    finally:
+        await engine.dispose()
 
 
 def test_a_rebuilt_gateway_plans_the_next_request_like_one_that_never_stopped(db_url):
     async def run() -> None:
         live = Inference(InferenceSettings())
         transcripts = {app: _converse(live, app, session, 3) for app, session in (("a", "s1"), ("b", None))}
-        store = await _store(db_url, live)
-        assert await store.flush() > 0
-        assert await store.flush() == 0  # nothing changed since
+        async with _store(db_url, live) as store:
+            assert await store.flush() > 0
+            assert await store.flush() == 0  # nothing changed since
 
         rebuilt = Inference(InferenceSettings())
-        loaded = await (await _store(db_url, rebuilt)).load()
+        async with _store(db_url, rebuilt) as store:
+            loaded = await store.load()
         assert loaded.num_sessions == 2 and loaded.num_agents == 6
         for app, session in (("a", "s1"), ("b", None)):
             expected = _request(live, "Critic", 3, transcripts[app], app, session, respond=False)
@@ -78,11 +86,11 @@ def test_a_rebuilt_gateway_plans_the_next_request_like_one_that_never_stopped(db
 def test_only_new_texts_are_written_again(db_url):
     async def run() -> None:
         inference = Inference(InferenceSettings())
-        store = await _store(db_url, inference)
-        transcript = _converse(inference, "a", "s1", 1)
-        await store.flush()
-        _request(inference, "Planner", 1, transcript, "a", "s1")
-        written = await store.flush()
+        async with _store(db_url, inference) as store:
+            transcript = _converse(inference, "a", "s1", 1)
+            await store.flush()
+            _request(inference, "Planner", 1, transcript, "a", "s1")
+            written = await store.flush()
         assert written == 1 + 1 + 1 + 3 + 1  # the session, its new answer, the agent, its 3 edges, its new round
         engine = create_async_engine(db_url)
         async with engine.connect() as conn:
@@ -95,20 +103,20 @@ def test_only_new_texts_are_written_again(db_url):
 def test_a_session_out_of_memory_is_restored_on_demand_and_a_missing_one_is_not(db_url):
     async def run() -> None:
         inference = Inference(InferenceSettings(max_sessions=1))
-        store = await _store(db_url, inference)
-        transcript = _converse(inference, "a", "s1", 2)
-        await store.flush()
-        _converse(inference, "a", "s2", 1)  # pushes s1 out of memory
-        assert not inference.has_session("a", "s1")
-        assert await store.restore("a", "s1")
-        assert not await store.restore("a", "s1")  # already in memory
-        assert not await store.restore("a", "nowhere")
-        assert not await store.restore("b", "s1")  # another app's session of that name: none
+        async with _store(db_url, inference) as store:
+            transcript = _converse(inference, "a", "s1", 2)
+            await store.flush()
+            _converse(inference, "a", "s2", 1)  # pushes s1 out of memory
+            assert not inference.has_session("a", "s1")
+            assert await store.restore("a", "s1")
+            assert not await store.restore("a", "s1")  # already in memory
+            assert not await store.restore("a", "nowhere")
+            assert not await store.restore("b", "s1")  # another app's session of that name: none
+            assert await store.sessions_named("s1") == ["a"]
         result = _request(inference, "Planner", 2, transcript, "a", "s1", respond=False)
         names = {s.name for s in result.plan.segments if s.kind == "placeholder"}
         assert {"user_question", "agent_Booker_current", "agent_Booker_history_1"} <= {
             n.replace(_agent(inference, "Booker"), "Booker") for n in names if n}
-        assert await store.sessions_named("s1") == ["a"]
 
     asyncio.run(run())
 
@@ -121,10 +129,10 @@ def test_a_failed_save_keeps_its_changes_for_the_next(tmp_path):
     async def run() -> None:
         inference = Inference(InferenceSettings())
         _converse(inference, "a", "s1", 1)
-        store = await _store(f"sqlite+aiosqlite:///{tmp_path}/missing-dir/x.db", inference)
-        with pytest.raises(OperationalError):
-            await store.flush()
-        assert ("a", "s1") in inference.changes.sessions and store.num_save_errors == 1
+        async with _store(f"sqlite+aiosqlite:///{tmp_path}/missing-dir/x.db", inference) as store:
+            with pytest.raises(OperationalError):
+                await store.flush()
+            assert ("a", "s1") in inference.changes.sessions and store.num_save_errors == 1
         session = inference.app("a").sessions["s1"]
         assert session.num_saved_texts == 0
 
@@ -135,14 +143,14 @@ def test_a_save_cancelled_mid_write_keeps_its_changes(db_url):
     async def run() -> None:
         inference = Inference(InferenceSettings())
         _converse(inference, "a", "s1", 1)
-        store = await _store(db_url, inference)
-        task = asyncio.create_task(store.flush())
-        await asyncio.sleep(0)  # it took the changes and is waiting on the database
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert inference.changes
-        await store.flush()
+        async with _store(db_url, inference) as store:
+            task = asyncio.create_task(store.flush())
+            await asyncio.sleep(0)  # it took the changes and is waiting on the database
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert inference.changes
+            await store.flush()
         engine = create_async_engine(db_url)
         async with engine.connect() as conn:
             assert (await conn.execute(select(func.count()).select_from(InferredSessionRow))).scalar_one() == 1
@@ -154,12 +162,12 @@ def test_a_save_cancelled_mid_write_keeps_its_changes(db_url):
 def test_a_restore_that_fails_pauses_restores_instead_of_stalling_every_request(tmp_path):
     async def run() -> None:
         inference = Inference(InferenceSettings())
-        store = await _store(f"sqlite+aiosqlite:///{tmp_path}/missing-dir/x.db", inference)
-        assert not await store.restore("a", "s1")
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        assert not await store.restore("a", "s2")
-        assert loop.time() - start < 0.01  # paused: no second attempt
+        async with _store(f"sqlite+aiosqlite:///{tmp_path}/missing-dir/x.db", inference) as store:
+            assert not await store.restore("a", "s1")
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            assert not await store.restore("a", "s2")
+            assert loop.time() - start < 0.01  # paused: no second attempt
 
     asyncio.run(run())
 
@@ -170,9 +178,11 @@ def test_sessions_idle_past_the_ttl_are_not_loaded_at_start(db_url):
         _converse(inference, "a", "s1", 1)
         session = inference.app("a").sessions["s1"]
         session.last_seen -= 10_000  # idle for hours
-        await (await _store(db_url, inference)).flush()
+        async with _store(db_url, inference) as store:
+            await store.flush()
         rebuilt = Inference(InferenceSettings(session_ttl_s=600))
-        loaded = await (await _store(db_url, rebuilt)).load()
+        async with _store(db_url, rebuilt) as store:
+            loaded = await store.load()
         assert loaded.num_sessions == 0 and loaded.num_agents == 3
 
     asyncio.run(run())
