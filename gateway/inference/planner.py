@@ -208,8 +208,8 @@ class _SegmentBuilder:
         text of the session this prompt holds, not to the newest text there is: every
         agent of an All-Gather round names the previous round's outputs alike, even when
         some agents of the round have already answered."""
-        horizon = max((span.seq for spans in self._spans.values() for span in spans if span.seq is not None),
-                      default=-1)
+        horizon = max((span.seq for spans in self._spans.values() for span in spans
+                       if span.seq is not None and self.session.texts[span.seq].kind != "block"), default=-1)
         out: list[Segment] = []
         for index in sorted(self._texts):
             text, cursor = self._texts[index], 0

@@ -82,7 +82,8 @@ def restore_edge(app: AppState, row: Any) -> None:
 
 def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[Any]) -> SessionState:
     """Rebuild a session and index its texts; `segments` in seq order."""
-    session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp())
+    session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp(),
+                           round_evidence=app.round_evidence)
     series = json.loads(row.series)
     session.responses = {agent: list(seqs) for agent, seqs in series["responses"].items()}
     session.tools = {agent: list(seqs) for agent, seqs in series["tools"].items()}

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Literal, NamedTuple
 
 from gateway.inference.prefix import PrefixLearner
-from gateway.inference.rounds import RoundDetector
+from gateway.inference.rounds import RoundDetector, RoundEvidence
 from gateway.inference.stepgraph import StepGraph
 from gateway.inference.textindex import TextIndex
 
@@ -56,8 +56,10 @@ class SessionState:
     num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
     rounds: RoundDetector = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.rounds = RoundDetector(self.id)
+    round_evidence: InitVar[RoundEvidence | None] = None  # the app's, shared by its sessions
+
+    def __post_init__(self, round_evidence: RoundEvidence | None) -> None:
+        self.rounds = RoundDetector(self.id, round_evidence or RoundEvidence())
 
     def next_seq(self) -> int:
         return len(self.texts)
@@ -104,6 +106,7 @@ class AppState:
     def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int) -> None:
         self.agents: dict[str, AgentState] = {}
         self.graph = StepGraph()
+        self.round_evidence = RoundEvidence()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._ttl_s = session_ttl_s
@@ -115,7 +118,7 @@ class AppState:
         self.expire(now)
         state = self.sessions.get(session_id)
         if state is None:
-            state = self.sessions[session_id] = SessionState(session_id, now)
+            state = self.sessions[session_id] = SessionState(session_id, now, round_evidence=self.round_evidence)
             while len(self.sessions) > self._max_sessions:
                 self._drop(next(iter(self.sessions)))
         self.sessions.move_to_end(session_id)

@@ -194,12 +194,15 @@ def test_all_gather_rounds_are_detected_with_size_and_index(fake_upstream, start
         gw = start_gateway([fake.url])
         rounds = _all_gather(gw, fake, separator)
         assert all(p.round is None for p in rounds[0])  # nobody read two earlier outputs yet
+        # The app's first reader of a set is a lone reader until a second confirms the round.
+        assert rounds[1][0].round is None and [p.round.index for p in rounds[1][1:]] == [1, 2]
+        assert [p.round.index for p in rounds[2]] == [0, 1, 2]  # the app has shown rounds now
         ids = []
         for plans in rounds[1:]:
-            assert [p.round.index for p in plans] == [0, 1, 2]
-            assert {p.round.size for p in plans} == {3}
-            assert len({p.round.id for p in plans}) == 1
-            ids.append(plans[0].round.id)
+            members = [p for p in plans if p.round is not None]
+            assert {p.round.size for p in members} == {3}
+            assert len({p.round.id for p in members}) == 1
+            ids.append(members[0].round.id)
         assert len(set(ids)) == 2
 
 
@@ -268,6 +271,16 @@ def test_with_a_round_hold_the_requests_of_a_round_leave_together(fake_upstream,
             {"role": "system", "content": f"You are villager {i}, living in a small town by the river."},
             {"role": "user", "content": "What your neighbours said:\n\n" + "\n\n".join(outputs)}])
 
+    member(0)  # one by one: this first round confirms that the app runs rounds at all
+    member(1)
+    member(2)
+    outputs = [f"Villager {i}, second day: the bakery is closed, so I help at the mill and then fish by the bridge."
+               for i in range(3)]
+    for i, text in enumerate(outputs):
+        fake.behaviour.pieces = [text]
+        client.chat.completions.create(model="fake", messages=[
+            {"role": "system", "content": f"You are villager {i}, living in a small town by the river."},
+            {"role": "user", "content": "A new day starts. What is your plan?"}])
     with ThreadPoolExecutor(3) as pool:
         list(pool.map(member, range(3)))
     assert gw.state.round_hold is not None and gw.state.round_hold.num_released_together == 2
