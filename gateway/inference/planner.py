@@ -176,7 +176,9 @@ class _SegmentBuilder:
     def add_question(self, messages: list[PromptMessage], anchor_chars: int) -> None:
         """The first request of a session brings the shared user question; a later agent
         that wraps it in its own template narrows it to the text they share."""
-        asks = [m for m in messages if m.role == "user" and m.name in (None, "user") and m.content]
+        users = [m for m in messages if m.role == "user" and m.content]
+        # Unnamed first; else the initiator of a group chat (AutoGen names it, e.g. "User_proxy").
+        asks = [m for m in users if m.name in (None, "user")] or users[:1]
         if not asks:
             return
         session = self.session

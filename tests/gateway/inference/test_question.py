@@ -43,3 +43,14 @@ def test_a_question_wrapped_in_each_agents_template_becomes_one_placeholder():
         assert body["messages"][1]["content"][question.char_start:question.char_end] == QUESTION
     assert {s.content_hash for s in plan.segments if s.name == "user_question"} == {
         __import__("hashlib").sha256(QUESTION.encode()).hexdigest()}
+
+
+def test_a_group_chat_initiator_named_by_the_framework_brings_the_question():
+    inference = Inference(InferenceSettings())
+    task = {"role": "user", "name": "User_proxy", "content": QUESTION}
+    first = {"messages": [{"role": "system", "content": "You are the chat manager. Pick who speaks next."}, task]}
+    plan = inference.plan(identify({}, first, None), first, "r1", "m").plan
+    assert [s.name for s in plan.segments if s.kind == "placeholder"] == ["user_question"]
+    second = {"messages": [{"role": "system", "content": "You are the Engineer. Write the code."}, task]}
+    again = inference.plan(identify({}, second, None), second, "r2", "m").plan
+    assert again.session_id == plan.session_id  # linked through the question
