@@ -72,15 +72,15 @@ class StateStore:
             live = InferredSessionRow.__table__.c
             segments = await _children(conn, SegmentRow, live, cutoff, SegmentRow.seq)
             rounds = await _children(conn, RoundRow, live, cutoff, RoundRow.round_id)
-            evidence = (await conn.execute(select(RoundRow.app_id, RoundRow.num_requests >= 2, func.count())
-                                           .group_by(RoundRow.app_id, RoundRow.num_requests >= 2))).all()
+            evidence = (await conn.execute(select(RoundRow.app_id, RoundRow.num_requests, func.count())
+                                           .group_by(RoundRow.app_id, RoundRow.num_requests))).all()
         for row in agents:
             rows.restore_agent(inference.app(row.app_id), row, inference.new_learner())
         for row in edges:
             rows.restore_edge(inference.app(row.app_id), row)
-        for app_id, confirmed, count in evidence:  # how the app's earlier sets turned out
+        for app_id, num_requests, count in evidence:  # how the app's earlier sets turned out
             app_evidence = inference.app(app_id).round_evidence
-            if confirmed:
+            if num_requests >= 2:
                 app_evidence.num_rounds += count
             else:
                 app_evidence.num_lone += count
