@@ -217,7 +217,7 @@ class _SegmentBuilder:
             text, cursor = self._texts[index], 0
             for span in sorted(self._spans.get(index, [])):
                 if span.seq is not None:
-                    span = self._named(span, horizon)
+                    span = self._named(span, span.seq, horizon)
                 if span is None or span.start < cursor:
                     continue  # unnamed, or overlaps a span already placed
                 if span.start > cursor:
@@ -261,9 +261,8 @@ class _SegmentBuilder:
                 return _Span(match.start, match.end, "shared_block", None, known.content_hash, known.request_id)
         return None
 
-    def _named(self, span: _Span, horizon: int) -> _Span | None:
-        """Kind and name of a span over a text of this session (seq); None when it has none."""
-        seq = span.seq if span.seq is not None else -1
+    def _named(self, span: _Span, seq: int, horizon: int) -> _Span | None:
+        """Kind and name of a span over text `seq` of this session; None when it has none."""
         if self.session.texts[seq].kind == "block":
             return span._replace(kind="shared_block")
         name = self.session.placeholder_name(seq, horizon)

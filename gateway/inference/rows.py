@@ -43,8 +43,7 @@ def session_row(app_id: str, session: SessionState) -> Row:
             "question_seq": session.question_seq, "last_agent": session.last_agent,
             "series": json.dumps(series), "last_round_size": session.rounds.last_size,
             "current_round": current.id if current else None,
-            "first_seen": datetime.fromtimestamp(session.first_seen, UTC),
-            "last_seen": _wall(session.last_seen)}
+            "first_seen": session.first_seen_at, "last_seen": session.last_seen_at}
 
 
 def segment_rows(app: AppState, app_id: str, session: SessionState, start: int, now: datetime) -> list[Row]:
@@ -106,10 +105,6 @@ def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[A
 
 def _aware(value: datetime) -> datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)  # SQLite drops the zone
-
-
-def _wall(monotonic: float) -> datetime:
-    return datetime.fromtimestamp(time.time() - (time.monotonic() - monotonic), UTC)
 
 
 def _monotonic(wall: datetime) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import InitVar, dataclass, field
+from datetime import UTC, datetime
 from typing import Literal, NamedTuple
 
 from gateway.inference.prefix import PrefixLearner
@@ -63,6 +64,15 @@ class SessionState:
 
     def next_seq(self) -> int:
         return len(self.texts)
+
+    @property
+    def first_seen_at(self) -> datetime:
+        return datetime.fromtimestamp(self.first_seen, UTC)
+
+    @property
+    def last_seen_at(self) -> datetime:
+        """`last_seen` (monotonic, for the TTL) on the wall clock, for SQL and the admin API."""
+        return datetime.fromtimestamp(time.time() - (time.monotonic() - self.last_seen), UTC)
 
     def placeholder_name(self, seq: int, horizon: int | None = None) -> str | None:
         """The KVCOMM name of text `seq` (None for a block), counting back from text
@@ -119,8 +129,7 @@ class AppState:
         state = self.sessions.get(session_id)
         if state is None:
             state = self.sessions[session_id] = SessionState(session_id, now, round_evidence=self.round_evidence)
-            while len(self.sessions) > self._max_sessions:
-                self._drop(next(iter(self.sessions)))
+            self._trim()
         self.sessions.move_to_end(session_id)
         state.last_seen = now
         return state
@@ -130,8 +139,7 @@ class AppState:
         if session.id in self.sessions:
             self._drop(session.id)
         self.sessions[session.id] = session
-        while len(self.sessions) > self._max_sessions:
-            self._drop(next(iter(self.sessions)))
+        self._trim()
 
     def add_text(self, session: SessionState, text: str, known: KnownText) -> int | None:
         """Remember a text of the session; its seq, or None if too short to find again."""
@@ -155,6 +163,10 @@ class AppState:
             if now - oldest.last_seen < self._ttl_s:
                 break
             self._drop(oldest.id)
+
+    def _trim(self) -> None:
+        while len(self.sessions) > self._max_sessions:
+            self._drop(next(iter(self.sessions)))  # least recently used first
 
     def _drop(self, session_id: str) -> None:
         session = self.sessions.pop(session_id)

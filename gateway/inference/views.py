@@ -3,8 +3,6 @@ rounds and step graph, as JSON-ready dicts and as Mermaid text."""
 
 from __future__ import annotations
 
-import time
-from datetime import UTC, datetime
 from typing import Any
 
 from gateway.inference.state import AppState, SessionState, TextRef
@@ -14,8 +12,7 @@ def session_summary(app_id: str, session: SessionState) -> dict[str, Any]:
     return {"object": "session", "id": session.id, "app": app_id, "num_requests": session.num_requests,
             "agents": session_agents(session), "num_segments": len(session.texts),
             "num_rounds": len(session.rounds.rounds), "last_agent": session.last_agent,
-            "first_seen": datetime.fromtimestamp(session.first_seen, UTC).isoformat(),
-            "last_seen": datetime.fromtimestamp(time.time() - (time.monotonic() - session.last_seen), UTC).isoformat()}
+            "first_seen": session.first_seen_at.isoformat(), "last_seen": session.last_seen_at.isoformat()}
 
 
 def session_agents(session: SessionState) -> list[str]:

@@ -3,7 +3,6 @@ cut back to whitespace boundaries, or ended at once by an explicit delimiter."""
 
 from __future__ import annotations
 
-import pytest
 
 from gateway.inference.prefix import PrefixLearner, PrefixObservation
 
