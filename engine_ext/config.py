@@ -164,6 +164,42 @@ def _attention_window(raw: dict[str, Any]) -> int | None:
     return int(window) if uses_window else None
 
 
+ReuseMethodName = Literal["prefix", "shift", "blend", "link", "dense"]
+
+
+@dataclass(frozen=True)
+class ReuseConfig:
+    """How the engine reuses a cached segment's KV away from the prompt's prefix.
+
+    `default_method` applies to reusable segments (fixed prefixes, placeholders, shared
+    blocks) whose plan names no method: `shift` re-encodes positions only (fastest,
+    least faithful), `blend` also recomputes the `blend_ratio` of tokens whose keys
+    deviate most on `check_layers` (CacheBlend), `link` recomputes the first
+    `link_tokens` tokens of each segment that follows other text (KVLink's boundary
+    repair), `prefix` and `dense` reuse nothing beyond exact prefix hits.
+    """
+
+    enabled: bool = True
+    default_method: ReuseMethodName = "blend"
+    blend_ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1,)
+    link_tokens: int = 8
+    min_segment_tokens: int = 16  # shorter segments are cheaper to compute than to track
+    register_outputs: bool = True  # keep generated answers as segments for later prompts
+
+    def __post_init__(self) -> None:
+        if self.default_method not in ("prefix", "shift", "blend", "link", "dense"):
+            raise ValueError(f"unknown reuse method {self.default_method!r}")
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            raise ValueError("blend_ratio must be in [0, 1]")
+        if not self.check_layers or any(layer < 0 for layer in self.check_layers):
+            raise ValueError("check_layers must name at least one layer, all >= 0")
+        if self.link_tokens < 0:
+            raise ValueError("link_tokens must be >= 0")
+        if self.min_segment_tokens < 1:
+            raise ValueError("min_segment_tokens must be >= 1")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine spends memory and compute.
@@ -180,6 +216,7 @@ class EngineConfig:
     max_model_len: int | None = None
     dtype: Dtype = "float32"
     num_threads: int | None = None
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:

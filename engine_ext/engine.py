@@ -13,10 +13,15 @@ import torch
 
 from engine_ext.config import EngineConfig, ModelConfig
 from engine_ext.detokenizer import Detokenizer
-from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestError
+from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError
 from engine_ext.kv import KVCache, KVCacheManager
+from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import load_model
 from engine_ext.model_runner import ModelRunner
+from engine_ext.reuse.assembler import Assembler
+from engine_ext.reuse.prefill import ReusePrefill
+from engine_ext.reuse.segments import REUSE_METHODS, SegmentOutcome, TokenSegment
+from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
 from engine_ext.sequence import Sequence
@@ -37,6 +42,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    reuse_outcomes: list[SegmentOutcome] | None = None  # per plan segment, once the prompt is computed
 
 
 class LLMEngine:
@@ -51,8 +57,12 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.dtype)
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, namespace=self.model_name)
-        self.scheduler = Scheduler(config, self.kv)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler())
+        self.segment_index, no_index_reason = self._segment_index()
+        self.assembler = Assembler(config.reuse, self.segment_index, no_index_reason)
+        reuse = (ReusePrefill(self.model, self.kv_cache, self.segment_index, config.reuse)
+                 if self.segment_index else None)
+        self.scheduler = Scheduler(config, self.kv, self.assembler)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler)
         limits = [self.model_config.max_position_embeddings]
         if config.max_model_len:
             limits.append(config.max_model_len)
@@ -67,6 +77,21 @@ class LLMEngine:
             eos.add(eos_from_tokenizer)
         self.eos_token_ids = frozenset(eos)
 
+    def _segment_index(self) -> tuple[SegmentIndex | None, str | None]:
+        """The segment index, or None with the reason every segment will be computed densely."""
+        reuse = self.config.reuse
+        if not reuse.enabled:
+            return None, "segment reuse is disabled (reuse.enabled=false)"
+        if max(reuse.check_layers) >= self.model_config.num_layers:
+            raise ModelLoadError(f"reuse.check_layers {reuse.check_layers} name a layer the model lacks "
+                                 f"(it has {self.model_config.num_layers})")
+        try:
+            shifter = RopeShifter.for_model(self.model_config)
+        except RopeShiftError as exc:
+            logger.warning("segment reuse off: %s", exc)
+            return None, str(exc)
+        return SegmentIndex(self.kv.pool, self.kv_cache, shifter, self.model_name), None
+
     # -- admission -------------------------------------------------------------------
     def add_request(
         self,
@@ -74,8 +99,13 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        segments: list[TokenSegment] | None = None,
+        publish: bool = True,
     ) -> Sequence:
-        """Validate and queue a request; raises InvalidRequestError subclasses."""
+        """Validate and queue a request; raises InvalidRequestError subclasses.
+
+        `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
+        prefix cache; `publish=False` keeps this request's blocks out of the prefix cache."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -106,6 +136,8 @@ class LLMEngine:
             max_tokens=max_tokens,
             detokenizer=Detokenizer(self.tokenizer, sampling.stop),
             kv_transfer_params=kv_transfer_params,
+            segments=_checked_segments(segments or [], num_prompt),
+            num_exact_tokens=None if publish else 0,
         )
         self.scheduler.add(seq)
         return seq
@@ -130,7 +162,36 @@ class LLMEngine:
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
             self.kv.publish(seq)
+            if seq.segments and seq.reuse_outcomes is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                self._after_prefill(seq)
         return [self._append(seq, token) for seq, token in sampled]
+
+    def _after_prefill(self, seq: Sequence) -> None:
+        """Record what each segment got, and keep the reusable ones in the segment index."""
+        assembly = seq.assembly  # set at admission for every sequence with segments
+        seq.reuse_outcomes = assembly.outcomes()
+        seq.assembly = None
+        if seq.num_preemptions == 0:
+            placed = sum(o.num_reused for o in seq.reuse_outcomes if o.method in ("shift", "blend", "link"))
+            seq.num_cached_tokens = assembly.num_prefix_tokens + placed
+        if self.segment_index is None:
+            return
+        slots = self.kv.slots(seq, seq.num_prompt_tokens)  # (P,)
+        for seg in seq.segments:
+            if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
+                self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start)
+
+    def _register_output(self, seq: Sequence) -> None:
+        """Keep a finished answer as a segment: the next agent reading it reuses its KV
+        without ever prefilling it alone. Only answers that ended on a stop token: their
+        text is exactly the tokens before it, each of which has its KV computed."""
+        if self.segment_index is None or not self.config.reuse.register_outputs or not seq.segments:
+            return
+        start, end = seq.num_prompt_tokens, seq.num_computed_tokens
+        if end - start < self.config.reuse.min_segment_tokens:
+            return
+        slots = self.kv.slots(seq, end)[start:]  # (n,)
+        self.segment_index.register(seq.token_ids[start:end], slots, start)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -140,9 +201,12 @@ class LLMEngine:
             reason = "stop"
         elif len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        ended_on_token = reason == "stop"
         text = seq.detokenizer.update(seq.output_token_ids, final=reason is not None)
         if text.stopped:
             reason = "stop"
+        if ended_on_token and not text.stopped:
+            self._register_output(seq)
         if reason is not None:
             self.scheduler.finish(seq, reason)
         return RequestOutput(
@@ -154,12 +218,43 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
+            reuse_outcomes=seq.reuse_outcomes,
         )
 
     # -- convenience for tests and benchmarks ----------------------------------------
-    def generate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
-        """Run one request to completion synchronously."""
-        seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling)
+    def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
+                 segments: list[TokenSegment] | None = None, publish: bool = True,
+                 record_logits: bool = False) -> Sequence:
+        """Run one request to completion synchronously (seq.logits holds each step's
+        logits when record_logits is set)."""
+        seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling,
+                               segments=segments, publish=publish)
+        seq.logits = [] if record_logits else None
         while not seq.is_finished:
             self.step()
         return seq
+
+    def score(self, prompt_token_ids: list[int], continuation: list[int],
+              segments: list[TokenSegment] | None = None, publish: bool = True) -> torch.Tensor:
+        """Teacher-force `continuation` after the prompt; returns the logits that predicted
+        each of its tokens, (len(continuation), vocab)."""
+        sampling = SamplingParams(max_tokens=len(continuation), temperature=0.0, ignore_eos=True)
+        seq = self.add_request(f"score-{uuid.uuid4().hex}", prompt_token_ids, sampling,
+                               segments=segments, publish=publish)
+        seq.forced_token_ids, seq.logits = list(continuation), []
+        while not seq.is_finished:
+            self.step()
+        return torch.stack(seq.logits)
+
+
+def _checked_segments(segments: list[TokenSegment], num_prompt: int) -> list[TokenSegment]:
+    """Segments must be in order, non-overlapping and inside the prompt."""
+    end = 0
+    for seg in segments:
+        if not end <= seg.start < seg.end <= num_prompt:
+            raise InvalidRequestError(f"segment [{seg.start}, {seg.end}) is out of order or outside "
+                                      f"the prompt of {num_prompt} tokens", param="kv_transfer_params")
+        if seg.method is not None and seg.method not in REUSE_METHODS:
+            raise InvalidRequestError(f"unknown reuse method {seg.method!r}", param="kv_transfer_params")
+        end = seg.end
+    return list(segments)

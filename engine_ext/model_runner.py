@@ -7,20 +7,58 @@ import torch
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
+from engine_ext.reuse.assembler import Assembler
+from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
-from engine_ext.scheduler import SchedulerOutput
+from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
 from engine_ext.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, sampler: Sampler) -> None:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, sampler: Sampler,
+                 reuse: ReusePrefill | None = None, assembler: Assembler | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.sampler = sampler
+        self.reuse = reuse
+        self.assembler = assembler
 
     def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int]]:
-        """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end."""
+        """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end.
+        Prefills around placed segments run one by one; everything else runs as one batch."""
+        rows: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, final hidden state (1, hidden))
+        batch: list[ScheduledChunk] = []
+        for chunk in step.chunks:
+            if chunk.seq.assembly is not None and chunk.seq.assembly.placed:
+                rows.append((chunk.seq, self._run_reuse(chunk.seq)))
+            else:
+                batch.append(chunk)
+        if batch:
+            rows += self._run_batch(batch)
+        if not rows:
+            return []
+        seqs = [seq for seq, _ in rows]
+        logits = self.model.compute_logits(torch.cat([h for _, h in rows]))  # (num_sampling, vocab)
+        tokens = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        for i, seq in enumerate(seqs):
+            if seq.logits is not None:
+                seq.logits.append(logits[i].clone())
+            if seq.forced_token_ids is not None:
+                tokens[i] = seq.forced_token_ids[len(seq.output_token_ids)]
+        return list(zip(seqs, tokens))
+
+    def _run_reuse(self, seq: Sequence) -> torch.Tensor:
+        assembly = seq.assembly
+        try:
+            slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
+            return self.reuse.run(assembly, seq.token_ids, slots)
+        finally:
+            self.assembler.release(assembly)
+            limits = [n for n in (seq.num_exact_tokens, assembly.first_approximate) if n is not None]
+            seq.num_exact_tokens = min(limits) if limits else None
+
+    def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
@@ -28,7 +66,7 @@ class ModelRunner:
         decode_contexts: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
-        for seq, num_tokens in step.chunks:
+        for seq, num_tokens in chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             context = self.kv.slots(seq, end)  # (end,)
             input_ids += seq.token_ids[start:end]
@@ -45,10 +83,4 @@ class ModelRunner:
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta
         )  # (N, hidden)
-        if not sampling_seqs:
-            return []
-        logits = self.model.compute_logits(hidden[sample_rows])  # (num_sampling, vocab)
-        tokens = self.sampler.sample(
-            logits, [s.sampling for s in sampling_seqs], [s.generator for s in sampling_seqs]
-        )
-        return list(zip(sampling_seqs, tokens))
+        return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from engine_ext.config import EngineConfig
 from engine_ext.kv.manager import KVCacheManager
+from engine_ext.reuse.assembler import Assembler
 from engine_ext.sequence import Sequence, SequenceStatus
 
 
@@ -35,9 +36,10 @@ class SchedulerOutput(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, assembler: Assembler | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.assembler = assembler
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -72,7 +74,18 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = self.kv.match_prefix(seq)
             num_tokens = min(seq.num_tokens - prefix.num_cached_tokens, budget)
+            cost = num_tokens
+            # Reuse is planned for a prompt's first prefill; after a preemption the
+            # sequence is recomputed densely (from the prefix cache where it can).
+            if seq.segments and seq.reuse_outcomes is None and self.assembler is not None:
+                seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, prefix.num_cached_tokens)
+                if seq.assembly.placed:
+                    # A prefill around placed segments runs whole, in one step: its blend
+                    # selection needs every placed token at once.
+                    num_tokens = seq.num_tokens - prefix.num_cached_tokens
+                    cost = min(len(seq.assembly.full_positions()), budget)
             if not self.kv.allocate(seq, num_tokens, prefix):
+                self._drop_assembly(seq)
                 break
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = prefix.num_cached_tokens
@@ -80,11 +93,18 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, num_tokens))
-            budget -= num_tokens
+            budget -= cost
         chunks.sort(key=lambda c: c.is_decode)  # stable: prefill chunks first
         return SchedulerOutput(chunks, num_preempted)
 
+    def _drop_assembly(self, seq: Sequence) -> None:
+        """Unpin the cached segments of an assembly that will not run now."""
+        if seq.assembly is not None and self.assembler is not None:
+            self.assembler.release(seq.assembly)
+        seq.assembly = None
+
     def _preempt(self, seq: Sequence) -> None:
+        self._drop_assembly(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -99,6 +119,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self._drop_assembly(seq)
         self.kv.free(seq)
 
     def find(self, request_id: str) -> Sequence | None:

@@ -14,6 +14,8 @@ from engine_ext.sampling import SamplingParams
 if TYPE_CHECKING:
     from engine_ext.detokenizer import Detokenizer
     from engine_ext.kv.block_pool import Block
+    from engine_ext.reuse.assembler import Assembly
+    from engine_ext.reuse.segments import SegmentOutcome, TokenSegment
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +43,18 @@ class Sequence:
     finish_reason: str | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    # Reuse beyond the prefix cache (engine_ext/reuse): the prompt's segments, the
+    # decisions for its next prefill, and what happened once the prompt was computed.
+    segments: list[TokenSegment] = field(default_factory=list)
+    assembly: Assembly | None = None
+    reuse_outcomes: list[SegmentOutcome] | None = None
+    # Blocks at or past this position hold approximate KV and are never published to
+    # the prefix cache; None: every computed block is exact.
+    num_exact_tokens: int | None = None
+    # Teacher forcing (the fidelity harness): append these tokens instead of sampling,
+    # and keep the logits each step produced.
+    forced_token_ids: list[int] | None = None
+    logits: list[torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -86,6 +86,12 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block.block_id
 
+    def forget(self, block: Block) -> None:
+        """Drop a block's published hash (its contents are stale); it stays allocated or free."""
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash = None
+
     def reset_cache(self) -> None:
         """Forget every cached hash (after a model change or a failed step)."""
         for block in self.blocks:

@@ -73,9 +73,12 @@ class KVCacheManager:
         return (block_ids[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:end]
 
     def publish(self, seq: Sequence) -> None:
-        """Register hashes of blocks that became full and computed, so others can reuse them."""
+        """Register hashes of blocks that became full and computed, so others can reuse
+        them; blocks holding approximate KV (from num_exact_tokens on) never are."""
         bs = self.block_size
-        num_full = seq.num_computed_tokens // bs
+        num_exact = seq.num_computed_tokens if seq.num_exact_tokens is None else \
+            min(seq.num_computed_tokens, seq.num_exact_tokens)
+        num_full = num_exact // bs
         for idx in range(seq.num_published_blocks, num_full):
             if idx == len(seq.block_hashes):
                 parent = seq.block_hashes[-1] if seq.block_hashes else self.root

@@ -1,0 +1,68 @@
+"""A prompt's segments in token space, and what the engine did with each.
+
+The gateway's plan speaks of message characters; the aligner turns it into
+`TokenSegment`s (token ranges of the prompt the engine actually runs). After the
+prompt is prefilled, each segment gets a `SegmentOutcome`, reported back to the caller
+under `kv_transfer_params["kvrelay_reuse"]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NamedTuple
+
+ReuseMethod = Literal["prefix", "shift", "blend", "link", "dense"]
+REUSE_METHODS: tuple[ReuseMethod, ...] = ("prefix", "shift", "blend", "link", "dense")
+REPORT_KEY = "kvrelay_reuse"  # the key under the response's kv_transfer_params
+
+# Kinds whose text recurs across requests and is worth keeping in the segment index.
+REUSABLE_KINDS = frozenset({"fixed_prefix", "placeholder", "shared_block"})
+
+
+class TokenSegment(NamedTuple):
+    start: int  # first token of the segment in the prompt
+    end: int  # one past its last token
+    kind: str  # fixed_prefix | placeholder | shared_block | private
+    name: str | None = None
+    method: ReuseMethod | None = None  # asked for by the plan; None: the engine's default
+    plan_index: int | None = None  # index of the plan segment it came from
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def is_reusable(self) -> bool:
+        return self.kind in REUSABLE_KINDS
+
+
+class SegmentOutcome(NamedTuple):
+    """What happened to one segment: `method` is what ran (dense when reuse fell back)."""
+
+    segment: TokenSegment
+    method: ReuseMethod
+    num_reused: int  # tokens whose KV came from a cache
+    num_recomputed: int  # tokens computed by the model
+    reason: str | None = None  # why a reusable segment fell back to dense, if it did
+
+    def to_json(self) -> dict[str, Any]:
+        seg = self.segment
+        out: dict[str, Any] = {
+            "index": seg.plan_index, "kind": seg.kind, "name": seg.name, "method": self.method,
+            "token_start": seg.start, "token_end": seg.end,
+            "tokens_reused": self.num_reused, "tokens_recomputed": self.num_recomputed,
+        }
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def report(outcomes: list[SegmentOutcome], alignment_note: str | None = None) -> dict[str, Any]:
+    """The JSON reported back under kv_transfer_params[REPORT_KEY]."""
+    body: dict[str, Any] = {
+        "segments": [o.to_json() for o in outcomes],
+        "tokens_reused": sum(o.num_reused for o in outcomes),
+        "tokens_recomputed": sum(o.num_recomputed for o in outcomes),
+    }
+    if alignment_note:
+        body["alignment"] = alignment_note
+    return body
