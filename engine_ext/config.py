@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
 from engine_ext.errors import ModelLoadError
+from engine_ext.protocol import ReuseMethod
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -164,9 +165,6 @@ def _attention_window(raw: dict[str, Any]) -> int | None:
     return int(window) if uses_window else None
 
 
-ReuseMethodName = Literal["prefix", "shift", "blend", "link", "dense"]
-
-
 @dataclass(frozen=True)
 class ReuseConfig:
     """How the engine reuses a cached segment's KV away from the prompt's prefix.
@@ -180,7 +178,7 @@ class ReuseConfig:
     """
 
     enabled: bool = True
-    default_method: ReuseMethodName = "blend"
+    default_method: ReuseMethod = "blend"
     blend_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
     link_tokens: int = 8
@@ -188,7 +186,7 @@ class ReuseConfig:
     register_outputs: bool = True  # keep generated answers as segments for later prompts
 
     def __post_init__(self) -> None:
-        if self.default_method not in ("prefix", "shift", "blend", "link", "dense"):
+        if self.default_method not in get_args(ReuseMethod):
             raise ValueError(f"unknown reuse method {self.default_method!r}")
         if not 0.0 <= self.blend_ratio <= 1.0:
             raise ValueError("blend_ratio must be in [0, 1]")

@@ -30,6 +30,8 @@ PLAN_VERSION = 1
 PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
 
 SegmentKind = Literal["fixed_prefix", "placeholder", "shared_block", "private"]
+# How the engine may reuse a segment's cached KV (engine_ext/reuse); None: its default.
+ReuseMethod = Literal["prefix", "shift", "blend", "link", "dense"]
 NonNegative = Annotated[int, Field(ge=0)]
 
 
@@ -45,6 +47,7 @@ class Segment(_Frozen):
     name: str | None = None  # placeholder name; the agent id for a fixed prefix
     content_hash: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     source_request: str | None = None  # the request whose output (or prompt) it came from
+    method: ReuseMethod | None = None
 
     @model_validator(mode="after")
     def _span(self) -> Segment:

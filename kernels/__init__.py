@@ -2,6 +2,21 @@
 
 from __future__ import annotations
 
+import functools
+
 from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
-__all__ = ["apply_rotary", "rope_cos_sin", "rope_inv_freq"]
+__all__ = ["apply_rotary", "rope_cos_sin", "rope_inv_freq", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether `import triton` works. Triton is an optional extra (kvrelay[triton]), so the
+    dispatchers ask this before importing a Triton module; the answer is cached because
+    importing triton takes a while and cannot change within a process. Only ImportError
+    means "not installed": any other failure of a present install is left to surface."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

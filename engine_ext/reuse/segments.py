@@ -8,10 +8,11 @@ under `kv_transfer_params["kvrelay_reuse"]`.
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple, get_args
 
-ReuseMethod = Literal["prefix", "shift", "blend", "link", "dense"]
-REUSE_METHODS: tuple[ReuseMethod, ...] = ("prefix", "shift", "blend", "link", "dense")
+from engine_ext.protocol import ReuseMethod
+
+REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
 REPORT_KEY = "kvrelay_reuse"  # the key under the response's kv_transfer_params
 
 # Kinds whose text recurs across requests and is worth keeping in the segment index.

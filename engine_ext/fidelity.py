@@ -1,0 +1,66 @@
+"""Fidelity harness: how much of the dense answer a reuse path preserves.
+
+For one prompt, the dense path (every token computed) is the reference. Metrics, as
+DESIGN.md defines them:
+- `top1_agreement`: teacher-forced over the dense greedy continuation, the fraction of
+  positions where both paths pick the same next token;
+- `kl`: mean KL(dense || reuse) of the next-token distributions over those positions;
+- `greedy_match`: whether free-running greedy decoding gives the identical tokens.
+
+Both paths run through the real engine (scheduler, assembler, reuse prefill), not a
+side model, so what is measured is what is served. The dense runs never publish to the
+prefix cache: they must not hand the reuse runs an exact copy of the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine_ext.engine import LLMEngine
+from engine_ext.reuse.segments import TokenSegment
+from engine_ext.sampling import SamplingParams
+
+
+class FidelityResult(NamedTuple):
+    top1_agreement: float
+    kl: float
+    greedy_match: bool
+
+
+class DenseReference(NamedTuple):
+    continuation: list[int]  # dense greedy tokens after the prompt
+    logits: torch.Tensor  # (num_tokens, vocab): the logits that chose them
+
+
+def compare_logits(dense: torch.Tensor, reuse: torch.Tensor) -> tuple[float, float]:
+    """top1 agreement and mean KL(dense || reuse) over rows of (n, vocab) logits."""
+    dense_log = torch.log_softmax(dense.float(), dim=-1)  # (n, vocab)
+    reuse_log = torch.log_softmax(reuse.float(), dim=-1)
+    top1 = (dense_log.argmax(-1) == reuse_log.argmax(-1)).float().mean().item()
+    kl = (dense_log.exp() * (dense_log - reuse_log)).sum(-1).mean().item()
+    return top1, max(kl, 0.0)
+
+
+class FidelityHarness:
+    def __init__(self, engine: LLMEngine, num_tokens: int = 32) -> None:
+        if num_tokens < 1:
+            raise ValueError("num_tokens must be >= 1")
+        self.engine = engine
+        self.num_tokens = num_tokens
+
+    def _greedy(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.num_tokens, temperature=0.0, ignore_eos=True)
+
+    def reference(self, prompt_ids: list[int]) -> DenseReference:
+        seq = self.engine.generate(prompt_ids, self._greedy(), publish=False, record_logits=True)
+        return DenseReference(seq.output_token_ids, torch.stack(seq.logits))
+
+    def measure(self, prompt_ids: list[int], segments: list[TokenSegment],
+                reference: DenseReference) -> FidelityResult:
+        """Score the reuse path (the prompt with its segments) against the dense reference."""
+        reuse_logits = self.engine.score(prompt_ids, reference.continuation, segments, publish=False)
+        top1, kl = compare_logits(reference.logits, reuse_logits)
+        free = self.engine.generate(prompt_ids, self._greedy(), segments=segments, publish=False)
+        return FidelityResult(top1, kl, free.output_token_ids == reference.continuation)
