@@ -7,6 +7,7 @@ prompt is built and how a choice is shaped.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -15,10 +16,14 @@ from typing import Any
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
+from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
+from engine_ext.reuse.segments import REPORT_KEY, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 
 Request = ChatCompletionRequest | CompletionRequest
+logger = logging.getLogger(__name__)
 
 
 class CompletionService:
@@ -26,6 +31,7 @@ class CompletionService:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
+        self.aligner = PromptAligner(self.tokenizer)
 
     def models(self) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
@@ -33,27 +39,36 @@ class CompletionService:
         return {"object": "list", "data": [card]}
 
     # -- prompt ----------------------------------------------------------------------
-    def _prompt_ids(self, req: Request) -> list[int]:
+    def _prompt(self, req: Request) -> AlignedPrompt:
+        """Token ids of the prompt; segment-aligned when the request carries a plan."""
         if req.model != self.model_name:
             raise ModelNotFoundError(req.model)
         req.check_supported()
+        plan = _plan(req)
         if isinstance(req, ChatCompletionRequest):
-            text = self.tokenizer.render_chat([m.to_template() for m in req.messages], tools=req.tools)
-            return self.tokenizer.encode(text)
+            messages = [m.to_template() for m in req.messages]
+            if plan is not None:
+                return self.aligner.chat(messages, req.tools, plan)
+            return AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
         prompt = req.prompt_input()
-        return prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        if isinstance(prompt, list):  # token ids: nothing to align
+            return AlignedPrompt(prompt, [])
+        return self.aligner.text(prompt, plan) if plan is not None else AlignedPrompt(self.tokenizer.encode(prompt), [])
 
-    def _outputs(self, req: Request, request_id: str) -> AsyncIterator[RequestOutput]:
-        prompt_ids = self._prompt_ids(req)
+    def _outputs(self, req: Request, request_id: str) -> tuple[AsyncIterator[RequestOutput], str | None]:
+        prompt = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
-        return self.engine.generate(request_id, prompt_ids, req.sampling_params(max_tokens), req.kv_transfer_params)
+        outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
+                                       req.kv_transfer_params, prompt.segments)
+        return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------
     async def complete(self, req: Request) -> dict[str, Any]:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         text, last = [], None
-        async for out in self._outputs(req, request_id):
+        outputs, note = self._outputs(req, request_id)
+        async for out in outputs:
             text.append(out.delta_text)
             last = out
         if last is None:
@@ -67,8 +82,9 @@ class CompletionService:
         body = self._envelope(req, request_id, is_chat, chunk=False)
         body["choices"] = [choice]
         body["usage"] = _usage(last)
-        if req.kv_transfer_params is not None:
-            body["kv_transfer_params"] = req.kv_transfer_params
+        params = _response_params(req, last, note)
+        if params is not None:
+            body["kv_transfer_params"] = params
         return body
 
     # -- streaming ---------------------------------------------------------------------
@@ -77,12 +93,12 @@ class CompletionService:
         still answer with a proper error status."""
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
-        outputs = self._outputs(req, request_id)
+        outputs, note = self._outputs(req, request_id)
         first = await anext(outputs)  # raises validation errors here, before any byte is sent
-        return self._sse(req, request_id, is_chat, first, outputs)
+        return self._sse(req, request_id, is_chat, first, outputs, note)
 
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
-                   rest: AsyncIterator[RequestOutput]) -> AsyncIterator[str]:
+                   rest: AsyncIterator[RequestOutput], note: str | None) -> AsyncIterator[str]:
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
         def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
@@ -93,8 +109,9 @@ class CompletionService:
             else:
                 choice["text"] = delta or ""
             body = {**envelope, "choices": [choice]}
-            if finish_reason is not None and req.kv_transfer_params is not None:
-                body["kv_transfer_params"] = req.kv_transfer_params
+            params = _response_params(req, last, note) if finish_reason is not None else None
+            if params is not None:
+                body["kv_transfer_params"] = params
             return _sse_line(body)
 
         try:
@@ -126,6 +143,28 @@ class CompletionService:
 
 def _new_id(is_chat: bool) -> str:
     return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _plan(req: Request) -> SegmentPlan | None:
+    """The gateway's plan, or None. A malformed plan is advice that cannot be followed:
+    the request runs densely, with a warning, never an error for the user."""
+    params = req.kv_transfer_params
+    if not isinstance(params, dict) or PLAN_KEY not in params:
+        return None
+    try:
+        return SegmentPlan.model_validate(params[PLAN_KEY])
+    except ValueError as exc:
+        logger.warning("ignoring a malformed segment plan: %s", exc)
+        return None
+
+
+def _response_params(req: Request, last: RequestOutput, note: str | None) -> dict[str, Any] | None:
+    """The request's kv_transfer_params echoed back, with what reuse did per segment."""
+    params = dict(req.kv_transfer_params) if isinstance(req.kv_transfer_params, dict) else None
+    if last.reuse_outcomes is not None or note:
+        params = params if params is not None else {}
+        params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
+    return params
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

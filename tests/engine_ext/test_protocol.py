@@ -63,7 +63,8 @@ def test_plan_round_trips_through_attach_and_read_via_json():
     assert read_plan(wire) == p
     assert wire["kv_transfer_params"][PLAN_KEY]["segments"][2] == {
         "message_index": 1, "char_start": 0, "char_end": 5, "kind": "placeholder",
-        "name": "agent_coder_current", "content_hash": sha(SYSTEM[0:5]), "source_request": "req-0"}
+        "name": "agent_coder_current", "content_hash": sha(SYSTEM[0:5]), "source_request": "req-0",
+        "method": None}
 
 
 def test_attach_plan_keeps_other_kv_transfer_params_entries():

@@ -1,0 +1,293 @@
+"""PromptAligner: segment-aligned tokenization of chat and completion prompts.
+
+The property that matters: a segment's token ids depend only on its text, so a text
+shared by two prompts gets the same ids in both, wherever it sits."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from engine_ext.protocol import Segment, SegmentPlan
+from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
+from engine_ext.reuse.segments import TokenSegment
+from engine_ext.tokenizer import Tokenizer
+
+DOC = "the capital of France is Paris and Berlin is the capital of Germany."
+ANSWER = "The engine schedules requests in batches; every step decodes one token."
+
+Span = tuple[int, int, int, str, "str | None"]  # message, start, end, kind, name
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def make_plan(contents: list[str], spans: list[Span]) -> SegmentPlan:
+    segments = [Segment(message_index=m, char_start=s, char_end=e, kind=kind, name=name,  # type: ignore[arg-type]
+                        content_hash=sha(contents[m][s:e]) if m < len(contents) else sha("x"))
+                for m, s, e, kind, name in spans]
+    return SegmentPlan(session_id="s", agent_id="a", request_id="r", segments=segments)
+
+
+def around(content: str, needle: str, message: int, kind: str = "shared_block",
+           name: str | None = None) -> list[Span]:
+    """Spans covering `content` with `needle` as its own segment, private text around it."""
+    start = content.index(needle)
+    end = start + len(needle)
+    spans: list[Span] = []
+    if start:
+        spans.append((message, 0, start, "private", None))
+    spans.append((message, start, end, kind, name))
+    if end < len(content):
+        spans.append((message, end, len(content), "private", None))
+    return spans
+
+
+def chat_aligned(aligner: PromptAligner, messages: list[dict], spans: list[Span]) -> AlignedPrompt:
+    return aligner.chat(messages, None, make_plan([m["content"] for m in messages], spans))
+
+
+def ids_of(result: AlignedPrompt, seg: TokenSegment) -> list[int]:
+    return result.token_ids[seg.start:seg.end]
+
+
+def by_kind(result: AlignedPrompt, kind: str) -> list[TokenSegment]:
+    return [s for s in result.segments if s.kind == kind]
+
+
+def with_template(src: Path, dst: Path, template: str) -> Tokenizer:
+    dst.mkdir()
+    shutil.copy(src / "tokenizer.json", dst / "tokenizer.json")
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (dst / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer(dst)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_tokenizer_dir) -> Tokenizer:
+    tokenizer = Tokenizer(tiny_tokenizer_dir[0])
+    assert tokenizer.chat_template is not None  # the fixture writes a ChatML template
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def aligner(tok) -> PromptAligner:
+    return PromptAligner(tok)
+
+
+def two_prompts() -> tuple[list[dict], list[dict]]:
+    first = [{"role": "system", "content": "You are the critic."},
+             {"role": "user", "content": f"Read this:\n{DOC}\nIs it right?"}]
+    second = [{"role": "system", "content": "You are the planner, a long private prefix here."},
+              {"role": "user", "content": "Question one?"},
+              {"role": "assistant", "content": "Answer one."},
+              {"role": "user", "content": f"Now {DOC} and then more words"}]
+    return first, second
+
+
+def test_shared_text_gets_identical_ids_at_different_offsets(aligner, tok):
+    first, second = two_prompts()
+    a = chat_aligned(aligner, first, around(first[1]["content"], DOC, 1))
+    b = chat_aligned(aligner, second, around(second[3]["content"], DOC, 3))
+    (sa,), (sb,) = by_kind(a, "shared_block"), by_kind(b, "shared_block")
+    assert sa.start != sb.start
+    assert ids_of(a, sa) == ids_of(b, sb) == tok.encode(DOC)
+    assert a.note is None and b.note is None
+
+
+def test_neighbouring_text_would_merge_without_alignment(tok):
+    # Guard for the test above: whole-prompt tokenization does not keep DOC's ids.
+    whole = tok.encode(f"Now {DOC} and")
+    doc = tok.encode(DOC)
+    assert not any(whole[i:i + len(doc)] == doc for i in range(len(whole)))
+
+
+def test_tokens_decode_back_to_the_rendered_prompt(aligner, tok):
+    for messages, index in zip(two_prompts(), (1, 3)):
+        result = chat_aligned(aligner, messages, around(messages[index]["content"], DOC, index))
+        rendered = tok.render_chat(messages)
+        assert tok.decode(result.token_ids, skip_special_tokens=False) == rendered
+
+
+def test_segment_boundaries(aligner, tok):
+    _, messages = two_prompts()
+    content = messages[3]["content"]
+    spans = around(content, DOC, 3, kind="placeholder", name="agent_x_current")
+    result = chat_aligned(aligner, messages, spans)
+    assert [s.plan_index for s in result.segments] == [0, 1, 2]
+    assert [s.kind for s in result.segments] == ["private", "placeholder", "private"]
+    assert result.segments[1].name == "agent_x_current"
+    for seg, (_, start, end, _, _) in zip(result.segments, spans):
+        assert ids_of(result, seg) == tok.encode(content[start:end])
+    # Segments of one message are contiguous in token space, and the message ends before <|im_end|>.
+    assert [s.end for s in result.segments[:-1]] == [s.start for s in result.segments[1:]]
+    assert result.token_ids[result.segments[-1].end] == tok.token_id("<|im_end|>")
+    prefix = tok.render_chat(messages)[:tok.render_chat(messages).index(content)]
+    assert tok.decode(result.token_ids[:result.segments[0].start], skip_special_tokens=False) == prefix
+
+
+def test_segments_in_several_messages(aligner, tok):
+    messages = [{"role": "system", "content": "You are agent B."},
+                {"role": "user", "content": DOC},
+                {"role": "assistant", "content": ANSWER},
+                {"role": "user", "content": f"Agent A said: {ANSWER} Agree?"}]
+    spans: list[Span] = [(0, 0, 9, "fixed_prefix", "b"), (0, 9, 16, "private", None),
+                         (1, 0, len(DOC), "placeholder", "user_question"),
+                         (2, 0, len(ANSWER), "placeholder", "agent_b_history_0"),
+                         *around(messages[3]["content"], ANSWER, 3, "placeholder", "agent_a_current")]
+    result = chat_aligned(aligner, messages, spans)
+    assert result.note is None
+    assert [s.plan_index for s in result.segments] == list(range(len(spans)))
+    assert all(a.end <= b.start for a, b in zip(result.segments, result.segments[1:]))
+    history, current = result.segments[3], result.segments[5]
+    assert ids_of(result, history) == ids_of(result, current) == tok.encode(ANSWER)
+    assert tok.decode(result.token_ids, skip_special_tokens=False) == tok.render_chat(messages)
+
+
+def test_message_without_segments_stays_one_piece(aligner, tok):
+    messages = [{"role": "system", "content": "Be brief and kind."},
+                {"role": "user", "content": f"x{DOC}"}]
+    result = chat_aligned(aligner, messages, [(1, 1, len(DOC) + 1, "shared_block", None)])
+    rendered = tok.render_chat(messages)
+    cut = rendered.index(DOC)
+    # Only the segment cuts: the text before it (template and message 0 and "x") is tokenized whole.
+    assert result.token_ids[:result.segments[0].start] == tok.encode(rendered[:cut])
+
+
+def test_hash_mismatch_skips_that_segment(aligner, tok):
+    first, _ = two_prompts()
+    content = first[1]["content"]
+    spans = around(content, DOC, 1)
+    plan = make_plan([m["content"] for m in first], spans)
+    stale = plan.segments[1].model_copy(update={"content_hash": sha("another text")})
+    plan = plan.model_copy(update={"segments": [plan.segments[0], stale, plan.segments[2]]})
+    result = aligner.chat(first, None, plan)
+    assert [s.plan_index for s in result.segments] == [0, 2]
+    assert result.note == "1 of 3 segments skipped: content differs from the plan"
+    assert tok.decode(result.token_ids, skip_special_tokens=False) == tok.render_chat(first)
+
+
+def test_out_of_range_segments_are_skipped(aligner, tok):
+    messages = [{"role": "user", "content": DOC}]
+    spans: list[Span] = [(0, 0, 5, "private", None), (0, 5, len(DOC), "shared_block", None),
+                         (3, 0, 4, "private", None)]
+    plan = make_plan([DOC + "tail"], spans[:2]).model_copy()  # hashes of a longer content
+    plan = plan.model_copy(update={"segments": [
+        plan.segments[0],
+        plan.segments[1].model_copy(update={"char_end": len(DOC) + 4}),
+        make_plan([DOC], spans[2:]).segments[0],
+    ]})
+    result = aligner.chat(messages, None, plan)
+    assert [s.plan_index for s in result.segments] == [0]
+    assert result.note is not None and result.note.startswith("2 of 3 segments skipped: ")
+    assert "char range beyond the message (1)" in result.note and "no such message (1)" in result.note
+
+
+def test_no_placeable_segment_tokenizes_as_without_a_plan(aligner, tok):
+    messages = [{"role": "user", "content": DOC}]
+    plan = make_plan(["something else entirely, longer than the doc is........................"],
+                     [(0, 0, 10, "private", None)])
+    result = aligner.chat(messages, None, plan)
+    assert result.segments == [] and result.note is not None
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+
+
+def test_template_that_strips_content_falls_back(tiny_tokenizer_dir, tmp_path):
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok = with_template(tiny_tokenizer_dir[0], tmp_path / "strip", template)
+    messages = [{"role": "user", "content": f"  {DOC}\n"}]
+    result = chat_aligned(PromptAligner(tok), messages, around(messages[0]["content"], DOC, 0))
+    assert result.segments == []
+    assert result.note is not None and "transforms message content" in result.note
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+    # Content the template leaves as it is still aligns under the same template.
+    clean = [{"role": "user", "content": DOC}]
+    assert PromptAligner(tok).chat(clean, None, make_plan([DOC], around(DOC, DOC, 0))).segments
+
+
+def test_template_that_repeats_content_falls_back(tiny_tokenizer_dir, tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}|{{ m['content'] }}\n{% endfor %}"
+    tok = with_template(tiny_tokenizer_dir[0], tmp_path / "twice", template)
+    messages = [{"role": "user", "content": DOC}]
+    result = chat_aligned(PromptAligner(tok), messages, around(DOC, DOC, 0))
+    assert result.segments == [] and "2 times" in (result.note or "")
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+
+
+def test_list_content_is_joined(aligner, tok):
+    parts = [{"type": "text", "text": "Read: "}, {"type": "text", "text": DOC}]
+    messages = [{"role": "user", "content": parts}]
+    result = aligner.chat(messages, None, make_plan(["Read: " + DOC], around("Read: " + DOC, DOC, 0)))
+    assert ids_of(result, result.segments[1]) == tok.encode(DOC)
+    assert messages[0]["content"] is parts  # the caller's messages are left alone
+
+
+def test_completion_text(aligner, tok):
+    a_prompt, b_prompt = f"Context: {DOC}\nQ: why?", f"Other words first. {DOC}!"
+    a = aligner.text(a_prompt, make_plan([a_prompt], around(a_prompt, DOC, 0)))
+    b = aligner.text(b_prompt, make_plan([b_prompt], around(b_prompt, DOC, 0)))
+    (sa,), (sb,) = by_kind(a, "shared_block"), by_kind(b, "shared_block")
+    assert ids_of(a, sa) == ids_of(b, sb) == tok.encode(DOC)
+    assert tok.decode(a.token_ids, skip_special_tokens=False) == a_prompt
+    assert [s.plan_index for s in a.segments] == [0, 1, 2] and a.note is None
+    # Message 1 does not exist for a completion.
+    c = aligner.text(a_prompt, make_plan([a_prompt, DOC], [(1, 0, 5, "private", None)]))
+    assert c.segments == [] and c.token_ids == tok.encode(a_prompt)
+    assert c.note == "1 of 1 segments skipped: no such message"
+
+
+def test_method_is_taken_from_the_plan_segment(aligner):
+    plan = make_plan([f"x {DOC}"], around(f"x {DOC}", DOC, 0))
+    segments = [SimpleNamespace(**{**s.model_dump(), "method": "shift" if s.kind == "shared_block" else None})
+                for s in plan.segments]  # duck-typed: works whether or not Segment has `method`
+    result = aligner.text(f"x {DOC}", SimpleNamespace(segments=segments))  # type: ignore[arg-type]
+    assert [s.method for s in result.segments] == [None, "shift"]
+
+
+@pytest.mark.slow
+def test_smollm2_shared_text(smollm2_dir):
+    tok = Tokenizer(smollm2_dir)
+    aligner = PromptAligner(tok)
+    # No system message: the template adds its default one, outside every message.
+    first = [{"role": "user", "content": f"Summarize: {DOC}"}]
+    second = [{"role": "system", "content": "You are the reviewer."},
+              {"role": "user", "content": f"Check this claim.{DOC}\nThanks"}]
+    a = chat_aligned(aligner, first, around(first[0]["content"], DOC, 0))
+    b = chat_aligned(aligner, second, around(second[1]["content"], DOC, 1))
+    (sa,), (sb,) = by_kind(a, "shared_block"), by_kind(b, "shared_block")
+    assert ids_of(a, sa) == ids_of(b, sb) == tok.encode(DOC)
+    for result, messages in ((a, first), (b, second)):
+        assert result.note is None
+        assert tok.decode(result.token_ids, skip_special_tokens=False) == tok.render_chat(messages)
+
+
+def test_method_from_a_real_plan_segment(aligner):
+    if "method" not in Segment.model_fields:
+        pytest.skip("Segment has no method field yet")
+    prompt = f"x {DOC}"
+    plan = make_plan([prompt], around(prompt, DOC, 0))
+    blended = plan.segments[1].model_copy(update={"method": "blend"})
+    plan = plan.model_copy(update={"segments": [plan.segments[0], blended]})
+    assert [s.method for s in aligner.text(prompt, plan).segments] == [None, "blend"]
+
+
+def test_tokenizer_that_prefixes_each_piece_falls_back(tiny_tokenizer_dir, tmp_path):
+    src, dst = tiny_tokenizer_dir[0], tmp_path / "prefixed"
+    dst.mkdir()
+    shutil.copy(src / "tokenizer_config.json", dst / "tokenizer_config.json")
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["add_prefix_space"] = True  # every encode() call gains a leading space
+    (dst / "tokenizer.json").write_text(json.dumps(spec))
+    tok = Tokenizer(dst)
+    prompt = f"x {DOC}"
+    result = PromptAligner(tok).text(prompt, make_plan([prompt], around(prompt, DOC, 0)))
+    assert result.segments == [] and result.token_ids == tok.encode(prompt)
+    assert "tokenizer changes text tokenized in pieces" in (result.note or "")
