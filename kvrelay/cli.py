@@ -17,9 +17,21 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_tokens: int):
+    from engine_ext.config import ReuseConfig
+
+    try:
+        layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
+        return ReuseConfig(enabled=method != "off", default_method="dense" if method == "off" else method,  # type: ignore[arg-type]
+                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens)
+    except ValueError as exc:
+        raise _fail(f"invalid reuse settings: {exc}") from exc
+
+
 def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb: int, block_size: int,
-                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str):
-    from engine_ext.config import EngineConfig
+                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str,
+                  reuse=None):
+    from engine_ext.config import EngineConfig, ReuseConfig
     from engine_ext.engine import LLMEngine
     from engine_ext.errors import EngineError
     from engine_ext.model_store import resolve_model
@@ -28,6 +40,7 @@ def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb:
         config = EngineConfig(
             kv_cache_bytes=kv_cache_mb * 2**20, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,  # type: ignore[arg-type]
+            reuse=reuse or ReuseConfig(),
         )
         model_dir = resolve_model(model)
         return LLMEngine(model_dir, config, served_model_name or model_dir.name)
@@ -73,6 +86,10 @@ BatchOpt = Annotated[int, typer.Option(min=1, help="tokens computed per engine s
 LenOpt = Annotated[Optional[int], typer.Option(min=2, help="cap on prompt + completion tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 HostOpt = Annotated[str, typer.Option(help="address to bind")]
+ReuseOpt = Annotated[str, typer.Option(help="reuse of planned segments away from the prefix: blend | shift | link | prefix | dense | off")]
+BlendOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="blend: fraction of a segment's tokens recomputed")]
+CheckOpt = Annotated[str, typer.Option(help="blend: comma-separated layers whose key deviation selects the tokens")]
+LinkOpt = Annotated[int, typer.Option(min=0, help="link: tokens recomputed at the start of each segment")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -88,6 +105,10 @@ def engine(
     max_num_batched_tokens: BatchOpt = 2048,
     max_model_len: LenOpt = None,
     dtype: DtypeOpt = "float32",
+    reuse_method: ReuseOpt = "blend",
+    blend_ratio: BlendOpt = 0.15,
+    check_layers: CheckOpt = "1",
+    link_tokens: LinkOpt = 8,
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -97,8 +118,9 @@ def engine(
     from engine_ext.server import create_app
 
     _setup_logging(log_level)
+    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
-                        max_num_batched_tokens, max_model_len, dtype)
+                        max_num_batched_tokens, max_model_len, dtype, reuse)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
 
@@ -131,6 +153,10 @@ def up(
     kv_cache_mb: KvOpt = 512,
     max_num_seqs: SeqsOpt = 64,
     database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")] = None,
+    reuse_method: ReuseOpt = "blend",
+    blend_ratio: BlendOpt = 0.15,
+    check_layers: CheckOpt = "1",
+    link_tokens: LinkOpt = 8,
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -142,7 +168,8 @@ def up(
     from engine_ext.server import create_app as create_engine_app
 
     _setup_logging(log_level)
-    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32")
+    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens)
+    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse)
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
     engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),
