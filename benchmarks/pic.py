@@ -89,17 +89,31 @@ class Prompts:
         return self.tokenizer.encode(text)
 
     def prompt(self, q: int, method: str | None) -> tuple[list[int], list[TokenSegment]]:
+        """The prompt's ids and, for a reuse method, one segment per document. The
+        prefix-only path gets no segments: it must not register documents in context
+        (which would hand the other methods an exact copy)."""
         ids, segments = list(self.system), []
         for i, doc in enumerate(self.docs):
             segments.append(TokenSegment(len(ids), len(ids) + len(doc), "shared_block", f"doc{i}", method, i))
             ids += doc
-        return ids + self.question(q), segments
+        return ids + self.question(q), segments if method not in (None, "prefix") else []
 
 
-def _ttft(engine: LLMEngine, ids: list[int], segments: list[TokenSegment] | None) -> float:
+def _ttft(engine: LLMEngine, ids: list[int], segments: list[TokenSegment]) -> float:
     start = time.perf_counter()
-    engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), segments=segments, publish=False)
-    return time.perf_counter() - start
+    seq = engine.generate(ids, SamplingParams(max_tokens=1, temperature=0.0), segments=segments, publish=False)
+    took = time.perf_counter() - start
+    _check_placed(seq.reuse_outcomes or [], segments)
+    return took
+
+
+def _check_placed(outcomes: list, segments: list[TokenSegment]) -> None:
+    """Every document must have been reused as asked: a fallback (an evicted document)
+    would make the run measure something else."""
+    missed = [o for o in outcomes if o.method != o.segment.method]
+    if len(outcomes) != len(segments) or missed:
+        raise RuntimeError(f"{len(missed)} documents were not reused as planned: "
+                           f"{missed[0].reason if missed else 'no outcome'}; raise the KV budget")
 
 
 def _cache(engine: LLMEngine, prompts: Prompts) -> None:
@@ -117,7 +131,10 @@ def _fidelity(engine: LLMEngine, prompts: Prompts, sizes: Sizes) -> dict[str, li
         ids, _ = prompts.prompt(q, None)
         reference = harness.reference(ids)
         for method in METHODS:
-            out[method].append(harness.measure(ids, prompts.prompt(q, method)[1], reference))
+            segments = prompts.prompt(q, method)[1]
+            result = harness.measure(ids, segments, reference)
+            _check_placed(result.reuse_outcomes, segments)
+            out[method].append(result)
     return out
 
 
@@ -132,7 +149,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
         prompts = Prompts(engine, doc_len)
         _cache(engine, prompts)
         ids, _ = prompts.prompt(0, None)
-        dense = min(_ttft(engine, ids, None) for _ in range(sizes.ttft_repeats))
+        dense = min(_ttft(engine, ids, []) for _ in range(sizes.ttft_repeats))
         metrics[f"ttft_ms_dense_10x{doc_len}"] = dense * 1e3
         for method in METHODS:
             segments = prompts.prompt(0, method)[1]

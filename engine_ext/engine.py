@@ -7,7 +7,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -43,6 +43,11 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     reuse_outcomes: list[SegmentOutcome] | None = None  # per plan segment, once the prompt is computed
+
+
+class ScoreResult(NamedTuple):
+    logits: torch.Tensor  # (num_tokens, vocab)
+    reuse_outcomes: list[SegmentOutcome]
 
 
 class LLMEngine:
@@ -235,16 +240,16 @@ class LLMEngine:
         return seq
 
     def score(self, prompt_token_ids: list[int], continuation: list[int],
-              segments: list[TokenSegment] | None = None, publish: bool = True) -> torch.Tensor:
-        """Teacher-force `continuation` after the prompt; returns the logits that predicted
-        each of its tokens, (len(continuation), vocab)."""
+              segments: list[TokenSegment] | None = None, publish: bool = True) -> ScoreResult:
+        """Teacher-force `continuation` after the prompt: the logits that predicted each
+        of its tokens, (len(continuation), vocab), and what reuse did per segment."""
         sampling = SamplingParams(max_tokens=len(continuation), temperature=0.0, ignore_eos=True)
         seq = self.add_request(f"score-{uuid.uuid4().hex}", prompt_token_ids, sampling,
                                segments=segments, publish=publish)
         seq.forced_token_ids, seq.logits = list(continuation), []
         while not seq.is_finished:
             self.step()
-        return torch.stack(seq.logits)
+        return ScoreResult(torch.stack(seq.logits), seq.reuse_outcomes or [])
 
 
 def _checked_segments(segments: list[TokenSegment], num_prompt: int) -> list[TokenSegment]:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.engine import LLMEngine
-from engine_ext.reuse.segments import TokenSegment
+from engine_ext.reuse.segments import SegmentOutcome, TokenSegment
 from engine_ext.sampling import SamplingParams
 
 
@@ -27,6 +27,7 @@ class FidelityResult(NamedTuple):
     top1_agreement: float
     kl: float
     greedy_match: bool
+    reuse_outcomes: list[SegmentOutcome]  # of the teacher-forced run: what was actually reused
 
 
 class DenseReference(NamedTuple):
@@ -60,7 +61,7 @@ class FidelityHarness:
     def measure(self, prompt_ids: list[int], segments: list[TokenSegment],
                 reference: DenseReference) -> FidelityResult:
         """Score the reuse path (the prompt with its segments) against the dense reference."""
-        reuse_logits = self.engine.score(prompt_ids, reference.continuation, segments, publish=False)
-        top1, kl = compare_logits(reference.logits, reuse_logits)
+        scored = self.engine.score(prompt_ids, reference.continuation, segments, publish=False)
+        top1, kl = compare_logits(reference.logits, scored.logits)
         free = self.engine.generate(prompt_ids, self._greedy(), segments=segments, publish=False)
-        return FidelityResult(top1, kl, free.output_token_ids == reference.continuation)
+        return FidelityResult(top1, kl, free.output_token_ids == reference.continuation, scored.reuse_outcomes)

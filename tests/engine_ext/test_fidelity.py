@@ -27,5 +27,6 @@ def test_exact_reuse_scores_perfectly_and_shift_does_not(llama_dir):
     dense = harness.measure(prompt, [], reference)
     assert dense.top1_agreement == 1.0 and dense.kl < 1e-4 and dense.greedy_match
     shifted = harness.measure(prompt, [TokenSegment(20, 68, "shared_block", None, "shift")], reference)
+    assert [o.method for o in shifted.reuse_outcomes] == ["shift"]
     assert shifted.kl > 1e-4  # the document's KV was computed without the prefix: not exact
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks

@@ -20,6 +20,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--port", "0"), "--port"),
         (("engine", "--bogus"), "No such option"),
         (("bench", "nope"), "unknown benchmark 'nope'"),
+        (("engine", "--reuse-method", "magic"), "unknown reuse method 'magic'"),
+        (("up", "--check-layers", "one"), "invalid reuse settings"),
+        (("engine", "--blend-ratio", "2"), "--blend-ratio"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
