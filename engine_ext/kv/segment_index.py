@@ -56,17 +56,22 @@ class SegmentIndex:
 
     def lookup(self, token_ids: list[int] | tuple[int, ...]) -> SegmentEntry | None:
         """The entry holding exactly these tokens, or None (never cached, or evicted)."""
-        tokens = tuple(token_ids)
-        hashes = self._hashes(tokens)
-        entry = self._entries.get(hashes[-1]) if hashes else None
-        if entry is not None and not self._valid(entry):
-            self._drop(hashes[-1], entry)
-            entry = None
-        if entry is None or entry.token_ids != tokens:  # the token check guards hash collisions
+        entry = self._find(tuple(token_ids))
+        if entry is None:
             self.num_misses += 1
-            return None
-        self.num_hits += 1
+        else:
+            self.num_hits += 1
         return entry
+
+    def _find(self, tokens: tuple[int, ...]) -> SegmentEntry | None:
+        if not tokens:
+            return None
+        key = self._hashes(tokens)[-1]
+        entry = self._entries.get(key)
+        if entry is not None and not self._valid(entry):
+            self._drop(key, entry)
+            return None
+        return entry if entry is not None and entry.token_ids == tokens else None  # tokens guard collisions
 
     def acquire(self, entry: SegmentEntry) -> None:
         """Pin an entry's blocks (they leave the LRU) until `release`."""
@@ -88,7 +93,7 @@ class SegmentIndex:
         into new blocks, keys shifted back to position 0. The first registration of a
         token sequence wins; False when it is already held or no block is free."""
         tokens = tuple(token_ids)
-        if not tokens or self.lookup_quiet(tokens) is not None:
+        if not tokens or self._find(tokens) is not None:
             return False
         num_blocks = -(-len(tokens) // self.block_size)
         if num_blocks > self.pool.num_free:
@@ -109,13 +114,6 @@ class SegmentIndex:
         self.num_registered += 1
         self._prune()
         return True
-
-    def lookup_quiet(self, tokens: tuple[int, ...]) -> SegmentEntry | None:
-        """lookup without counting a hit or miss (for registration's duplicate check)."""
-        hits, misses = self.num_hits, self.num_misses
-        entry = self.lookup(tokens)
-        self.num_hits, self.num_misses = hits, misses
-        return entry
 
     def _drop(self, key: bytes, entry: SegmentEntry) -> None:
         """Forget an entry whose blocks were (partly) evicted; its survivors are stale."""

@@ -70,10 +70,6 @@ class Assembly:
             placed.append(SegmentOutcome(p.segment, p.method, n - recomputed, recomputed))
         return sorted(self.dense + placed, key=lambda o: o.segment.start)
 
-    @property
-    def num_reused(self) -> int:
-        return sum(o.num_reused for o in self.outcomes())
-
 
 class Assembler:
     def __init__(self, config: ReuseConfig, index: SegmentIndex | None, no_index_reason: str | None = None) -> None:
