@@ -6,6 +6,7 @@ whose first 90% is a prefix-cache hit relative to a cold one.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -146,7 +147,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
         "quick": quick,
         "sizes": sizes.__dict__,
         "baseline": "transformers AutoModelForCausalLM, attn_implementation=eager, fp32",
-        "engine": EngineConfig(kv_cache_bytes=1024 * 2**20).__dict__,
+        "engine": dataclasses.asdict(EngineConfig(kv_cache_bytes=1024 * 2**20)),
         "prefill_speedup_vs_hf": "minimum over prompt lengths",
     }
     return BenchResult("engine", metrics, config, rows)

@@ -15,6 +15,7 @@ the dense path, DESIGN.md) is averaged over several questions at the largest N.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 import time
@@ -172,7 +173,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
         "quick": quick,
         "sizes": sizes.__dict__,
         "num_docs": NUM_DOCS,
-        "reuse": reuse.__dict__,
+        "reuse": dataclasses.asdict(reuse),
         "baseline": "dense prefill of the same token ids on the same engine",
         "documents": "cached beforehand, each prefilled alone; system prompt in the prefix cache",
         "ttft": f"best of {sizes.ttft_repeats} runs, max_tokens=1",

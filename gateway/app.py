@@ -61,10 +61,13 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         try:
             yield
         finally:
-            for task in (health, key_refresh, *([saver] if saver else [])):
+            for task in (health, key_refresh):
                 task.cancel()
                 with suppress(asyncio.CancelledError):
                     await task
+            if store is not None and saver is not None:
+                store.stop()
+                await saver
             await writer.close()
             if store is not None:
                 await final_flush(store)
@@ -133,11 +136,18 @@ async def start_store(settings: GatewaySettings, db: AsyncEngine,
     return store, asyncio.create_task(store.run(), name="kvrelay-state-saver")
 
 
-async def final_flush(store: StateStore) -> None:
-    try:
-        await store.flush()
-    except (SQLAlchemyError, OSError) as exc:
-        logger.error("the last changes to the inferred state were not saved (%s)", type(exc).__name__)
+async def final_flush(store: StateStore, attempts: int = 3) -> None:
+    """Save what is left at shutdown, retrying briefly: a database busy with the record
+    writer's last batch must not cost the inferred state."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await store.flush()
+            return
+        except (SQLAlchemyError, OSError) as exc:
+            if attempt == attempts:
+                logger.error("the last changes to the inferred state were not saved (%s)", type(exc).__name__)
+                return
+            await asyncio.sleep(0.2 * attempt)
 
 
 def get_state(request: Request) -> GatewayState:

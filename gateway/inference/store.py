@@ -12,6 +12,7 @@ rebuilt on demand (`restore`), so it continues with its rounds and placeholders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from datetime import UTC, datetime, timedelta
@@ -52,6 +53,7 @@ class StateStore:
         self._engine = engine
         self._inference = inference
         self._interval_s = flush_interval_s
+        self._stopping = asyncio.Event()
         dialect = engine.dialect.name
         self._upserts = {table: upsert(dialect, table.__table__)
                          for table in (InferredAgentRow, StepEdgeRow, InferredSessionRow, SegmentRow, RoundRow)}
@@ -134,10 +136,19 @@ class StateStore:
         self.num_saves += 1
         return sum(len(v) for v in batch.values())
 
+    def stop(self) -> None:
+        """Ask `run` to return after its current save. Cancelling it instead could cut a
+        SQLite write short in aiosqlite's thread and leave the database locked for the
+        final save."""
+        self._stopping.set()
+
     async def run(self) -> None:
-        """Flush forever; an outage delays saves (logged), it loses nothing still in memory."""
-        while True:
-            await asyncio.sleep(self._interval_s)
+        """Flush until stopped; an outage delays saves (logged), it loses nothing still in memory."""
+        while not self._stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self._interval_s)
+            if self._stopping.is_set():
+                return
             try:
                 await self.flush()
             except (SQLAlchemyError, OSError) as exc:
