@@ -102,11 +102,7 @@ class SegmentIndex:
         blocks = self.pool.allocate(num_blocks)
         hashes = self._hashes(tokens)
         entry = SegmentEntry(tokens, blocks, hashes)
-        dst = self.slots(entry)  # (n,)
-        for k_cache, v_cache in self.kv_cache.layers:
-            keys = self.shifter.shift(k_cache.index_select(0, src_slots), -src_position)  # (n, kv_heads, D)
-            k_cache.index_copy_(0, dst, keys)
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src_slots))
+        self.copy_shifted(src_slots, self.slots(entry), -src_position)
         for block, block_hash in zip(blocks, hashes):
             self.pool.register(block, block_hash)
         self.pool.release(list(reversed(blocks)))
@@ -114,6 +110,14 @@ class SegmentIndex:
         self.num_registered += 1
         self._prune()
         return True
+
+    def copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+        """Copy K and V of every layer from slots `src` to slots `dst` (both (n,)), keys
+        moved `delta` positions: into the canonical frame at registration, out of it at use."""
+        for k_cache, v_cache in self.kv_cache.layers:
+            keys = self.shifter.shift(k_cache.index_select(0, src), delta)  # (n, kv_heads, D)
+            k_cache.index_copy_(0, dst, keys)
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
 
     def _drop(self, key: bytes, entry: SegmentEntry) -> None:
         """Forget an entry whose blocks were (partly) evicted; its survivors are stale."""

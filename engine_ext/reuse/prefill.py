@@ -80,12 +80,7 @@ class ReusePrefill:
     def _place(self, assembly: Assembly, slots: torch.Tensor) -> None:
         for placed in assembly.placed:
             seg = placed.segment
-            src = self.index.slots(placed.entry)  # (n,)
-            dst = slots[seg.start : seg.end]  # (n,)
-            for k_cache, v_cache in self.kv_cache.layers:
-                keys = self.index.shifter.shift(k_cache.index_select(0, src), seg.start)  # (n, kv_heads, D)
-                k_cache.index_copy_(0, dst, keys)
-                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+            self.index.copy_shifted(self.index.slots(placed.entry), slots[seg.start : seg.end], seg.start)
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
         """Keep the top blend_ratio of each blend segment's tokens by key deviation.
