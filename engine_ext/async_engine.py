@@ -17,7 +17,7 @@ from typing import Any
 
 from engine_ext.engine import LLMEngine, RequestOutput
 from engine_ext.errors import EngineDeadError, EngineError
-from engine_ext.reuse.segments import TokenSegment
+from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -30,6 +30,7 @@ class _Add:
     sampling: SamplingParams
     kv_transfer_params: dict[str, Any] | None
     segments: list[TokenSegment] | None
+    scope: ReuseScope | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -67,6 +68,7 @@ class AsyncEngine:
         sampling: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
         segments: list[TokenSegment] | None = None,
+        scope: ReuseScope | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
         errors on first iteration; leaving the iteration early aborts the request."""
@@ -74,7 +76,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, sink, loop))
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, sink, loop))
         finished = False
         try:
             while not finished:
@@ -118,7 +120,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
-                                        segments=cmd.segments)
+                                        segments=cmd.segments, scope=cmd.scope)
             except EngineError as exc:
                 _deliver(cmd, exc)
                 continue

@@ -165,6 +165,42 @@ def _attention_window(raw: dict[str, Any]) -> int | None:
     return int(window) if uses_window else None
 
 
+# What KVCOMM adds to a placed placeholder (the paper's ablation): the RoPE shift alone,
+# plus the placeholder offset, or plus the offset of the fixed segment that follows it.
+KvcommCorrection = Literal["rotation", "placeholder", "full"]
+
+
+@dataclass(frozen=True)
+class AnchorConfig:
+    """KVCOMM's anchor pools (engine_ext/kvcomm).
+
+    A placeholder sample is predicted from the pool when the entropy of
+    softmax(-distance / temperature) over the eligible anchors is at most
+    `gamma * log2(N)`; else it is computed densely and becomes an anchor. A pool keeps
+    at most `max_anchors`; beyond that the least activated of its `prune_window` oldest
+    anchors is dropped. Distances are RMS differences of the base values (all layers but
+    the first, per element), so `temperature` does not depend on the sample's length.
+    """
+
+    gamma: float = 0.3
+    max_anchors: int = 20
+    prune_window: int = 5
+    temperature: float = 0.05
+    correction: KvcommCorrection = "full"
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError("anchors.gamma must be in [0, 1]")
+        if self.max_anchors < 1:
+            raise ValueError("anchors.max_anchors must be >= 1")
+        if not 1 <= self.prune_window <= self.max_anchors:
+            raise ValueError("anchors.prune_window must be in [1, max_anchors]")
+        if self.temperature <= 0.0:
+            raise ValueError("anchors.temperature must be > 0")
+        if self.correction not in get_args(KvcommCorrection):
+            raise ValueError(f"unknown kvcomm correction {self.correction!r}")
+
+
 @dataclass(frozen=True)
 class ReuseConfig:
     """How the engine reuses a cached segment's KV away from the prompt's prefix.
@@ -174,7 +210,8 @@ class ReuseConfig:
     least faithful), `blend` also recomputes the `blend_ratio` of tokens whose keys
     deviate most on `check_layers` (CacheBlend), `link` recomputes the first
     `link_tokens` tokens of each segment that follows other text (KVLink's boundary
-    repair), `prefix` and `dense` reuse nothing beyond exact prefix hits.
+    repair), `kvcomm` corrects placeholders with offsets learned from anchors (KVCOMM,
+    see AnchorConfig), `prefix` and `dense` reuse nothing beyond exact prefix hits.
     """
 
     enabled: bool = True
@@ -184,6 +221,7 @@ class ReuseConfig:
     link_tokens: int = 8
     min_segment_tokens: int = 16  # shorter segments are cheaper to compute than to track
     register_outputs: bool = True  # keep generated answers as segments for later prompts
+    anchors: AnchorConfig = field(default_factory=AnchorConfig)
 
     def __post_init__(self) -> None:
         if self.default_method not in get_args(ReuseMethod):

@@ -16,11 +16,12 @@ from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError
 from engine_ext.kv import KVCache, KVCacheManager
 from engine_ext.kv.segment_index import SegmentIndex
+from engine_ext.kvcomm import AnchorBank
 from engine_ext.model import load_model
 from engine_ext.model_runner import ModelRunner
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.reuse.prefill import ReusePrefill
-from engine_ext.reuse.segments import REUSE_METHODS, SegmentOutcome, TokenSegment
+from engine_ext.reuse.segments import REUSE_METHODS, ReuseScope, SegmentOutcome, TokenSegment
 from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
@@ -28,6 +29,8 @@ from engine_ext.sequence import Sequence
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+PLACED_METHODS = frozenset({"shift", "blend", "link", "kvcomm"})  # their reused tokens count as cached
 
 
 @dataclass
@@ -63,7 +66,9 @@ class LLMEngine:
         self.kv_cache = KVCache(self.model_config, config)
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, namespace=self.model_name)
         self.segment_index, no_index_reason = self._segment_index()
-        self.assembler = Assembler(config.reuse, self.segment_index, no_index_reason)
+        self.anchor_bank = (AnchorBank(config.reuse.anchors, self.segment_index, self.kv_cache, self.model_name)
+                            if self.segment_index else None)
+        self.assembler = Assembler(config.reuse, self.segment_index, no_index_reason, self.anchor_bank)
         reuse = (ReusePrefill(self.model, self.kv_cache, self.segment_index, config.reuse)
                  if self.segment_index else None)
         self.scheduler = Scheduler(config, self.kv, self.assembler)
@@ -106,11 +111,13 @@ class LLMEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         segments: list[TokenSegment] | None = None,
         publish: bool = True,
+        scope: ReuseScope | None = None,
     ) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
 
         `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
-        prefix cache; `publish=False` keeps this request's blocks out of the prefix cache."""
+        prefix cache, `scope` (the plan's app and agent) KVCOMM's anchors;
+        `publish=False` keeps this request's blocks out of the prefix cache."""
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -142,6 +149,7 @@ class LLMEngine:
             detokenizer=Detokenizer(self.tokenizer, sampling.stop),
             kv_transfer_params=kv_transfer_params,
             segments=_checked_segments(segments or [], num_prompt),
+            scope=scope,
             num_exact_tokens=None if publish else 0,
         )
         self.scheduler.add(seq)
@@ -177,7 +185,7 @@ class LLMEngine:
         seq.reuse_outcomes = assembly.outcomes()
         seq.assembly = None
         if seq.num_preemptions == 0:
-            placed = sum(o.num_reused for o in seq.reuse_outcomes if o.method in ("shift", "blend", "link"))
+            placed = sum(o.num_reused for o in seq.reuse_outcomes if o.method in PLACED_METHODS)
             seq.num_cached_tokens = assembly.num_prefix_tokens + placed
         if self.segment_index is None:
             return
@@ -185,6 +193,8 @@ class LLMEngine:
         for seg in seq.segments:
             if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
                 self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start)
+        self.assembler.commit(assembly, slots)
+        self.assembler.release(assembly)
 
     def _register_output(self, seq: Sequence) -> None:
         """Keep a finished answer as a segment: the next agent reading it reuses its KV
@@ -229,23 +239,24 @@ class LLMEngine:
     # -- convenience for tests and benchmarks ----------------------------------------
     def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
                  segments: list[TokenSegment] | None = None, publish: bool = True,
-                 record_logits: bool = False) -> Sequence:
+                 record_logits: bool = False, scope: ReuseScope | None = None) -> Sequence:
         """Run one request to completion synchronously (seq.logits holds each step's
         logits when record_logits is set)."""
         seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling,
-                               segments=segments, publish=publish)
+                               segments=segments, publish=publish, scope=scope)
         seq.logits = [] if record_logits else None
         while not seq.is_finished:
             self.step()
         return seq
 
     def score(self, prompt_token_ids: list[int], continuation: list[int],
-              segments: list[TokenSegment] | None = None, publish: bool = True) -> ScoreResult:
+              segments: list[TokenSegment] | None = None, publish: bool = True,
+              scope: ReuseScope | None = None) -> ScoreResult:
         """Teacher-force `continuation` after the prompt: the logits that predicted each
         of its tokens, (len(continuation), vocab), and what reuse did per segment."""
         sampling = SamplingParams(max_tokens=len(continuation), temperature=0.0, ignore_eos=True)
         seq = self.add_request(f"score-{uuid.uuid4().hex}", prompt_token_ids, sampling,
-                               segments=segments, publish=publish)
+                               segments=segments, publish=publish, scope=scope)
         seq.forced_token_ids, seq.logits = list(continuation), []
         while not seq.is_finished:
             self.step()

@@ -31,7 +31,7 @@ PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
 
 SegmentKind = Literal["fixed_prefix", "placeholder", "shared_block", "private"]
 # How the engine may reuse a segment's cached KV (engine_ext/reuse); None: its default.
-ReuseMethod = Literal["prefix", "shift", "blend", "link", "dense"]
+ReuseMethod = Literal["prefix", "shift", "blend", "link", "kvcomm", "dense"]
 NonNegative = Annotated[int, Field(ge=0)]
 
 
@@ -80,6 +80,7 @@ class SegmentPlan(_Frozen):
     round: RoundInfo | None = None
     workflow: WorkflowInfo | None = None
     adapter: str | None = None
+    app_id: str | None = None  # whose workflow this is: KVCOMM anchors are learned per app
 
     @model_validator(mode="after")
     def _ordered(self) -> SegmentPlan:

@@ -78,7 +78,8 @@ class Scheduler:
             # Reuse is planned for a prompt's first prefill; after a preemption the
             # sequence is recomputed densely (from the prefix cache where it can).
             if seq.segments and seq.reuse_outcomes is None and self.assembler is not None:
-                seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, prefix.num_cached_tokens)
+                seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, prefix.num_cached_tokens,
+                                                       seq.scope)
                 if seq.assembly.placed:
                     # A prefill around placed segments runs whole, in one step: its blend
                     # selection needs every placed token at once.

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from engine_ext.detokenizer import Detokenizer
     from engine_ext.kv.block_pool import Block
     from engine_ext.reuse.assembler import Assembly
-    from engine_ext.reuse.segments import SegmentOutcome, TokenSegment
+    from engine_ext.reuse.segments import ReuseScope, SegmentOutcome, TokenSegment
 
 
 class SequenceStatus(enum.Enum):
@@ -46,6 +46,7 @@ class Sequence:
     # Reuse beyond the prefix cache (engine_ext/reuse): the prompt's segments, the
     # decisions for its next prefill, and what happened once the prompt was computed.
     segments: list[TokenSegment] = field(default_factory=list)
+    scope: ReuseScope | None = None  # app and agent, for KVCOMM's anchors
     assembly: Assembly | None = None
     reuse_outcomes: list[SegmentOutcome] | None = None
     # Blocks at or past this position hold approximate KV and are never published to

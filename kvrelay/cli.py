@@ -17,13 +17,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_tokens: int):
-    from engine_ext.config import ReuseConfig
+def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_tokens: int, anchor_gamma: float,
+                  anchor_pool_size: int, anchor_prune_window: int, anchor_temperature: float, kvcomm_correction: str):
+    from engine_ext.config import AnchorConfig, ReuseConfig
 
     try:
         layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
+        anchors = AnchorConfig(gamma=anchor_gamma, max_anchors=anchor_pool_size, prune_window=anchor_prune_window,
+                               temperature=anchor_temperature, correction=kvcomm_correction)  # type: ignore[arg-type]
         return ReuseConfig(enabled=method != "off", default_method="dense" if method == "off" else method,  # type: ignore[arg-type]
-                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens)
+                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens, anchors=anchors)
     except ValueError as exc:
         raise _fail(f"invalid reuse settings: {exc}") from exc
 
@@ -86,10 +89,15 @@ BatchOpt = Annotated[int, typer.Option(min=1, help="tokens computed per engine s
 LenOpt = Annotated[Optional[int], typer.Option(min=2, help="cap on prompt + completion tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 HostOpt = Annotated[str, typer.Option(help="address to bind")]
-ReuseOpt = Annotated[str, typer.Option(help="reuse of planned segments away from the prefix: blend | shift | link | prefix | dense | off")]
+ReuseOpt = Annotated[str, typer.Option(help="reuse of planned segments away from the prefix: blend | shift | link | kvcomm | prefix | dense | off")]
 BlendOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="blend: fraction of a segment's tokens recomputed")]
 CheckOpt = Annotated[str, typer.Option(help="blend: comma-separated layers whose key deviation selects the tokens")]
 LinkOpt = Annotated[int, typer.Option(min=0, help="link: tokens recomputed at the start of each segment")]
+GammaOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="kvcomm: entropy threshold; higher predicts more samples from anchors")]
+PoolOpt = Annotated[int, typer.Option(min=1, help="kvcomm: anchors kept per placeholder")]
+WindowOpt = Annotated[int, typer.Option(min=1, help="kvcomm: a full pool drops the least used of this many oldest anchors")]
+TemperatureOpt = Annotated[float, typer.Option(min=1e-6, help="kvcomm: softmax temperature over anchor distances")]
+CorrectionOpt = Annotated[str, typer.Option(help="kvcomm: rotation | placeholder | full (the paper's ablation)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -109,6 +117,11 @@ def engine(
     blend_ratio: BlendOpt = 0.15,
     check_layers: CheckOpt = "1",
     link_tokens: LinkOpt = 8,
+    anchor_gamma: GammaOpt = 0.3,
+    anchor_pool_size: PoolOpt = 20,
+    anchor_prune_window: WindowOpt = 5,
+    anchor_temperature: TemperatureOpt = 0.05,
+    kvcomm_correction: CorrectionOpt = "full",
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -118,7 +131,8 @@ def engine(
     from engine_ext.server import create_app
 
     _setup_logging(log_level)
-    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens)
+    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
+                          anchor_prune_window, anchor_temperature, kvcomm_correction)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
@@ -157,6 +171,11 @@ def up(
     blend_ratio: BlendOpt = 0.15,
     check_layers: CheckOpt = "1",
     link_tokens: LinkOpt = 8,
+    anchor_gamma: GammaOpt = 0.3,
+    anchor_pool_size: PoolOpt = 20,
+    anchor_prune_window: WindowOpt = 5,
+    anchor_temperature: TemperatureOpt = 0.05,
+    kvcomm_correction: CorrectionOpt = "full",
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -168,7 +187,8 @@ def up(
     from engine_ext.server import create_app as create_engine_app
 
     _setup_logging(log_level)
-    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens)
+    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
+                          anchor_prune_window, anchor_temperature, kvcomm_correction)
     llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse)
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)

@@ -5,11 +5,10 @@ agent's answer) recurs at different positions behind different prefixes, so its 
 kept apart, keyed by the segment's tokens alone, in one canonical frame: keys rotated
 as if the segment started at position 0. Using it elsewhere is one RoPE shift away.
 
-Segment KV lives in blocks of the same pool as the prefix cache, so it shares the one
-memory budget and the one LRU eviction: an entry's blocks are published under hashes
-derived from the segment's content under a segment root (never equal to a prefix hash) and released at once, so
-they sit in the LRU like any cached prefix block. An entry is valid while every block
-still carries its hash; one evicted block invalidates the entry and later lookups miss.
+Segment KV lives in blobs (kv/blobs.py): blocks of the prefix cache's pool, so it shares
+the one memory budget and the one LRU eviction. A blob's key is the hash of the
+segment's tokens under a segment root (never equal to a prefix hash); one evicted block
+invalidates the entry and later lookups miss.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine_ext.kv.block_pool import Block, BlockPool
+from engine_ext.kv.blobs import Blob, BlobStore
+from engine_ext.kv.block_pool import BlockPool
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import chain_hash, namespace_root
 from engine_ext.rope import RopeShifter
@@ -26,8 +26,7 @@ from engine_ext.rope import RopeShifter
 
 class SegmentEntry(NamedTuple):
     token_ids: tuple[int, ...]
-    blocks: list[Block]
-    block_hashes: list[bytes]
+    blob: Blob  # the segment's KV, keys in the canonical frame
 
 
 class SegmentIndex:
@@ -35,7 +34,7 @@ class SegmentIndex:
         self.pool = pool
         self.kv_cache = kv_cache
         self.shifter = shifter
-        self.block_size = kv_cache.block_size
+        self.blobs = BlobStore(pool, kv_cache)
         self.root = namespace_root(f"{namespace}\x00segment")
         self._entries: dict[bytes, SegmentEntry] = {}
         self.num_hits = 0
@@ -44,15 +43,8 @@ class SegmentIndex:
         self.num_skipped = 0  # registrations refused for lack of free blocks
 
     # -- lookup ------------------------------------------------------------------------
-    def _hashes(self, token_ids: tuple[int, ...]) -> list[bytes]:
-        """One hash per block of the segment, all derived from the hash of the whole
-        segment: two segments sharing their first tokens must not share block hashes."""
-        whole = chain_hash(self.root, token_ids)
-        num_blocks = -(-len(token_ids) // self.block_size)
-        return [chain_hash(whole, (i,)) for i in range(num_blocks)]
-
-    def _valid(self, entry: SegmentEntry) -> bool:
-        return all(b.block_hash == h for b, h in zip(entry.blocks, entry.block_hashes))
+    def _key(self, token_ids: tuple[int, ...]) -> bytes:
+        return chain_hash(self.root, token_ids)
 
     def lookup(self, token_ids: list[int] | tuple[int, ...]) -> SegmentEntry | None:
         """The entry holding exactly these tokens, or None (never cached, or evicted)."""
@@ -66,26 +58,23 @@ class SegmentIndex:
     def _find(self, tokens: tuple[int, ...]) -> SegmentEntry | None:
         if not tokens:
             return None
-        key = self._hashes(tokens)[-1]
+        key = self._key(tokens)
         entry = self._entries.get(key)
-        if entry is not None and not self._valid(entry):
+        if entry is not None and not self.blobs.valid(entry.blob):
             self._drop(key, entry)
             return None
         return entry if entry is not None and entry.token_ids == tokens else None  # tokens guard collisions
 
     def acquire(self, entry: SegmentEntry) -> None:
         """Pin an entry's blocks (they leave the LRU) until `release`."""
-        for block in entry.blocks:
-            self.pool.touch(block)
+        self.blobs.acquire(entry.blob)
 
     def release(self, entry: SegmentEntry) -> None:
-        self.pool.release(list(reversed(entry.blocks)))
+        self.blobs.release(entry.blob)
 
     def slots(self, entry: SegmentEntry) -> torch.Tensor:
         """Cache slots of the entry's tokens in order, (n,)."""
-        bs = self.block_size
-        ids = torch.tensor([b.block_id for b in entry.blocks], dtype=torch.long)
-        return (ids[:, None] * bs + torch.arange(bs)[None, :]).flatten()[: len(entry.token_ids)]
+        return self.blobs.slots(entry.blob)
 
     # -- registration ------------------------------------------------------------------
     def register(self, token_ids: list[int], src_slots: torch.Tensor, src_position: int) -> bool:
@@ -95,18 +84,14 @@ class SegmentIndex:
         tokens = tuple(token_ids)
         if not tokens or self._find(tokens) is not None:
             return False
-        num_blocks = -(-len(tokens) // self.block_size)
-        if num_blocks > self.pool.num_free:
+        key = self._key(tokens)
+        blob = self.blobs.allocate(key, len(tokens))
+        if blob is None:
             self.num_skipped += 1
             return False
-        blocks = self.pool.allocate(num_blocks)
-        hashes = self._hashes(tokens)
-        entry = SegmentEntry(tokens, blocks, hashes)
-        self.copy_shifted(src_slots, self.slots(entry), -src_position)
-        for block, block_hash in zip(blocks, hashes):
-            self.pool.register(block, block_hash)
-        self.pool.release(list(reversed(blocks)))
-        self._entries[hashes[-1]] = entry
+        self.copy_shifted(src_slots, self.blobs.slots(blob), -src_position)
+        self.blobs.seal(blob)
+        self._entries[key] = SegmentEntry(tokens, blob)
         self.num_registered += 1
         self._prune()
         return True
@@ -122,22 +107,20 @@ class SegmentIndex:
     def _drop(self, key: bytes, entry: SegmentEntry) -> None:
         """Forget an entry whose blocks were (partly) evicted; its survivors are stale."""
         del self._entries[key]
-        for block, block_hash in zip(entry.blocks, entry.block_hashes):
-            if block.block_hash == block_hash:
-                self.pool.forget(block)
+        self.blobs.discard(entry.blob)
 
     def _prune(self) -> None:
         """Drop dead entries once they could outnumber the blocks (each live one holds one)."""
         if len(self._entries) <= self.pool.num_blocks:
             return
         for key, entry in list(self._entries.items()):
-            if not self._valid(entry):
+            if not self.blobs.valid(entry.blob):
                 self._drop(key, entry)
 
     # -- accounting --------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
-        return sum(len(e.blocks) for e in self._entries.values() if self._valid(e))
+        return sum(len(e.blob.blocks) for e in self._entries.values() if self.blobs.valid(e.blob))
 
     @property
     def num_bytes(self) -> int:

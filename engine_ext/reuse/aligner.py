@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.protocol import Segment, SegmentPlan
-from engine_ext.reuse.segments import TokenSegment
+from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.tokenizer import Tokenizer
 
 _OUT_OF_RANGE = "no such message"
@@ -36,6 +36,7 @@ class AlignedPrompt(NamedTuple):
     token_ids: list[int]
     segments: list[TokenSegment]  # one per placed plan segment, by position in the prompt
     note: str | None = None  # why alignment was partial or skipped; None when complete
+    scope: ReuseScope | None = None  # the plan's app and agent
 
 
 class _Misaligned(Exception):

@@ -1,9 +1,13 @@
 """Assembler: decides, segment by segment, where a prompt's KV comes from.
 
 Given the tokens the prefix cache already covers, each remaining segment of the plan is
-either placed (its cached KV copied in at its new position, by shift, blend or link)
-or computed densely, with the reason. The guard lives here: a segment is placed only
-when the segment index holds exactly its tokens; anything else is computed.
+either placed (its cached KV copied in at its new position, by shift, blend, link or
+kvcomm) or computed densely, with the reason. The guard lives here: a segment is placed
+only when the segment index holds exactly its tokens; anything else is computed.
+
+A `kvcomm` placeholder asks the AnchorBank (engine_ext/kvcomm): predicted, it is placed
+with an offset correction, and so is the fixed segment right after it; not predicted,
+both are computed densely and the placeholder is measured once the prompt is done.
 """
 
 from __future__ import annotations
@@ -15,14 +19,20 @@ import torch
 
 from engine_ext.config import ReuseConfig
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
-from engine_ext.reuse.segments import ReuseMethod, SegmentOutcome, TokenSegment
+from engine_ext.kvcomm import AnchorBank, Correction, Decision, Measurement
+from engine_ext.reuse.segments import ReuseMethod, ReuseScope, SegmentOutcome, TokenSegment
+
+# Segments KVCOMM corrects with prefix offsets when they follow a placeholder.
+_FOLLOWER_KINDS = frozenset({"fixed_prefix", "shared_block"})
 
 
 class PlacedSegment(NamedTuple):
     segment: TokenSegment
-    method: ReuseMethod  # shift | blend | link
+    method: ReuseMethod  # shift | blend | link | kvcomm
     entry: SegmentEntry
     num_linked: int  # tokens at its start recomputed in every layer (link; the last prompt token)
+    correction: Correction | None = None  # kvcomm: offsets added after the shift
+    kvcomm: dict | None = None  # kvcomm: what the anchor bank decided, reported
 
 
 @dataclass
@@ -34,6 +44,8 @@ class Assembly:
     placed: list[PlacedSegment]
     dense: list[SegmentOutcome]  # outcomes of segments not placed
     num_selected: dict[int, int] = field(default_factory=dict)  # placed index -> blend rows kept
+    decisions: list[Decision] = field(default_factory=list)  # kvcomm predictions, committed after the prefill
+    measurements: list[Measurement] = field(default_factory=list)  # kvcomm samples to record after it
     pinned: bool = True  # the placed entries' blocks are held until the assembler releases them
 
     @property
@@ -67,24 +79,28 @@ class Assembly:
             recomputed = p.num_linked + self.num_selected.get(i, 0)
             if p.segment.end == self.num_tokens and p.num_linked < n:
                 recomputed += 1  # the last prompt token
-            placed.append(SegmentOutcome(p.segment, p.method, n - recomputed, recomputed))
+            placed.append(SegmentOutcome(p.segment, p.method, n - recomputed, recomputed, kvcomm=p.kvcomm))
         return sorted(self.dense + placed, key=lambda o: o.segment.start)
 
 
 class Assembler:
-    def __init__(self, config: ReuseConfig, index: SegmentIndex | None, no_index_reason: str | None = None) -> None:
+    def __init__(self, config: ReuseConfig, index: SegmentIndex | None, no_index_reason: str | None = None,
+                 bank: AnchorBank | None = None) -> None:
         self.config = config
         self.index = index
+        self.bank = bank
         self.no_index_reason = no_index_reason or "segment reuse is disabled"
 
-    def assemble(self, segments: list[TokenSegment], token_ids: list[int], num_prefix_tokens: int) -> Assembly:
+    def assemble(self, segments: list[TokenSegment], token_ids: list[int], num_prefix_tokens: int,
+                 scope: ReuseScope | None = None) -> Assembly:
         """Decide every segment; placed entries are pinned until `release`."""
-        num_tokens = len(token_ids)
-        placed: list[PlacedSegment] = []
-        dense: list[SegmentOutcome] = []
-        for seg in segments:
+        assembly = Assembly(len(token_ids), num_prefix_tokens, [], [])
+        i = 0
+        while i < len(segments):
+            seg = segments[i]
             if seg.end <= num_prefix_tokens:
-                dense.append(SegmentOutcome(seg, "prefix", seg.num_tokens, 0))
+                assembly.dense.append(SegmentOutcome(seg, "prefix", seg.num_tokens, 0))
+                i += 1
                 continue
             num_hit = max(num_prefix_tokens - seg.start, 0)  # a segment the prefix hit covers in part
             method = seg.method or self.config.default_method
@@ -93,14 +109,61 @@ class Assembler:
             if seg.is_reusable and reason is None:
                 entry = self.index.lookup(token_ids[seg.start : seg.end]) if self.index else None
                 reason = None if entry is not None else "not in the segment index (never cached or evicted)"
-            if entry is None:
-                dense.append(SegmentOutcome(seg, "prefix" if num_hit else "dense", num_hit,
-                                            seg.num_tokens - num_hit, reason))
+            if entry is not None and method == "kvcomm":
+                follower = segments[i + 1] if i + 1 < len(segments) else None
+                i += self._kvcomm(assembly, seg, entry, follower, token_ids, scope)
                 continue
+            if entry is None:
+                assembly.dense.append(SegmentOutcome(seg, "prefix" if num_hit else "dense", num_hit,
+                                                     seg.num_tokens - num_hit, reason))
+            else:
+                self.index.acquire(entry)
+                num_linked = min(self.config.link_tokens, seg.num_tokens) if method == "link" and seg.start > 0 else 0
+                assembly.placed.append(PlacedSegment(seg, method, entry, num_linked))
+            i += 1
+        return assembly
+
+    def _kvcomm(self, assembly: Assembly, seg: TokenSegment, entry: SegmentEntry, follower: TokenSegment | None,
+                token_ids: list[int], scope: ReuseScope | None) -> int:
+        """Decide a kvcomm segment (and the fixed segment after a placeholder); returns
+        how many segments it consumed. A shared block or fixed prefix on its own, with no
+        placeholder before it, has no anchors: it is placed by the RoPE shift alone."""
+        if seg.kind != "placeholder" or self.bank is None or scope is None or scope.agent_id is None:
             self.index.acquire(entry)
-            num_linked = min(self.config.link_tokens, seg.num_tokens) if method == "link" and seg.start > 0 else 0
-            placed.append(PlacedSegment(seg, method, entry, num_linked))
-        return Assembly(num_tokens, num_prefix_tokens, placed, dense)
+            assembly.placed.append(PlacedSegment(seg, "shift", entry, 0))
+            return 1
+        if follower is not None and (follower.kind not in _FOLLOWER_KINDS or follower.start > seg.end + 8
+                                     or follower.method not in (None, "kvcomm")
+                                     or follower.num_tokens < self.config.min_segment_tokens):
+            follower = None  # only a fixed segment right after it (template tokens apart) is its prefix
+        follower_ids = tuple(token_ids[follower.start : follower.end]) if follower else None
+        sample = tuple(token_ids[seg.start : seg.end])
+        decision = self.bank.decide((scope.app_id, seg.name or ""), scope.agent_id, sample, entry, follower_ids)
+        self.index.acquire(entry)
+        if not decision.predicted:
+            assembly.measurements.append(Measurement(decision, sample, seg.start, entry, follower_ids,
+                                                     follower.start if follower else 0))
+            assembly.dense.append(SegmentOutcome(seg, "dense", 0, seg.num_tokens, "kvcomm: measured as an anchor",
+                                                 kvcomm=decision.detail))
+            if follower is not None:
+                assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
+                                                     "kvcomm: measured after its placeholder"))
+            return 2 if follower is not None else 1
+        for blob in self.bank.blobs_of(decision):
+            self.bank.blobs.acquire(blob)
+        assembly.decisions.append(decision)
+        assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, decision.placeholder, decision.detail))
+        if follower is None:
+            return 1
+        follower_entry = self.index.lookup(follower_ids) if decision.prefix is not None or \
+            self.bank.correction != "full" else None
+        if follower_entry is None:
+            assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
+                                                 "kvcomm: no prefix offset measured for it"))
+        else:
+            self.index.acquire(follower_entry)
+            assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix))
+        return 2
 
     def _refusal(self, seg: TokenSegment, method: ReuseMethod, num_hit: int) -> str | None:
         """Why this segment must be computed densely, or None if it may be placed."""
@@ -114,9 +177,23 @@ class Assembler:
             return self.no_index_reason
         return None
 
+    def commit(self, assembly: Assembly, prompt_slots: torch.Tensor) -> None:
+        """After the prefill: activate the anchors predictions used, record measurements."""
+        if self.bank is None:
+            return
+        for decision in assembly.decisions:
+            self.bank.commit(decision)
+        for measurement in assembly.measurements:
+            self.bank.record(measurement, prompt_slots)
+
     def release(self, assembly: Assembly) -> None:
         """Unpin the placed entries (once; later calls do nothing)."""
         if self.index is not None and assembly.pinned:
             for p in assembly.placed:
                 self.index.release(p.entry)
+            for m in assembly.measurements:
+                self.index.release(m.base)
+            for decision in assembly.decisions:
+                for blob in self.bank.blobs_of(decision):
+                    self.bank.blobs.release(blob)
         assembly.pinned = False

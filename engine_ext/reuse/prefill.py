@@ -1,7 +1,8 @@
 """ReusePrefill: computes a prompt around cached segments placed at new positions.
 
 1. Copy each placed segment's KV into the sequence's slots, keys shifted from the
-   canonical frame (position 0) to where the segment now starts.
+   canonical frame (position 0) to where the segment now starts; a kvcomm segment
+   then gets its predicted offset added.
 2. Run the model over the positions that must be computed, and only those: queries
    at non-contiguous positions, each attending to every key at or before it (cached
    or fresh), through an explicit mask.
@@ -80,7 +81,10 @@ class ReusePrefill:
     def _place(self, assembly: Assembly, slots: torch.Tensor) -> None:
         for placed in assembly.placed:
             seg = placed.segment
-            self.index.copy_shifted(self.index.slots(placed.entry), slots[seg.start : seg.end], seg.start)
+            dst = slots[seg.start : seg.end]
+            self.index.copy_shifted(self.index.slots(placed.entry), dst, seg.start)
+            if placed.correction is not None:
+                placed.correction.apply(self.kv_cache, self.index.shifter, dst, seg.start)
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
         """Keep the top blend_ratio of each blend segment's tokens by key deviation.

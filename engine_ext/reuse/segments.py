@@ -36,6 +36,16 @@ class TokenSegment(NamedTuple):
         return self.kind in REUSABLE_KINDS
 
 
+DEFAULT_APP = "default"  # the app of a plan that names none
+
+
+class ReuseScope(NamedTuple):
+    """Whose prompt this is, from the plan: KVCOMM keeps anchors per app and offsets per agent."""
+
+    app_id: str
+    agent_id: str | None
+
+
 class SegmentOutcome(NamedTuple):
     """What happened to one segment: `method` is what ran (dense when reuse fell back)."""
 
@@ -44,6 +54,7 @@ class SegmentOutcome(NamedTuple):
     num_reused: int  # tokens whose KV came from a cache
     num_recomputed: int  # tokens computed by the model
     reason: str | None = None  # why a reusable segment fell back to dense, if it did
+    kvcomm: dict[str, Any] | None = None  # a KVCOMM placeholder: anchor hit or new, anchors used
 
     def to_json(self) -> dict[str, Any]:
         seg = self.segment
@@ -54,6 +65,8 @@ class SegmentOutcome(NamedTuple):
         }
         if self.reason:
             out["reason"] = self.reason
+        if self.kvcomm is not None:
+            out["kvcomm"] = self.kvcomm
         return out
 
 

@@ -18,7 +18,7 @@ from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
 from engine_ext.protocol import PLAN_KEY, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
-from engine_ext.reuse.segments import REPORT_KEY, report
+from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -47,19 +47,23 @@ class CompletionService:
         plan = _plan(req)
         if isinstance(req, ChatCompletionRequest):
             messages = [m.to_template() for m in req.messages]
-            if plan is not None:
-                return self.aligner.chat(messages, req.tools, plan)
-            return AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
-        prompt = req.prompt_input()
-        if isinstance(prompt, list):  # token ids: nothing to align
-            return AlignedPrompt(prompt, [])
-        return self.aligner.text(prompt, plan) if plan is not None else AlignedPrompt(self.tokenizer.encode(prompt), [])
+            if plan is None:
+                return AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
+            aligned = self.aligner.chat(messages, req.tools, plan)
+        else:
+            prompt = req.prompt_input()
+            if isinstance(prompt, list):  # token ids: nothing to align
+                return AlignedPrompt(prompt, [])
+            if plan is None:
+                return AlignedPrompt(self.tokenizer.encode(prompt), [])
+            aligned = self.aligner.text(prompt, plan)
+        return aligned._replace(scope=ReuseScope(plan.app_id or DEFAULT_APP, plan.agent_id))
 
     def _outputs(self, req: Request, request_id: str) -> tuple[AsyncIterator[RequestOutput], str | None]:
         prompt = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
-                                       req.kv_transfer_params, prompt.segments)
+                                       req.kv_transfer_params, prompt.segments, prompt.scope)
         return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------

@@ -100,7 +100,8 @@ class Inference:
         workflow = self._step(app, session, agent.id, builder.responses_read)
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
                            segments=builder.segments(), round=round_info, workflow=workflow,
-                           adapter=body.get("model") if isinstance(body.get("model"), str) else None)
+                           adapter=body.get("model") if isinstance(body.get("model"), str) else None,
+                           app_id=ident.app_id)
         self.changes.sessions.add((ident.app_id, session_id))
         self.changes.agents.add((ident.app_id, agent.id))
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)

@@ -1,0 +1,84 @@
+"""Anchors and their pools: what KVCOMM has measured about a placeholder's samples.
+
+An anchor is one sample of a placeholder (one user question, one answer of an agent)
+that was computed densely in the prompts of the agents that read it. It keeps the
+sample's base KV (the segment index's entry, canonical frame) and, per agent, how far
+the real KV in that agent's prompt was from the base: the placeholder offset, and the
+offset of the fixed segment that followed the placeholder there. Offsets are stored in
+the canonical frame too (keys rotated back to position 0), so they apply wherever the
+placeholder lands next time.
+
+A pool holds the anchors of one placeholder name of one app, shared by every session of
+that app: a recurring workflow learns once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine_ext.kv.blobs import Blob
+
+
+@dataclass
+class AgentOffsets:
+    placeholder: Blob  # (n tokens) real - base, keys compared in the canonical frame
+    prefix_token_ids: tuple[int, ...] | None = None  # the fixed segment after the placeholder
+    prefix: Blob | None = None  # its real - base, likewise
+
+    def blobs(self) -> list[Blob]:
+        return [self.placeholder] + ([self.prefix] if self.prefix is not None else [])
+
+
+@dataclass
+class Anchor:
+    anchor_id: int  # creation order within the engine
+    token_ids: tuple[int, ...]
+    base: Blob  # the sample's base KV when it became an anchor
+    offsets: dict[str, AgentOffsets] = field(default_factory=dict)  # agent id -> offsets
+    num_activations: int = 0  # predictions it took part in
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def blobs(self) -> list[Blob]:
+        return [self.base] + [b for o in self.offsets.values() for b in o.blobs()]
+
+    def serves(self, agent_id: str, num_tokens: int) -> bool:
+        """Eligible for a sample of `num_tokens` read by this agent: at least as long,
+        with this agent's offsets measured."""
+        return self.num_tokens >= num_tokens and agent_id in self.offsets
+
+
+class AnchorPool:
+    """At most `max_anchors` anchors, oldest first. A new anchor beyond the limit evicts
+    the least activated of the `prune_window` oldest: old anchors that keep being used
+    stay, and a burst of one-off samples cannot flush the pool."""
+
+    def __init__(self, max_anchors: int, prune_window: int) -> None:
+        self.max_anchors = max_anchors
+        self.prune_window = prune_window
+        self.anchors: list[Anchor] = []
+
+    def __len__(self) -> int:
+        return len(self.anchors)
+
+    def find(self, token_ids: tuple[int, ...]) -> Anchor | None:
+        return next((a for a in self.anchors if a.token_ids == token_ids), None)
+
+    def eligible(self, agent_id: str, num_tokens: int) -> list[Anchor]:
+        return [a for a in self.anchors if a.serves(agent_id, num_tokens)]
+
+    def add(self, anchor: Anchor) -> list[Anchor]:
+        """Add an anchor; returns those pruned to make room (the caller frees their blobs)."""
+        pruned = []
+        while len(self.anchors) >= self.max_anchors:
+            window = self.anchors[: self.prune_window]
+            victim = min(window, key=lambda a: a.num_activations)  # ties: the oldest
+            self.anchors.remove(victim)
+            pruned.append(victim)
+        self.anchors.append(anchor)
+        return pruned
+
+    def remove(self, anchor: Anchor) -> None:
+        self.anchors.remove(anchor)

@@ -1,0 +1,220 @@
+"""AnchorBank: KVCOMM's anchor pools, one per (app, placeholder name), and its two acts.
+
+1. `decide`, at admission, for a placeholder whose base KV the segment index holds:
+   - the sample is itself an anchor with this agent's offsets: use them alone (exact);
+   - else the eligible anchors (at least as long, measured for this agent) are weighed
+     by distance; if the entropy criterion holds, the placeholder is predicted as
+     base + sum of weights x their offsets, per token, and the fixed segment after it
+     as its base + the same anchors' prefix offsets (whole-sample weights);
+   - otherwise the sample is measured: computed densely here and recorded.
+   Deciding changes nothing, so a request admitted twice (after a failed allocation)
+   is decided twice without counting twice.
+2. `commit`, once the prompt is computed: activation counts of the anchors a prediction
+   used go up, and measured samples become anchors (or gain this agent's offsets).
+
+All tensors live in cache blocks through a BlobStore: anchors share the engine's one
+memory budget and LRU, and an anchor whose blocks were evicted is dropped when next seen.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, NamedTuple
+
+import torch
+
+from engine_ext.config import AnchorConfig
+from engine_ext.kv.blobs import Blob, BlobStore
+from engine_ext.kv.cache import KVCache
+from engine_ext.kv.hashing import chain_hash, namespace_root
+from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
+from engine_ext.kvcomm import offsets
+from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool
+from engine_ext.kvcomm.criterion import nucleus, predict
+from engine_ext.kvcomm.offsets import Correction
+
+PoolKey = tuple[str, str]  # (app id, placeholder name)
+
+
+class Decision(NamedTuple):
+    """What to do with one placeholder (and the fixed segment after it)."""
+
+    predicted: bool  # False: compute densely and measure
+    pool: PoolKey
+    agent_id: str
+    anchors: list[Anchor]  # predicted from (all with weight), or the exact anchor measured again
+    used: list[Anchor]  # the anchors carrying the weight: their activations go up on commit
+    placeholder: Correction | None
+    prefix: Correction | None  # None: the following segment is not corrected
+    detail: dict[str, Any]  # reported per placeholder
+
+
+class Measurement(NamedTuple):
+    """A placeholder computed densely whose offsets are recorded after the prefill."""
+
+    decision: Decision
+    token_ids: tuple[int, ...]
+    position: int  # where the placeholder starts in the prompt
+    base: SegmentEntry  # pinned until the commit
+    prefix_token_ids: tuple[int, ...] | None  # the fixed segment after it, if any
+    prefix_position: int
+
+
+class AnchorBank:
+    def __init__(self, config: AnchorConfig, index: SegmentIndex, kv_cache: KVCache, namespace: str) -> None:
+        self.config = config
+        self.index = index
+        self.kv_cache = kv_cache
+        self.shifter = index.shifter
+        self.blobs = BlobStore(index.pool, kv_cache)
+        self.root = namespace_root(f"{namespace}\x00anchor")
+        self.pools: dict[PoolKey, AnchorPool] = {}
+        self._ids = itertools.count()
+        self._blob_ids = itertools.count()
+        self.learning = True  # False: decide and predict, but record nothing (frozen pools)
+        self.correction = config.correction  # the ablation switch, settable at run time
+        self.num_predicted = 0
+        self.num_measured = 0
+        self.num_skipped = 0  # measurements not recorded for lack of free blocks
+
+    # -- deciding ----------------------------------------------------------------------
+    def decide(self, pool_key: PoolKey, agent_id: str, token_ids: tuple[int, ...], base: SegmentEntry,
+               prefix_token_ids: tuple[int, ...] | None) -> Decision:
+        pool = self.pools.get(pool_key)
+        if pool is not None:
+            self._drop_invalid(pool)
+        exact = pool.find(token_ids) if pool is not None else None
+        if exact is not None:
+            if agent_id not in exact.offsets:
+                return self._measure(pool_key, agent_id, [exact], {"anchor": "measured", "anchors_used": 0})
+            return self._predicted(pool_key, agent_id, [exact], torch.ones(1, len(token_ids)),
+                                   torch.ones(1), prefix_token_ids, {"anchor": "exact", "anchors_used": 1})
+        eligible = pool.eligible(agent_id, len(token_ids)) if pool is not None else []
+        if not eligible:
+            return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, "eligible": 0})
+        base_slots = self.index.slots(base)
+        token_dist = offsets.token_distances(self.kv_cache, base_slots,
+                                             [self.blobs.slots(a.base) for a in eligible])  # (A, n)
+        pred = predict(offsets.sample_distances(token_dist), self.config.gamma, self.config.temperature)
+        detail = {"eligible": len(eligible), "entropy": round(pred.entropy, 4),
+                  "threshold": round(pred.threshold, 4)}
+        if not pred.shareable:
+            return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, **detail})
+        token_weights = torch.softmax(-token_dist / self.config.temperature, dim=0)  # (A, n)
+        used = nucleus(pred.weights)
+        detail = {"anchor": "hit", "anchors_used": len(used), **detail}
+        return self._predicted(pool_key, agent_id, eligible, token_weights, pred.weights, prefix_token_ids,
+                               detail, [eligible[i] for i in used])
+
+    def _measure(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], detail: dict) -> Decision:
+        return Decision(False, pool_key, agent_id, anchors, [], None, None, detail)
+
+    def _predicted(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], token_weights: torch.Tensor,
+                   weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None, detail: dict,
+                   used: list[Anchor] | None = None) -> Decision:
+        mode = self.correction
+        placeholder = None
+        if mode != "rotation":
+            placeholder = Correction([self.blobs.slots(a.offsets[agent_id].placeholder) for a in anchors],
+                                     token_weights)
+        prefix = None
+        if mode == "full" and prefix_token_ids is not None:
+            measured = [i for i, a in enumerate(anchors) if a.offsets[agent_id].prefix_token_ids == prefix_token_ids]
+            if measured:
+                w = weights[measured] / weights[measured].sum()  # (A',)
+                prefix = Correction([self.blobs.slots(anchors[i].offsets[agent_id].prefix) for i in measured], w)
+        return Decision(True, pool_key, agent_id, anchors, used if used is not None else anchors,
+                        placeholder, prefix, detail)
+
+    def blobs_of(self, decision: Decision) -> list[Blob]:
+        """The blobs a decision reads: pinned from admission until the prefill is done."""
+        if decision.predicted:
+            return [b for a in decision.anchors for b in a.offsets[decision.agent_id].blobs()]
+        return []
+
+    # -- committing --------------------------------------------------------------------
+    def commit(self, decision: Decision) -> None:
+        """A prediction ran: its anchors were activated."""
+        if decision.predicted and self.learning:
+            self.num_predicted += 1
+            for anchor in decision.used:
+                anchor.num_activations += 1
+
+    def record(self, m: Measurement, prompt_slots: torch.Tensor) -> bool:
+        """Record a measured placeholder's offsets from the computed prompt (slots (P,));
+        it becomes an anchor, or its anchor gains this agent. False when not recorded."""
+        if not self.learning or not self.index.blobs.valid(m.base.blob):
+            return False
+        d = m.decision
+        pool = self.pools.setdefault(d.pool, AnchorPool(self.config.max_anchors, self.config.prune_window))
+        anchor = pool.find(m.token_ids)
+        if anchor is not None and d.agent_id in anchor.offsets:
+            return False  # another request measured it meanwhile
+        n = len(m.token_ids)
+        real = prompt_slots[m.position : m.position + n]
+        new_blobs: list[Blob] = []
+        prefix_entry = self.index.lookup(m.prefix_token_ids) if m.prefix_token_ids else None
+        pinned = [m.base] + ([prefix_entry] if prefix_entry is not None else [])
+        for entry in pinned:  # allocating the new blobs must not evict what they are measured against
+            self.index.acquire(entry)
+        try:
+            base = anchor.base if anchor is not None else self._blob(n, new_blobs)
+            placeholder = self._blob(n, new_blobs)
+            prefix = self._blob(len(m.prefix_token_ids), new_blobs) if prefix_entry is not None else None
+            if base is None or placeholder is None or (prefix_entry is not None and prefix is None):
+                for blob in new_blobs:
+                    self.blobs.release(blob)
+                self.num_skipped += 1
+                return False
+            if anchor is None:
+                offsets.copy(self.kv_cache, self.index.slots(m.base), self.blobs.slots(base))
+            offsets.measure(self.kv_cache, self.shifter, real, m.position, self.blobs.slots(base),
+                            self.blobs.slots(placeholder))
+            if prefix is not None:
+                p = len(m.prefix_token_ids)
+                offsets.measure(self.kv_cache, self.shifter, prompt_slots[m.prefix_position : m.prefix_position + p],
+                                m.prefix_position, self.index.slots(prefix_entry), self.blobs.slots(prefix))
+        finally:
+            for entry in pinned:
+                self.index.release(entry)
+        for blob in new_blobs:
+            self.blobs.seal(blob)
+        if anchor is None:
+            anchor = Anchor(next(self._ids), m.token_ids, base)
+            for pruned in pool.add(anchor):
+                self._discard(pruned)
+        anchor.offsets[d.agent_id] = AgentOffsets(placeholder, m.prefix_token_ids if prefix else None, prefix)
+        self.num_measured += 1
+        return True
+
+    def _blob(self, num_tokens: int, taken: list[Blob]) -> Blob | None:
+        key = chain_hash(self.root, (next(self._blob_ids),))
+        blob = self.blobs.allocate(key, num_tokens)
+        if blob is not None:
+            taken.append(blob)
+        return blob
+
+    # -- upkeep and accounting ---------------------------------------------------------
+    def _drop_invalid(self, pool: AnchorPool) -> None:
+        """Anchors whose base was evicted go; so do agents' offsets that were."""
+        for anchor in list(pool.anchors):
+            if not self.blobs.valid(anchor.base):
+                pool.remove(anchor)
+                self._discard(anchor)
+                continue
+            for agent_id, agent in list(anchor.offsets.items()):
+                if not all(self.blobs.valid(b) for b in agent.blobs()):
+                    del anchor.offsets[agent_id]
+                    for blob in agent.blobs():
+                        self.blobs.discard(blob)
+
+    def _discard(self, anchor: Anchor) -> None:
+        for blob in anchor.blobs():
+            self.blobs.discard(blob)
+
+    def stats(self) -> dict[str, int]:
+        anchors = [a for pool in self.pools.values() for a in pool.anchors]
+        live = [b for a in anchors for b in a.blobs() if self.blobs.valid(b)]
+        return {"pools": len(self.pools), "anchors": len(anchors),
+                "anchor_bytes": sum(self.blobs.num_bytes(b) for b in live),
+                "predicted": self.num_predicted, "measured": self.num_measured, "skipped": self.num_skipped}
