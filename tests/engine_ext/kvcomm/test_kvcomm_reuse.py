@@ -1,0 +1,216 @@
+"""KVCOMM end to end through LLMEngine on a tiny 4-layer model: measuring, exact
+reproduction, corrections per ablation mode, prediction, pruning and accounting."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine_ext.config import AnchorConfig, EngineConfig, ReuseConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.reuse.segments import ReuseScope, TokenSegment
+from engine_ext.sampling import SamplingParams
+from tests.helpers import kv_bytes
+
+ONE = SamplingParams(max_tokens=1, temperature=0.0)
+SCOPE_A = ReuseScope("app", "agent-a")
+
+
+@pytest.fixture(scope="module")
+def deep_llama(tiny_model_dir):
+    return tiny_model_dir("llama", num_hidden_layers=4)
+
+
+def engine(model_dir, num_blocks=160, **anchors) -> LLMEngine:
+    reuse = ReuseConfig(default_method="kvcomm", min_segment_tokens=4, anchors=AnchorConfig(**anchors))
+    return LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(num_blocks), reuse=reuse))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 200) for _ in range(n)]
+
+
+class Agent:
+    """A prompt layout: system | placeholder | 2 template tokens | fixed instruction | tail."""
+
+    def __init__(self, seed: int) -> None:
+        self.system, self.instruction, self.tail = tokens(19, seed), tokens(12, seed + 1), tokens(3, seed + 2)
+
+    def prompt(self, sample: list[int]) -> tuple[list[int], list[TokenSegment]]:
+        s, n = len(self.system), len(sample)
+        f = s + n + 2
+        ids = self.system + sample + [7, 8] + self.instruction + self.tail
+        return ids, [TokenSegment(0, s, "fixed_prefix", "agent-a"),
+                     TokenSegment(s, s + n, "placeholder", "user_question"),
+                     TokenSegment(f, f + len(self.instruction), "fixed_prefix", "agent-a")]
+
+
+def produce(eng: LLMEngine, sample: list[int], seed: int = 99) -> None:
+    """The sample's base KV: computed behind another prompt and registered, as an agent's answer is."""
+    prefix = tokens(11, seed)
+    eng.generate(prefix + sample, ONE, segments=[TokenSegment(len(prefix), len(prefix) + len(sample),
+                                                              "placeholder", "user_question")], publish=False)
+
+
+def prefill_kv(eng: LLMEngine, ids, segments=None, scope=None):
+    """Prefill one request and return (its K/V per layer at every prompt position, its seq)."""
+    two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # still running after the prefill
+    seq = eng.add_request(f"r{random.random()}", ids, two, segments=segments, publish=False, scope=scope)
+    seq.logits = []
+    while seq.num_computed_tokens < len(ids):
+        eng.step()
+    slots = eng.kv.slots(seq, len(ids))
+    assert slots.shape == (len(ids),)
+    kv = [(k[slots].clone(), v[slots].clone()) for k, v in eng.kv_cache.layers]
+    eng.abort(seq.request_id)
+    return kv, seq
+
+
+def outcome_of(seq, kind_start: int):
+    return next(o for o in seq.reuse_outcomes if o.segment.start == kind_start)
+
+
+def test_first_sample_is_measured_then_its_exact_anchor_reproduces_the_real_kv(deep_llama):
+    eng = engine(deep_llama)
+    agent, sample, earlier = Agent(1), tokens(30, 2), tokens(26, 32)
+    produce(eng, earlier)
+    prefill_kv(eng, *agent.prompt(earlier), ReuseScope("app", None))  # the instruction's base, behind another text
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    dense_kv, dense_seq = prefill_kv(eng, ids)
+    _, measured = prefill_kv(eng, ids, segs, SCOPE_A)
+    first = outcome_of(measured, segs[1].start)
+    assert first.method == "dense" and first.kvcomm["anchor"] == "new"
+    assert eng.anchor_bank.stats()["anchors"] == 1
+
+    kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph, fixed = outcome_of(seq, segs[1].start), outcome_of(seq, segs[2].start)
+    assert ph.method == "kvcomm" and ph.kvcomm["anchor"] == "exact" and ph.num_reused == len(sample)
+    assert fixed.method == "kvcomm" and fixed.num_reused == len(agent.instruction)
+    for (k, v), (dk, dv) in zip(kv, dense_kv):
+        torch.testing.assert_close(k, dk, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(v, dv, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(seq.logits[0], dense_seq.logits[0], atol=1e-4, rtol=1e-4)
+    # The system prompt at position 0 comes from the segment index too (shifted by 0: exact).
+    assert seq.num_cached_tokens == len(agent.system) + len(sample) + len(agent.instruction)
+
+
+@pytest.mark.parametrize("correction", ["rotation", "placeholder"])
+def test_ablation_modes_leave_out_their_offsets(deep_llama, correction):
+    eng = engine(deep_llama, correction=correction)
+    agent, sample, earlier = Agent(3), tokens(30, 4), tokens(25, 34)
+    produce(eng, earlier)
+    # The instruction's base KV comes from behind another sample, as in a running workflow.
+    prefill_kv(eng, *agent.prompt(earlier), ReuseScope("app", None))
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    dense_kv, _ = prefill_kv(eng, ids)
+    prefill_kv(eng, ids, segs, SCOPE_A)  # measured
+    kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = slice(segs[1].start, segs[1].end)
+    fixed = slice(segs[2].start, segs[2].end)
+    k_ph, k_fixed = kv[-1][0][ph], kv[-1][0][fixed]
+    dense_ph, dense_fixed = dense_kv[-1][0][ph], dense_kv[-1][0][fixed]
+    assert torch.allclose(k_ph, dense_ph, atol=2e-5) == (correction == "placeholder")
+    assert not torch.allclose(k_fixed, dense_fixed, atol=2e-5)  # no prefix offset in either mode
+    assert all(o.method == "kvcomm" for o in seq.reuse_outcomes if o.segment.start >= segs[1].start)
+    # Layer 0 needs no correction: after the shift it is exact in every mode.
+    torch.testing.assert_close(kv[0][0][ph], dense_kv[0][0][ph], atol=2e-5, rtol=1e-5)
+
+
+def test_new_sample_is_predicted_from_the_anchors(deep_llama):
+    eng = engine(deep_llama, gamma=1.0)
+    agent = Agent(5)
+    for n, seed in ((30, 6), (31, 7)):  # two anchors (the second is longer: no anchor serves it)
+        sample = tokens(n, seed)
+        produce(eng, sample)
+        prefill_kv(eng, *agent.prompt(sample), SCOPE_A)
+    assert eng.anchor_bank.stats()["anchors"] == 2
+    new = tokens(24, 8)  # shorter than both: both are eligible
+    produce(eng, new)
+    ids, segs = agent.prompt(new)
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "kvcomm" and ph.kvcomm["anchor"] == "hit" and ph.kvcomm["eligible"] == 2
+    assert 1 <= ph.kvcomm["anchors_used"] <= 2 and ph.num_reused == len(new)
+    assert outcome_of(seq, segs[2].start).method == "kvcomm"
+    report = ph.to_json()
+    assert report["kvcomm"]["anchor"] == "hit" and report["tokens_reused"] == len(new)
+    used = sum(a.num_activations for pool in eng.anchor_bank.pools.values() for a in pool.anchors)
+    assert used == ph.kvcomm["anchors_used"]
+
+
+def test_longer_sample_than_every_anchor_becomes_an_anchor(deep_llama):
+    eng = engine(deep_llama, gamma=1.0)
+    agent = Agent(9)
+    short = tokens(20, 10)
+    produce(eng, short)
+    prefill_kv(eng, *agent.prompt(short), SCOPE_A)
+    longer = tokens(28, 11)
+    produce(eng, longer)
+    ids, segs = agent.prompt(longer)
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "dense" and ph.kvcomm == {"anchor": "new", "anchors_used": 0, "eligible": 0}
+    assert eng.anchor_bank.stats()["anchors"] == 2
+
+
+def test_another_agent_measures_an_existing_anchor(deep_llama):
+    eng = engine(deep_llama)
+    a, b = Agent(12), Agent(13)
+    sample = tokens(30, 14)
+    produce(eng, sample)
+    prefill_kv(eng, *a.prompt(sample), SCOPE_A)
+    ids, segs = b.prompt(sample)
+    _, seq = prefill_kv(eng, ids, segs, ReuseScope("app", "agent-b"))
+    assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "measured"
+    (anchor,) = eng.anchor_bank.pools[("app", "user_question")].anchors
+    assert set(anchor.offsets) == {"agent-a", "agent-b"}
+    # Other apps learn apart.
+    _, other = prefill_kv(eng, ids, segs, ReuseScope("other-app", "agent-b"))
+    assert outcome_of(other, segs[1].start).kvcomm["anchor"] == "new"
+
+
+def test_without_an_agent_the_placeholder_is_only_shifted(deep_llama):
+    eng = engine(deep_llama)
+    sample = tokens(30, 15)
+    produce(eng, sample)
+    ids, segs = Agent(16).prompt(sample)
+    _, seq = prefill_kv(eng, ids, segs, ReuseScope("app", None))
+    assert outcome_of(seq, segs[1].start).method == "shift"
+    assert eng.anchor_bank.stats()["anchors"] == 0
+
+
+def test_pool_limit_prunes_and_frees_anchor_memory(deep_llama):
+    eng = engine(deep_llama, max_anchors=2, prune_window=1, gamma=0.0)
+    agent = Agent(17)
+    sizes = []
+    for seed in range(20, 24):
+        sample = tokens(30 + seed, seed)  # each longer than the last: always a new anchor
+        produce(eng, sample)
+        prefill_kv(eng, *agent.prompt(sample), SCOPE_A)
+        stats = eng.anchor_bank.stats()
+        sizes.append((stats["anchors"], stats["anchor_bytes"]))
+    assert [n for n, _ in sizes] == [1, 2, 2, 2]
+    pool = eng.anchor_bank.pools[("app", "user_question")]
+    assert [len(a.token_ids) for a in pool.anchors] == [52, 53]
+    bytes_per_block = eng.kv_cache.bytes_per_block
+    expected = sum(len(b.blocks) for a in pool.anchors for b in a.blobs()) * bytes_per_block
+    assert sizes[-1][1] == expected
+
+
+def test_evicted_anchor_is_dropped_and_the_sample_measured_again(deep_llama):
+    eng = engine(deep_llama, num_blocks=40)
+    agent, sample = Agent(30), tokens(30, 31)
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    prefill_kv(eng, ids, segs, SCOPE_A)
+    for seed in range(40, 46):  # fill the cache with other prompts: the LRU evicts the anchor
+        eng.generate(tokens(150, seed), ONE)
+    assert eng.anchor_bank.stats()["anchor_bytes"] == 0
+    produce(eng, sample)
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "new"
