@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "gateway": "benchmarks.gateway",
     "inference": "benchmarks.inference",
+    "kvcomm": "benchmarks.kvcomm",
     "pic": "benchmarks.pic",
 }
 

@@ -178,14 +178,15 @@ class AnchorConfig:
     softmax(-distance / temperature) over the eligible anchors is at most
     `gamma * log2(N)`; else it is computed densely and becomes an anchor. A pool keeps
     at most `max_anchors`; beyond that the least activated of its `prune_window` oldest
-    anchors is dropped. Distances are RMS differences of the base values (all layers but
-    the first, per element), so `temperature` does not depend on the sample's length.
+    anchors is dropped. Distances are L2 norms of the difference of the base values (all
+    layers but the first), as in the paper; they grow with the sample's length, so long
+    samples get sharper weights (a lower entropy) at the same temperature.
     """
 
     gamma: float = 0.3
     max_anchors: int = 20
     prune_window: int = 5
-    temperature: float = 0.05
+    temperature: float = 1.0
     correction: KvcommCorrection = "full"
 
     def __post_init__(self) -> None:

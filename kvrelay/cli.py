@@ -120,7 +120,7 @@ def engine(
     anchor_gamma: GammaOpt = 0.3,
     anchor_pool_size: PoolOpt = 20,
     anchor_prune_window: WindowOpt = 5,
-    anchor_temperature: TemperatureOpt = 0.05,
+    anchor_temperature: TemperatureOpt = 1.0,
     kvcomm_correction: CorrectionOpt = "full",
     log_level: LogOpt = "info",
 ) -> None:
@@ -174,7 +174,7 @@ def up(
     anchor_gamma: GammaOpt = 0.3,
     anchor_pool_size: PoolOpt = 20,
     anchor_prune_window: WindowOpt = 5,
-    anchor_temperature: TemperatureOpt = 0.05,
+    anchor_temperature: TemperatureOpt = 1.0,
     kvcomm_correction: CorrectionOpt = "full",
     log_level: LogOpt = "info",
 ) -> None:

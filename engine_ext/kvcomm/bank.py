@@ -42,8 +42,7 @@ class Decision(NamedTuple):
     predicted: bool  # False: compute densely and measure
     pool: PoolKey
     agent_id: str
-    anchors: list[Anchor]  # predicted from (all with weight), or the exact anchor measured again
-    used: list[Anchor]  # the anchors carrying the weight: their activations go up on commit
+    anchors: list[Anchor]  # predicted from (their activations go up on commit), or the anchor to measure
     placeholder: Correction | None
     prefix: Correction | None  # None: the following segment is not corrected
     detail: dict[str, Any]  # reported per placeholder
@@ -100,18 +99,18 @@ class AnchorBank:
                   "threshold": round(pred.threshold, 4)}
         if not pred.shareable:
             return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, **detail})
-        token_weights = torch.softmax(-token_dist / self.config.temperature, dim=0)  # (A, n)
+        # The anchors carrying the weight predict; per token, each weighs by its own distance there.
         used = nucleus(pred.weights)
+        token_weights = torch.softmax(-token_dist[used] / self.config.temperature, dim=0)  # (U, n)
         detail = {"anchor": "hit", "anchors_used": len(used), **detail}
-        return self._predicted(pool_key, agent_id, eligible, token_weights, pred.weights, prefix_token_ids,
-                               detail, [eligible[i] for i in used])
+        return self._predicted(pool_key, agent_id, [eligible[i] for i in used], token_weights, pred.weights[used],
+                               prefix_token_ids, detail)
 
     def _measure(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], detail: dict) -> Decision:
-        return Decision(False, pool_key, agent_id, anchors, [], None, None, detail)
+        return Decision(False, pool_key, agent_id, anchors, None, None, detail)
 
     def _predicted(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], token_weights: torch.Tensor,
-                   weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None, detail: dict,
-                   used: list[Anchor] | None = None) -> Decision:
+                   weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None, detail: dict) -> Decision:
         mode = self.correction
         placeholder = None
         if mode != "rotation":
@@ -123,8 +122,7 @@ class AnchorBank:
             if measured:
                 w = weights[measured] / weights[measured].sum()  # (A',)
                 prefix = Correction([self.blobs.slots(anchors[i].offsets[agent_id].prefix) for i in measured], w)
-        return Decision(True, pool_key, agent_id, anchors, used if used is not None else anchors,
-                        placeholder, prefix, detail)
+        return Decision(True, pool_key, agent_id, anchors, placeholder, prefix, detail)
 
     def blobs_of(self, decision: Decision) -> list[Blob]:
         """The blobs a decision reads: pinned from admission until the prefill is done."""
@@ -137,7 +135,7 @@ class AnchorBank:
         """A prediction ran: its anchors were activated."""
         if decision.predicted and self.learning:
             self.num_predicted += 1
-            for anchor in decision.used:
+            for anchor in decision.anchors:
                 anchor.num_activations += 1
 
     def record(self, m: Measurement, prompt_slots: torch.Tensor) -> bool:

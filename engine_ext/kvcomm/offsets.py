@@ -22,25 +22,23 @@ def _corrected_layers(kv_cache: KVCache) -> range:
 
 
 def token_distances(kv_cache: KVCache, sample: torch.Tensor, anchors: list[torch.Tensor]) -> torch.Tensor:
-    """Per token, the RMS difference between the sample's base values and each anchor's
-    (the anchor truncated to the sample's length): (A, n). Values carry no position, so
-    samples compare directly wherever they were computed."""
+    """Per token, the L2 distance between the sample's base values and each anchor's
+    (over all corrected layers, heads and dims; the anchor truncated to the sample's
+    length): (A, n). Values carry no position, so samples compare wherever computed."""
     n = sample.shape[0]
+    stacked = torch.cat([slots[:n] for slots in anchors])  # (A * n,)
     squares = torch.zeros(len(anchors), n)  # (A, n)
-    num_elements = 0
     for layer in _corrected_layers(kv_cache):
         v_cache = kv_cache.layers[layer][1]
         mine = v_cache.index_select(0, sample).float()  # (n, kv_heads, D)
-        for a, slots in enumerate(anchors):
-            theirs = v_cache.index_select(0, slots[:n]).float()
-            squares[a] += (mine - theirs).pow(2).sum(dim=(-2, -1))
-        num_elements += mine.shape[-2] * mine.shape[-1]
-    return (squares / max(num_elements, 1)).sqrt()
+        theirs = v_cache.index_select(0, stacked).float().view(len(anchors), n, *mine.shape[1:])  # (A, n, kv_heads, D)
+        squares += (theirs - mine).pow(2).sum(dim=(-2, -1))
+    return squares.sqrt()
 
 
 def sample_distances(token_dist: torch.Tensor) -> torch.Tensor:
-    """The whole sample's RMS distance to each anchor, (A,), from per-token ones (A, n)."""
-    return token_dist.pow(2).mean(dim=1).sqrt()
+    """The whole sample's L2 distance to each anchor, (A,), from per-token ones (A, n)."""
+    return token_dist.pow(2).sum(dim=1).sqrt()
 
 
 def measure(kv_cache: KVCache, shifter: RopeShifter, real: torch.Tensor, position: int,
@@ -74,14 +72,18 @@ class Correction(NamedTuple):
         offset apart equals shifting their sum)."""
         n = dst.shape[0]
         weights = self.weights if self.weights.dim() == 2 else self.weights[:, None].expand(-1, n)  # (A, n)
+        stacked = torch.cat([slots[:n] for slots in self.offsets])  # (A * n,)
         for layer in _corrected_layers(kv_cache):
             k_cache, v_cache = kv_cache.layers[layer]
-            dk = torch.zeros(n, *k_cache.shape[1:])  # (n, kv_heads, D) fp32
-            dv = torch.zeros(n, *v_cache.shape[1:])
-            for a, slots in enumerate(self.offsets):
-                w = weights[a, :, None, None]  # (n, 1, 1)
-                dk += w * k_cache.index_select(0, slots[:n]).float()
-                dv += w * v_cache.index_select(0, slots[:n]).float()
+            dk = _weighted_sum(k_cache, stacked, weights)  # (n, kv_heads, D) fp32
+            dv = _weighted_sum(v_cache, stacked, weights)
             keys = k_cache.index_select(0, dst).float() + shifter.shift(dk, position)
             k_cache.index_copy_(0, dst, keys.to(k_cache.dtype))
             v_cache.index_copy_(0, dst, (v_cache.index_select(0, dst).float() + dv).to(v_cache.dtype))
+
+
+def _weighted_sum(cache: torch.Tensor, stacked: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum over anchors a of weights[a, t] * cache[offset slot of a at t]: (n, kv_heads, D)."""
+    num_anchors, n = weights.shape
+    rows = cache.index_select(0, stacked).float().view(num_anchors, n, -1)  # (A, n, kv_heads * D)
+    return torch.einsum("an,anx->nx", weights.float(), rows).view(n, *cache.shape[1:])
