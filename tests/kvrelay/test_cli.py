@@ -23,6 +23,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--reuse-method", "magic"), "unknown reuse method 'magic'"),
         (("up", "--check-layers", "one"), "invalid reuse settings"),
         (("engine", "--blend-ratio", "2"), "--blend-ratio"),
+        (("engine", "--kvcomm-correction", "offsets"), "unknown kvcomm correction 'offsets'"),
+        (("up", "--anchor-pool-size", "4", "--anchor-prune-window", "5"), "prune_window must be in [1, max_anchors]"),
+        (("engine", "--anchor-gamma", "1.5"), "--anchor-gamma"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

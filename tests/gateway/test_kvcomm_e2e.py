@@ -1,0 +1,83 @@
+"""KVCOMM end to end with SmolLM2: an unmodified OpenAI-client loop of three agents ->
+gateway (names the placeholders, app id) -> embedded engine (anchors learn on the first
+question, predict the second). Reuse must show in the response, the request row and the span."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engine_ext.config import EngineConfig, ReuseConfig
+from engine_ext.engine import LLMEngine
+
+MODEL = "smollm2"
+AGENTS = ("You are the solver. Answer in one short sentence.",
+          "You are the critic. Say in one short sentence whether the solver is right.",
+          "You are the judge. Give the final answer in one short sentence.")
+# The first question is the longer one: its anchor is eligible for the second.
+QUESTIONS = ("A farmer has seventeen sheep and all but nine of them run away through a hole in the fence. "
+             "How many sheep does the farmer have left in the field afterwards?",
+             "Which is heavier, a kilogram of feathers or a kilogram of iron bars? Explain the answer briefly.")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_dir, run_server):
+    reuse = ReuseConfig(default_method="kvcomm")
+    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=reuse), model_name=MODEL)
+    with run_server(llm, MODEL) as server:
+        yield server
+
+
+def _run_workflow(client: openai.OpenAI, question: str) -> list:
+    """Each agent reads the question and every answer before its own, as AutoGen sends them."""
+    answers: list[tuple[str, str]] = []
+    responses = []
+    for i, system in enumerate(AGENTS):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        messages += [{"role": "user", "name": name, "content": text} for name, text in answers]
+        r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=48, messages=messages)
+        responses.append(r)
+        answers.append((f"agent{i}", r.choices[0].message.content))
+    return responses
+
+
+def test_anchors_learned_on_one_question_predict_the_next(srv, start_gateway):
+    spans = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    gw = start_gateway([srv.base_url], tracer_provider=provider)
+    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=300) as client:
+        first = _run_workflow(client, QUESTIONS[0])
+        second = _run_workflow(client, QUESTIONS[1])
+
+    critic_first = first[1].model_extra["kv_transfer_params"]["kvrelay_reuse"]
+    question = next(s for s in critic_first["segments"] if s["name"] == "user_question")
+    assert question["method"] == "dense" and question["kvcomm"]["anchor"] == "new", critic_first
+
+    critic = second[1]
+    report = critic.model_extra["kv_transfer_params"]["kvrelay_reuse"]
+    question = next(s for s in report["segments"] if s["name"] == "user_question")
+    assert question["method"] == "kvcomm", json.dumps(question)
+    assert question["kvcomm"]["anchor"] == "hit" and question["kvcomm"]["anchors_used"] == 1
+    assert question["tokens_reused"] > 10
+    cached = critic.usage.prompt_tokens_details.cached_tokens
+    assert cached >= question["tokens_reused"]
+
+    rows = gw.rows(6, timeout=30)  # ordered by start: the critic of the second question is the fifth
+    row = rows[4]
+    assert (row.status, row.cached_tokens, row.completion_tokens) == ("ok", cached, critic.usage.completion_tokens)
+    deadline = time.monotonic() + 5
+    while len(spans.get_finished_spans()) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    critic_spans = [s for s in spans.get_finished_spans()
+                    if s.attributes.get("kvrelay.request.id") == row.id]
+    assert len(critic_spans) == 1
+    assert critic_spans[0].attributes["gen_ai.usage.cache_read.input_tokens"] == cached
