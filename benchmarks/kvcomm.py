@@ -46,7 +46,7 @@ class Sizes:
     num_fidelity_tokens: int
 
 
-QUICK = Sizes(num_agents=5, num_questions=6, role_tokens=64, question_tokens=96, answer_tokens=48,
+QUICK = Sizes(num_agents=5, num_questions=4, role_tokens=64, question_tokens=96, answer_tokens=48,
               num_fidelity_tokens=8)
 FULL = Sizes(num_agents=5, num_questions=20, role_tokens=256, question_tokens=384, answer_tokens=192,
              num_fidelity_tokens=16)
@@ -184,7 +184,7 @@ def _turn(dense: LLMEngine, reuse: LLMEngine, wf: Workflow, q: int, k: int, eval
 
 def _engines(model: str | None) -> tuple[LLMEngine, LLMEngine]:
     model_dir = resolve_model(model)
-    base = dict(kv_cache_bytes=3072 * 2**20, max_num_batched_tokens=8192)
+    base = {"kv_cache_bytes": 3072 * 2**20, "max_num_batched_tokens": 8192}
     dense = LLMEngine(model_dir, EngineConfig(**base, reuse=ReuseConfig(enabled=False, default_method="dense")))
     reuse = LLMEngine(model_dir, EngineConfig(**base, reuse=ReuseConfig(default_method="kvcomm")))
     return dense, reuse

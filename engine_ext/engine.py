@@ -13,7 +13,12 @@ import torch
 
 from engine_ext.config import EngineConfig, ModelConfig
 from engine_ext.detokenizer import Detokenizer
-from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestError, ModelLoadError
+from engine_ext.errors import (
+    CapacityError,
+    ContextLengthError,
+    InvalidRequestError,
+    ModelLoadError,
+)
 from engine_ext.kv import KVCache, KVCacheManager
 from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.kvcomm import AnchorBank
@@ -21,7 +26,12 @@ from engine_ext.model import load_model
 from engine_ext.model_runner import ModelRunner
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.reuse.prefill import ReusePrefill
-from engine_ext.reuse.segments import REUSE_METHODS, ReuseScope, SegmentOutcome, TokenSegment
+from engine_ext.reuse.segments import (
+    REUSE_METHODS,
+    ReuseScope,
+    SegmentOutcome,
+    TokenSegment,
+)
 from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler

@@ -20,7 +20,12 @@ import torch
 from engine_ext.config import ReuseConfig
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import AnchorBank, Correction, Decision, Measurement
-from engine_ext.reuse.segments import ReuseMethod, ReuseScope, SegmentOutcome, TokenSegment
+from engine_ext.reuse.segments import (
+    ReuseMethod,
+    ReuseScope,
+    SegmentOutcome,
+    TokenSegment,
+)
 
 # Segments KVCOMM corrects with prefix offsets when they follow a placeholder.
 _FOLLOWER_KINDS = frozenset({"fixed_prefix", "shared_block"})

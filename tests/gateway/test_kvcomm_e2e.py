@@ -21,8 +21,8 @@ AGENTS = ("You are the solver. Answer in one short sentence.",
           "You are the critic. Say in one short sentence whether the solver is right.",
           "You are the judge. Give the final answer in one short sentence.")
 # The first question is the longer one: its anchor is eligible for the second.
-QUESTIONS = ("A farmer has seventeen sheep and all but nine of them run away through a hole in the fence. "
-             "How many sheep does the farmer have left in the field afterwards?",
+QUESTIONS = (("A farmer has seventeen sheep and all but nine of them run away through a hole in the fence. "
+              "How many sheep does the farmer have left in the field afterwards?"),
              "Which is heavier, a kilogram of feathers or a kilogram of iron bars? Explain the answer briefly.")
 
 pytestmark = pytest.mark.slow
