@@ -3,8 +3,9 @@
 1. `decide`, at admission, for a placeholder whose base KV the segment index holds:
    - the sample is itself an anchor with this agent's offsets: use them alone (exact);
    - else the eligible anchors (at least as long, measured for this agent) are weighed
-     by distance; if the entropy criterion holds, the placeholder is predicted as
-     base + sum of weights x their offsets, per token, and the fixed segment after it
+     by distance; if the entropy criterion holds, the anchors carrying 90% of the
+     weight predict the placeholder as base + sum of weights x their offsets (weights
+     per token, from each one's distance at that token), and the fixed segment after it
      as its base + the same anchors' prefix offsets (whole-sample weights);
    - otherwise the sample is measured: computed densely here and recorded.
    Deciding changes nothing, so a request admitted twice (after a failed allocation)
