@@ -24,6 +24,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
+import torch
+
 from benchmarks.common import BenchResult
 from engine_ext.config import AnchorConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
@@ -163,16 +165,15 @@ def _turn(dense: LLMEngine, reuse: LLMEngine, wf: Workflow, q: int, k: int, eval
     predicted = sum(o.num_reused for o in placeholders if o.method == "kvcomm")
     fidelity: dict[str, tuple[float, float]] = {}
     if evaluate:
-        import torch
-
         fidelity["full"] = compare_logits(torch.stack(ref_logits), torch.stack(seq.logits))
         if predicted:
+            served = bank.correction
             bank.learning = False  # the same decisions again, nothing learned or counted
             for mode in ("rotation", "placeholder"):
                 bank.correction = mode
                 scored = reuse.score(ids, continuation, segments, publish=False, scope=scope)
                 fidelity[mode] = compare_logits(torch.stack(ref_logits), scored.logits)
-            bank.correction, bank.learning = "full", True
+            bank.correction, bank.learning = served, True
     # The answer's base KV, computed behind this agent's prompt as decoding would have.
     answer = wf.answers[q][k]
     full = ids + answer

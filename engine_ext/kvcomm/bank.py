@@ -166,7 +166,7 @@ class AnchorBank:
                 self.num_skipped += 1
                 return False
             if anchor is None:
-                offsets.copy(self.kv_cache, self.index.slots(m.base), self.blobs.slots(base))
+                self.index.copy_shifted(self.index.slots(m.base), self.blobs.slots(base), 0)  # same frame
             offsets.measure(self.kv_cache, self.shifter, real, m.position, self.blobs.slots(base),
                             self.blobs.slots(placeholder))
             if prefix is not None:

@@ -54,12 +54,6 @@ def measure(kv_cache: KVCache, shifter: RopeShifter, real: torch.Tensor, positio
         v_cache.index_copy_(0, out, values.to(v_cache.dtype))
 
 
-def copy(kv_cache: KVCache, src: torch.Tensor, dst: torch.Tensor) -> None:
-    for k_cache, v_cache in kv_cache.layers:
-        k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-        v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-
-
 class Correction(NamedTuple):
     """A weighted sum of stored offsets to add to a placed segment's KV."""
 

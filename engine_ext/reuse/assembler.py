@@ -160,8 +160,9 @@ class Assembler:
         assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, decision.placeholder, decision.detail))
         if follower is None:
             return 1
-        follower_entry = self.index.lookup(follower_ids) if decision.prefix is not None or \
-            self.bank.correction != "full" else None
+        # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
+        corrected = decision.prefix is not None or self.bank.correction != "full"
+        follower_entry = self.index.lookup(follower_ids) if corrected else None
         if follower_entry is None:
             assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
                                                  "kvcomm: no prefix offset measured for it"))
