@@ -13,6 +13,7 @@ from pathlib import Path
 from benchmarks.common import BenchResult, report
 
 BENCHMARKS: dict[str, str] = {
+    "collective": "benchmarks.collective",
     "engine": "benchmarks.engine",
     "gateway": "benchmarks.gateway",
     "inference": "benchmarks.inference",

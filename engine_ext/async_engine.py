@@ -93,24 +93,27 @@ class AsyncEngine:
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
+            idle = False
             while True:
-                if not self._drain_commands(block=not self.engine.has_work):
+                # A step that produced nothing (a round held for its siblings, a prefill
+                # chunk) waits a moment for new requests instead of spinning.
+                timeout = 0.5 if not self.engine.has_work else (0.001 if idle else 0.0)
+                if not self._drain_commands(timeout):
                     break
-                if self.engine.has_work:
-                    self._step()
+                idle = self.engine.has_work and not self._step()
         except BaseException as exc:  # the thread must report why it died, then stop serving
             logger.exception("engine thread died")
             self._dead = exc
             self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
+    def _drain_commands(self, timeout: float) -> bool:
+        """Apply queued commands, waiting up to `timeout` s for the first; False once asked to stop."""
         while True:
             try:
-                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+                cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
             except queue.Empty:
                 return True
-            block = False
+            timeout = 0.0
             if cmd is None:
                 self._fail_all(EngineDeadError("the engine is shutting down"))
                 return False
@@ -126,7 +129,8 @@ class AsyncEngine:
                 continue
             self._sinks[cmd.request_id] = cmd
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """Run one engine step; whether it produced any output."""
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -134,7 +138,7 @@ class AsyncEngine:
             # every cached hash so no later request reuses possibly corrupt blocks.
             logger.exception("engine step failed; failing its requests")
             self._fail_all(EngineError(f"engine step failed: {exc}"))
-            return
+            return True
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is None:
@@ -142,6 +146,7 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
             _deliver(target, out)
+        return bool(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, target in list(self._sinks.items()):

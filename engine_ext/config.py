@@ -202,6 +202,45 @@ class AnchorConfig:
             raise ValueError(f"unknown kvcomm correction {self.correction!r}")
 
 
+CollectiveRecovery = Literal["blend"]
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    """TokenDance's collective reuse of an All-Gather round (engine_ext/collective).
+
+    Waiting requests of one round (the plan's round id) whose placed segments all use
+    blend are prefilled together: their segments are shifted in one batched pass, one
+    deviation pass on the check layers (over one member's prompt) selects the
+    positions to recompute for every member, and the recovery method refreshes those
+    positions per member in one batched forward. `window_ms` holds a round's first
+    waiting request that long for its siblings (0: group only what already waits).
+    Positions are selected in whole `diff_block_tokens` blocks, so after the round
+    the members' caches differ from the master's in few blocks and the DiffStore
+    (`diff_store`) keeps each sibling as a block-sparse mirror of one dense master.
+    """
+
+    enabled: bool = True
+    window_ms: float = 0.0
+    max_group: int = 64
+    recovery: CollectiveRecovery = "blend"
+    diff_block_tokens: int = 32
+    diff_store: bool = True
+    diff_tolerance: float = 0.0  # 0: lossless mirrors; above, a block within it of the master is not stored
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.window_ms <= 10_000.0:
+            raise ValueError("collective.window_ms must be in [0, 10000]")
+        if self.max_group < 2:
+            raise ValueError("collective.max_group must be >= 2")
+        if self.recovery not in get_args(CollectiveRecovery):
+            raise ValueError(f"unknown collective recovery {self.recovery!r}")
+        if not 1 <= self.diff_block_tokens <= 1024:
+            raise ValueError("collective.diff_block_tokens must be in [1, 1024]")
+        if self.diff_tolerance < 0.0:
+            raise ValueError("collective.diff_tolerance must be >= 0")
+
+
 @dataclass(frozen=True)
 class ReuseConfig:
     """How the engine reuses a cached segment's KV away from the prompt's prefix.
@@ -223,6 +262,7 @@ class ReuseConfig:
     min_segment_tokens: int = 16  # shorter segments are cheaper to compute than to track
     register_outputs: bool = True  # keep generated answers as segments for later prompts
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
+    collective: CollectiveConfig = field(default_factory=CollectiveConfig)
 
     def __post_init__(self) -> None:
         if self.default_method not in get_args(ReuseMethod):

@@ -11,7 +11,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine_ext.collective import RECOVERIES, CollectivePrefill, KVCollector
 from engine_ext.config import EngineConfig, ModelConfig
+from engine_ext.diffs import DiffStore, Restorer
 from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import (
     CapacityError,
@@ -81,8 +83,10 @@ class LLMEngine:
         self.assembler = Assembler(config.reuse, self.segment_index, no_index_reason, self.anchor_bank)
         reuse = (ReusePrefill(self.model, self.kv_cache, self.segment_index, config.reuse)
                  if self.segment_index else None)
-        self.scheduler = Scheduler(config, self.kv, self.assembler)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler)
+        self.collector, collective, self.diff_store, restorer = self._collective()
+        self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
+                                  collective, self.diff_store)
         limits = [self.model_config.max_position_embeddings]
         if config.max_model_len:
             limits.append(config.max_model_len)
@@ -111,6 +115,19 @@ class LLMEngine:
             logger.warning("segment reuse off: %s", exc)
             return None, str(exc)
         return SegmentIndex(self.kv.pool, self.kv_cache, shifter, self.model_name), None
+
+    def _collective(self) -> tuple[KVCollector | None, CollectivePrefill | None, DiffStore | None, Restorer | None]:
+        """TokenDance's parts (collector, collective prefill, diff store, restorer), when segment reuse is on."""
+        settings = self.config.reuse.collective
+        if self.segment_index is None or not settings.enabled:
+            return None, None, None, None
+        recovery = RECOVERIES[settings.recovery](self.model, self.kv_cache, self.config.reuse.check_layers)
+        collective = CollectivePrefill(self.model, self.kv_cache, self.segment_index, self.config.reuse, recovery)
+        if not settings.diff_store:
+            return KVCollector(settings), collective, None, None
+        store = DiffStore(self.segment_index.blobs, self.kv_cache, self.segment_index.shifter.inv_freq,
+                          self.model_name, settings.diff_block_tokens, settings.diff_tolerance)
+        return KVCollector(settings), collective, store, Restorer(store, self.kv_cache)
 
     # -- admission -------------------------------------------------------------------
     def add_request(

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from engine_ext.collective.collector import CollectiveGroup
+from engine_ext.collective.prefill import CollectivePrefill, GroupMember
+from engine_ext.diffs.store import DiffStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
@@ -16,24 +19,34 @@ from engine_ext.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, sampler: Sampler,
-                 reuse: ReusePrefill | None = None, assembler: Assembler | None = None) -> None:
+                 reuse: ReusePrefill | None = None, assembler: Assembler | None = None,
+                 collective: CollectivePrefill | None = None, diff_store: DiffStore | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.sampler = sampler
         self.reuse = reuse
         self.assembler = assembler
+        self.collective = collective
+        self.diff_store = diff_store
 
     def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end.
-        Prefills around placed segments run one by one; everything else runs as one batch."""
+        A round group's prefills run together, other prefills around placed segments one
+        by one; everything else runs as one batch."""
         rows: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, final hidden state (1, hidden))
         batch: list[ScheduledChunk] = []
+        groups: dict[int, CollectiveGroup] = {}
         for chunk in step.chunks:
-            if chunk.seq.assembly is not None and chunk.seq.assembly.placed:
-                rows.append((chunk.seq, self._run_reuse(chunk.seq)))
+            seq = chunk.seq
+            if seq.group is not None:
+                groups[id(seq.group)] = seq.group
+            elif seq.assembly is not None and seq.assembly.placed:
+                rows.append((seq, self._run_reuse(seq)))
             else:
                 batch.append(chunk)
+        for group in groups.values():
+            rows += self._run_group(group)
         if batch:
             rows += self._run_batch(batch)
         if not rows:
@@ -57,6 +70,25 @@ class ModelRunner:
             self.assembler.release(assembly)
             limits = [n for n in (seq.num_exact_tokens, assembly.first_approximate) if n is not None]
             seq.num_exact_tokens = min(limits) if limits else None
+
+    def _run_group(self, group: CollectiveGroup) -> list[tuple[Sequence, torch.Tensor]]:
+        """One collective prefill for the round's members; then their caches go to the
+        DiffStore (while the segments they read are still pinned)."""
+        seqs = group.members
+        members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens)) for s in seqs]
+        try:
+            result = self.collective.run(group.round_id, members)
+            for i, seq in enumerate(seqs):
+                seq.assembly.collective = result.plan.report(i)
+            if self.diff_store is not None:
+                self.diff_store.store_round(self.collective.images(members, result.plan), result.plan.master)
+        finally:
+            for seq in seqs:
+                self.assembler.release(seq.assembly)
+                first = seq.assembly.first_approximate
+                seq.num_exact_tokens = first if seq.num_exact_tokens is None else min(seq.num_exact_tokens, first)
+                seq.group = None
+        return list(zip(seqs, result.last_hidden))
 
     def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids: list[int] = []

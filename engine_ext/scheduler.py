@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
+from engine_ext.collective.collector import KVCollector
 from engine_ext.config import EngineConfig
+from engine_ext.diffs.restorer import Restorer
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.sequence import Sequence, SequenceStatus
@@ -35,11 +37,19 @@ class SchedulerOutput(NamedTuple):
         return not self.chunks
 
 
+class Admission(NamedTuple):
+    chunk: ScheduledChunk
+    cost: int  # tokens it takes from the step's budget
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, assembler: Assembler | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, assembler: Assembler | None = None,
+                 collector: KVCollector | None = None, restorer: Restorer | None = None) -> None:
         self.config = config
         self.kv = kv
         self.assembler = assembler
+        self.collector = collector  # groups a round's waiting requests (engine_ext/collective)
+        self.restorer = restorer  # serves prompts that extend a stored round cache (engine_ext/diffs)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
@@ -72,31 +82,67 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             seq = self.waiting[0]
-            prefix = self.kv.match_prefix(seq)
-            num_tokens = min(seq.num_tokens - prefix.num_cached_tokens, budget)
-            cost = num_tokens
-            # Reuse is planned for a prompt's first prefill; after a preemption the
-            # sequence is recomputed densely (from the prefix cache where it can).
-            if seq.segments and seq.reuse_outcomes is None and self.assembler is not None:
-                seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, prefix.num_cached_tokens,
-                                                       seq.scope)
-                if seq.assembly.placed:
-                    # A prefill around placed segments runs whole, in one step: its blend
-                    # selection needs every placed token at once.
-                    num_tokens = seq.num_tokens - prefix.num_cached_tokens
-                    cost = min(len(seq.assembly.full_positions()), budget)
-            if not self.kv.allocate(seq, num_tokens, prefix):
-                self._drop_assembly(seq)
+            if self.collector is not None and self.collector.holds(seq, self.waiting):
                 break
-            if seq.num_preemptions == 0:
-                seq.num_cached_tokens = prefix.num_cached_tokens
-            self.waiting.popleft()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            chunks.append(ScheduledChunk(seq, num_tokens))
-            budget -= cost
+            admitted = self._admit(seq, budget)
+            if admitted is None:
+                break
+            chunks.append(admitted.chunk)
+            budget -= admitted.cost
+            if self.collector is not None:
+                budget = self._admit_round(seq, budget, chunks)
         chunks.sort(key=lambda c: c.is_decode)  # stable: prefill chunks first
         return SchedulerOutput(chunks, num_preempted)
+
+    def _admit(self, seq: Sequence, budget: int) -> Admission | None:
+        """Move a waiting sequence to running with its first chunk; None (nothing
+        changed) when the pool cannot hold it now. A prefill around placed segments runs
+        whole, in one step: its blend selection needs every placed token at once."""
+        prefix = self.kv.match_prefix(seq)
+        restore = self.restorer.find(seq, prefix.num_cached_tokens) if self.restorer is not None else None
+        num_ready = restore.num_tokens if restore is not None else prefix.num_cached_tokens
+        num_tokens = min(seq.num_tokens - num_ready, budget)
+        cost = num_tokens
+        # Reuse is planned for a prompt's first prefill; after a preemption the
+        # sequence is recomputed densely (from the prefix cache where it can).
+        if seq.segments and seq.reuse_outcomes is None and self.assembler is not None:
+            seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, num_ready, seq.scope)
+            if seq.assembly.placed:
+                num_tokens = seq.num_tokens - num_ready
+                cost = min(len(seq.assembly.full_positions()), budget)
+        if not self.kv.allocate(seq, num_tokens + num_ready - prefix.num_cached_tokens, prefix):
+            self._drop_assembly(seq)
+            if restore is not None:
+                self.restorer.cancel(restore)
+            return None
+        if restore is not None:
+            self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
+            seq.num_computed_tokens = restore.num_tokens
+            exact = seq.num_exact_tokens
+            seq.num_exact_tokens = restore.region_start if exact is None else min(exact, restore.region_start)
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = num_ready
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        return Admission(ScheduledChunk(seq, num_tokens), cost)
+
+    def _admit_round(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
+        """Admit the waiting siblings of seq's All-Gather round with it, and group the
+        compatible ones for one collective prefill. Returns the budget left."""
+        members = [seq]
+        for sibling in self.collector.siblings(seq, self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            admitted = self._admit(sibling, budget)
+            if admitted is None:
+                break
+            chunks.append(admitted.chunk)
+            budget -= admitted.cost
+            members.append(sibling)
+        if len(members) > 1:
+            self.collector.form(members)
+        return budget
 
     def _drop_assembly(self, seq: Sequence) -> None:
         """Unpin the cached segments of an assembly that will not run now."""
@@ -106,6 +152,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_assembly(seq)
+        seq.group = None
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

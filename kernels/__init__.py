@@ -4,9 +4,19 @@ from __future__ import annotations
 
 import functools
 
+from kernels.diff_restore import restore_mirror, restore_mirror_dense
 from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from kernels.shift_copy import shift_copy
 
-__all__ = ["apply_rotary", "rope_cos_sin", "rope_inv_freq", "triton_available"]
+__all__ = [
+    "apply_rotary",
+    "restore_mirror",
+    "restore_mirror_dense",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "shift_copy",
+    "triton_available",
+]
 
 
 @functools.cache

@@ -18,15 +18,18 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_tokens: int, anchor_gamma: float,
-                  anchor_pool_size: int, anchor_prune_window: int, anchor_temperature: float, kvcomm_correction: str):
-    from engine_ext.config import AnchorConfig, ReuseConfig
+                  anchor_pool_size: int, anchor_prune_window: int, anchor_temperature: float, kvcomm_correction: str,
+                  collective: bool = True, round_window_ms: float = 0.0, diff_store: bool = True):
+    from engine_ext.config import AnchorConfig, CollectiveConfig, ReuseConfig
 
     try:
         layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
         anchors = AnchorConfig(gamma=anchor_gamma, max_anchors=anchor_pool_size, prune_window=anchor_prune_window,
                                temperature=anchor_temperature, correction=kvcomm_correction)  # type: ignore[arg-type]
+        rounds = CollectiveConfig(enabled=collective, window_ms=round_window_ms, diff_store=diff_store)
         return ReuseConfig(enabled=method != "off", default_method="dense" if method == "off" else method,  # type: ignore[arg-type]
-                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens, anchors=anchors)
+                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens, anchors=anchors,
+                           collective=rounds)
     except ValueError as exc:
         raise _fail(f"invalid reuse settings: {exc}") from exc
 
@@ -98,6 +101,9 @@ PoolOpt = Annotated[int, typer.Option(min=1, help="kvcomm: anchors kept per plac
 WindowOpt = Annotated[int, typer.Option(min=1, help="kvcomm: a full pool drops the least used of this many oldest anchors")]
 TemperatureOpt = Annotated[float, typer.Option(min=1e-6, help="kvcomm: softmax temperature over anchor distances")]
 CorrectionOpt = Annotated[str, typer.Option(help="kvcomm: rotation | placeholder | full (the paper's ablation)")]
+CollectiveOpt = Annotated[bool, typer.Option(help="prefill the requests of one All-Gather round together (TokenDance)")]
+RoundWindowOpt = Annotated[float, typer.Option(min=0.0, max=10000.0, help="collective: ms a round's first request waits for its siblings")]
+DiffStoreOpt = Annotated[bool, typer.Option(help="collective: keep a round's caches as one master and block-sparse mirrors")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -122,6 +128,9 @@ def engine(
     anchor_prune_window: WindowOpt = 5,
     anchor_temperature: TemperatureOpt = 1.0,
     kvcomm_correction: CorrectionOpt = "full",
+    collective: CollectiveOpt = True,
+    round_window_ms: RoundWindowOpt = 0.0,
+    diff_store: DiffStoreOpt = True,
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -132,7 +141,8 @@ def engine(
 
     _setup_logging(log_level)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
-                          anchor_prune_window, anchor_temperature, kvcomm_correction)
+                          anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
+                          diff_store)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
@@ -176,6 +186,9 @@ def up(
     anchor_prune_window: WindowOpt = 5,
     anchor_temperature: TemperatureOpt = 1.0,
     kvcomm_correction: CorrectionOpt = "full",
+    collective: CollectiveOpt = True,
+    round_window_ms: RoundWindowOpt = 0.0,
+    diff_store: DiffStoreOpt = True,
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -188,7 +201,8 @@ def up(
 
     _setup_logging(log_level)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
-                          anchor_prune_window, anchor_temperature, kvcomm_correction)
+                          anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
+                          diff_store)
     llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse)
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)

@@ -28,6 +28,11 @@ class SegmentEntry(NamedTuple):
     token_ids: tuple[int, ...]
     blob: Blob  # the segment's KV, keys in the canonical frame
 
+    @property
+    def key(self) -> bytes:
+        """The segment's identity across prompts (the same tokens give the same key)."""
+        return self.blob.block_hashes[0]
+
 
 class SegmentIndex:
     def __init__(self, pool: BlockPool, kv_cache: KVCache, shifter: RopeShifter, namespace: str) -> None:

@@ -52,6 +52,7 @@ class Assembly:
     decisions: list[Decision] = field(default_factory=list)  # kvcomm predictions, committed after the prefill
     measurements: list[Measurement] = field(default_factory=list)  # kvcomm samples to record after it
     pinned: bool = True  # the placed entries' blocks are held until the assembler releases them
+    collective: dict | None = None  # reported on placed segments when the prefill ran with its round group
 
     @property
     def first_approximate(self) -> int | None:
@@ -84,7 +85,8 @@ class Assembly:
             recomputed = p.num_linked + self.num_selected.get(i, 0)
             if p.segment.end == self.num_tokens and p.num_linked < n:
                 recomputed += 1  # the last prompt token
-            placed.append(SegmentOutcome(p.segment, p.method, n - recomputed, recomputed, kvcomm=p.kvcomm))
+            placed.append(SegmentOutcome(p.segment, p.method, n - recomputed, recomputed, kvcomm=p.kvcomm,
+                                         collective=self.collective))
         return sorted(self.dense + placed, key=lambda o: o.segment.start)
 
 

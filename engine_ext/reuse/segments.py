@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, get_args
 
-from engine_ext.protocol import ReuseMethod
+from engine_ext.protocol import ReuseMethod, RoundInfo
 
 REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
 REPORT_KEY = "kvrelay_reuse"  # the key under the response's kv_transfer_params
@@ -40,10 +40,12 @@ DEFAULT_APP = "default"  # the app of a plan that names none
 
 
 class ReuseScope(NamedTuple):
-    """Whose prompt this is, from the plan: KVCOMM keeps anchors per app and offsets per agent."""
+    """Whose prompt this is, from the plan: KVCOMM keeps anchors per app and offsets per
+    agent; TokenDance prefills the requests of one All-Gather round together."""
 
     app_id: str
     agent_id: str | None
+    round: RoundInfo | None = None
 
 
 class SegmentOutcome(NamedTuple):
@@ -55,6 +57,7 @@ class SegmentOutcome(NamedTuple):
     num_recomputed: int  # tokens computed by the model
     reason: str | None = None  # why a reusable segment fell back to dense, if it did
     kvcomm: dict[str, Any] | None = None  # a KVCOMM placeholder: anchor hit or new, anchors used
+    collective: dict[str, Any] | None = None  # a segment reused collectively: its round group and master
 
     def to_json(self) -> dict[str, Any]:
         seg = self.segment
@@ -67,6 +70,8 @@ class SegmentOutcome(NamedTuple):
             out["reason"] = self.reason
         if self.kvcomm is not None:
             out["kvcomm"] = self.kvcomm
+        if self.collective is not None:
+            out["collective"] = self.collective
         return out
 
 

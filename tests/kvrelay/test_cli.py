@@ -26,6 +26,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--kvcomm-correction", "offsets"), "unknown kvcomm correction 'offsets'"),
         (("up", "--anchor-pool-size", "4", "--anchor-prune-window", "5"), "prune_window must be in [1, max_anchors]"),
         (("engine", "--anchor-gamma", "1.5"), "--anchor-gamma"),
+        (("up", "--round-window-ms", "-1"), "--round-window-ms"),
+        (("engine", "--round-window-ms", "20000"), "--round-window-ms"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

@@ -1,0 +1,88 @@
+"""KVCollector: finds the requests of one All-Gather round that can be prefilled together.
+
+The gateway names each request's round in its plan (round id, expected size). The
+scheduler asks the collector, when it admits a round's request, which waiting requests
+of the same round may join it; once they are admitted (their segments assembled), the
+collector keeps the compatible ones as a group. Compatible means: a first prefill whose
+placed segments all use blend (the recovery collective reuse drives), and whose shared
+segments are all held by the probe, the member with the most placed tokens, over whose
+prompt the one deviation pass runs. Anything else runs on the single-request path.
+
+Grouping adds no waiting by default: only requests already waiting together join.
+With `window_ms` > 0, a round's first waiting request is held (and the queue behind it)
+until the round's expected size is waiting or the window has passed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine_ext.config import CollectiveConfig
+from engine_ext.sequence import Sequence
+
+
+@dataclass
+class CollectiveGroup:
+    """Requests of one round prefilled together; members[0] is the probe."""
+
+    round_id: str
+    members: list[Sequence]
+
+
+def round_id(seq: Sequence) -> str | None:
+    return seq.scope.round.id if seq.scope is not None and seq.scope.round is not None else None
+
+
+class KVCollector:
+    def __init__(self, config: CollectiveConfig) -> None:
+        self.config = config
+        self.num_groups = 0
+        self.num_grouped = 0  # requests prefilled collectively
+
+    def holds(self, seq: Sequence, waiting: Iterable[Sequence], now: float | None = None) -> bool:
+        """Whether the round's first waiting request should wait for its siblings a little longer."""
+        rid = round_id(seq)
+        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions:
+            return False
+        now = time.monotonic() if now is None else now
+        if (now - seq.arrival_time) * 1e3 >= self.config.window_ms:
+            return False
+        num_waiting = sum(1 for s in waiting if round_id(s) == rid)
+        return num_waiting < seq.scope.round.size
+
+    def siblings(self, seq: Sequence, waiting: Iterable[Sequence]) -> list[Sequence]:
+        """Waiting requests of seq's round, in arrival order, at most max_group - 1."""
+        rid = round_id(seq)
+        if rid is None:
+            return []
+        same = [s for s in waiting if s is not seq and round_id(s) == rid and s.num_preemptions == 0]
+        return same[: self.config.max_group - 1]
+
+    def form(self, admitted: list[Sequence]) -> CollectiveGroup | None:
+        """Group the compatible admitted requests (probe first); None if fewer than two."""
+        candidates = [s for s in admitted if _collectible(s)]
+        if len(candidates) < 2:
+            return None
+        probe = max(candidates, key=lambda s: sum(p.segment.num_tokens for p in s.assembly.placed))
+        held = _keys(probe)
+        members = [probe] + [s for s in candidates if s is not probe and _keys(s) <= held]
+        if len(members) < 2:
+            return None
+        group = CollectiveGroup(round_id(probe) or "", members)
+        for s in members:
+            s.group = group
+        self.num_groups += 1
+        self.num_grouped += len(members)
+        return group
+
+
+def _collectible(seq: Sequence) -> bool:
+    a = seq.assembly
+    return (a is not None and bool(a.placed) and not a.decisions and not a.measurements
+            and seq.reuse_outcomes is None and all(p.method == "blend" and p.num_linked == 0 for p in a.placed))
+
+
+def _keys(seq: Sequence) -> set[bytes]:
+    return {p.entry.key for p in seq.assembly.placed}

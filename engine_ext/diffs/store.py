@@ -1,0 +1,279 @@
+"""DiffStore: TokenDance's Master-Mirror storage of sibling KV caches.
+
+After an All-Gather round, the members' caches are nearly the same: every member reused
+the same shared segments, and only what each recomputed (its chosen positions, the
+text between segments, its own question) differs. Kept densely, the round costs one
+cache per member. Here one member is the master, kept densely; each sibling is a mirror
+holding only the blocks where it differs from the master (kinds in diffs/stored.py).
+
+A sibling token is compared with the master's token holding the same segment at the
+same offset, or, outside segments, the master's token at the same position.
+
+The round's reuse plan names the master (the member with the lowest deviation); a
+cache stored outside a round gets the stored master sharing most of its segment tokens
+at the same offsets (token similarity), or becomes a master itself. Diffs are lossless
+by default: a block is left out of a mirror only when every value of every layer,
+K and V, moved from the master equals the sibling's own bit for bit (`tolerance` > 0
+trades exactness for size). Everything lives in pool blocks (BlobStore), so stored
+rounds share the engine's one KV budget and LRU; a view whose blocks were evicted is
+dropped on read.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine_ext.diffs.images import CacheImage
+from engine_ext.diffs.stored import (
+    CacheView,
+    MasterView,
+    MirrorView,
+    StoredCache,
+    StoredMaster,
+    StoredMirror,
+)
+from engine_ext.kv.blobs import BlobStore
+from engine_ext.kv.cache import KVCache
+from engine_ext.kv.hashing import chain_hash, namespace_root
+from kernels.rope_shift import shift_keys_torch
+
+MIN_SHARED_FRACTION = 0.5  # a cache stored outside a round mirrors a master sharing at least this much
+
+
+class StoreResult(NamedTuple):
+    """What storing one round took, per image in the order given."""
+
+    dense_bytes: list[int]  # what keeping each cache densely would take
+    master: int  # index of the master image
+    master_bytes: int  # 0 when the master could not be stored (no free blocks)
+    mirror_bytes: list[int | None]  # diff blocks plus metadata; None for the master and any cache not stored
+
+    @property
+    def num_stored_bytes(self) -> int:
+        return self.master_bytes + sum(b for b in self.mirror_bytes if b is not None)
+
+
+class DiffStore:
+    def __init__(self, blobs: BlobStore, kv_cache: KVCache, inv_freq: torch.Tensor, namespace: str,
+                 block_tokens: int = 32, tolerance: float = 0.0) -> None:
+        self.blobs = blobs
+        self.kv_cache = kv_cache
+        self.inv_freq = inv_freq
+        self.root = namespace_root(f"{namespace}\x00diff")
+        self.block_tokens = block_tokens
+        self.tolerance = tolerance
+        self._stored: dict[bytes, StoredCache] = {}
+        self.last_round: StoreResult | None = None  # what the latest store_round kept
+
+    # -- storing -----------------------------------------------------------------------
+    def store_round(self, images: list[CacheImage], master: int) -> StoreResult:
+        """Keep a round's caches: images[master] densely, the others as its mirrors."""
+        head = self._store_master(images[master])
+        mirror_bytes: list[int | None] = []
+        for i, image in enumerate(images):
+            mirror = self._store_mirror(image, head) if head is not None and i != master else None
+            mirror_bytes.append(None if mirror is None else self.num_bytes(mirror))
+        self.last_round = StoreResult([self.dense_bytes(img) for img in images], master,
+                                      self.num_bytes(head) if head else 0, mirror_bytes)
+        return self.last_round
+
+    def store(self, image: CacheImage) -> StoredCache | None:
+        """Keep one cache outside a round: a mirror of the most similar master, or a master."""
+        canonical = {(key, offset) for _, key, offset, _ in image.canonical_rows()}
+        best, best_shared = None, 0
+        for stored in self._masters():
+            shared = sum(1 for k in canonical if k in stored.index)
+            if shared > best_shared:
+                best, best_shared = stored, shared
+        if best is not None and best_shared >= MIN_SHARED_FRACTION * image.num_region_tokens:
+            return self._store_mirror(image, best)
+        return self._store_master(image)
+
+    def _key(self, token_ids: tuple[int, ...] | list[int]) -> bytes:
+        return chain_hash(self.root, token_ids)
+
+    def _store_master(self, image: CacheImage) -> StoredMaster | None:
+        key = self._key(image.token_ids)
+        held = self._valid(self._stored.get(key))
+        if isinstance(held, StoredMaster):
+            return held
+        if held is not None:
+            self._forget(held)  # kept as a mirror before: the round now wants it dense
+        n = image.num_region_tokens
+        blob = self.blobs.allocate(key, n)
+        if blob is None:
+            return None
+        src = image.slots[image.region_start :].clone()  # (n,) verbatim by default
+        ref = torch.arange(image.region_start, len(image.token_ids))  # (n,)
+        index: dict[tuple[bytes, int], int] = {}
+        for row, seg_key, offset, slot in image.canonical_rows():
+            src[row], ref[row] = slot, offset  # the segment's own value, rotated for its offset
+            index.setdefault((seg_key, offset), row)
+        dst = self.blobs.slots(blob)
+        for k_cache, v_cache in self.kv_cache.layers:
+            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        self.blobs.seal(blob)
+        tokens = torch.tensor(image.token_ids[image.region_start :], dtype=torch.long)
+        stored = StoredMaster(key, len(image.token_ids), image.region_start, blob, ref, tokens, index)
+        self._stored[key] = stored
+        return stored
+
+    def _store_mirror(self, image: CacheImage, master: StoredMaster) -> StoredMirror | None:
+        key = self._key(image.token_ids)
+        if self._valid(self._stored.get(key)) is not None:
+            return None  # already held (as a master or a mirror)
+        n, start = image.num_region_tokens, image.region_start
+        base = torch.full((n,), -1, dtype=torch.long)  # (n,) master row per region row
+        for row, seg_key, offset, _ in image.canonical_rows():
+            base[row] = master.index.get((seg_key, offset), -1)
+        if master.region_start == start:  # other rows: the master's verbatim row at the same position, same token
+            rows = torch.arange(min(n, master.tokens.shape[0]))
+            tokens = torch.tensor(image.token_ids[start : start + rows.shape[0]], dtype=torch.long)
+            same = (base[rows] < 0) & (master.ref[rows] == start + rows) & (master.tokens[rows] == tokens)
+            base[rows[same]] = rows[same]
+        aligned = (base >= 0).nonzero().flatten()  # (A,) rows with a master counterpart
+        delta = torch.zeros(n, dtype=torch.long)
+        delta[aligned] = start + aligned - master.ref[base[aligned]]
+        base[aligned[~self._equal(master, base[aligned], delta[aligned], image.slots[start + aligned])]] = -1
+        layout = self._layout(image)  # (m,) region row per layout position, -1: padding
+        real = layout >= 0
+        missing = torch.zeros(layout.shape[0], dtype=torch.bool)
+        missing[real] = base[layout[real]] < 0
+        touched = missing.view(-1, self.block_tokens).any(dim=1)  # (num_blocks,)
+        kept = (touched.repeat_interleave(self.block_tokens) & real)  # (m,) layout positions stored verbatim
+        per_block = kept.view(-1, self.block_tokens).sum(dim=1)  # (num_blocks,)
+        block_diff = torch.where(touched, per_block.cumsum(0) - per_block, -1)  # offset of each touched block's rows
+        diff = None
+        if kept.any():
+            diff = self.blobs.allocate(chain_hash(key, (1,)), int(kept.sum()))
+            if diff is None:
+                return None
+            src, dst = image.slots[start + layout[kept]], self.blobs.slots(diff)
+            for k_cache, v_cache in self.kv_cache.layers:
+                k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+            self.blobs.seal(diff)
+        pad = torch.where(real, layout, 0)
+        mirror = StoredMirror(key, len(image.token_ids), start, master, layout,
+                              torch.where(real, base[pad], -1), torch.where(real, delta[pad], 0), block_diff, diff,
+                              self.block_tokens)
+        master.num_mirrors += 1
+        self._stored[key] = mirror
+        return mirror
+
+    def _layout(self, image: CacheImage) -> torch.Tensor:
+        """Region rows in blocks that follow the prompt's structure: each span (a
+        segment, or the text between segments) starts a new block and its last block is
+        padded (-1). The text between segments differs in every sibling; aligned this
+        way it touches its own small blocks, not the segments' blocks around it."""
+        n, size = image.num_region_tokens, self.block_tokens
+        cuts = {0, n}
+        for run in image.runs:
+            cuts.update(min(max(run.start - image.region_start + e, 0), n) for e in (0, run.num_tokens))
+        bounds = sorted(cuts)
+        parts = []
+        for lo, hi in zip(bounds, bounds[1:]):
+            for block_lo in range(lo, hi, size):
+                block = torch.arange(block_lo, min(block_lo + size, hi))
+                parts.append(torch.cat((block, torch.full((size - block.shape[0],), -1, dtype=torch.long))))
+        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long)
+
+    def _equal(self, master: StoredMaster, rows: torch.Tensor, delta: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+        """(A,) bool: whether each master row, moved by delta, equals the KV at slots in every layer."""
+        src = self.blobs.slots(master.blob)[rows]  # (A,)
+        same = torch.ones(rows.shape[0], dtype=torch.bool)
+        for k_cache, v_cache in self.kv_cache.layers:
+            keys = shift_keys_torch(k_cache.index_select(0, src), delta, self.inv_freq)  # (A, kv_heads, D)
+            for moved, own in ((keys, k_cache.index_select(0, slots)), (v_cache.index_select(0, src),
+                                                                         v_cache.index_select(0, slots))):
+                if self.tolerance > 0:
+                    same &= (moved.float() - own.float()).abs().flatten(1).amax(dim=1) <= self.tolerance
+                else:
+                    same &= torch.eq(moved, own).flatten(1).all(dim=1)
+        return same
+
+    # -- reading -----------------------------------------------------------------------
+    def read(self, token_ids: list[int] | tuple[int, ...]) -> CacheView | None:
+        """A lazy view of the cache stored for exactly this prompt, or None."""
+        stored = self._valid(self._stored.get(self._key(tuple(token_ids))))
+        return None if stored is None else self._view(stored)
+
+    def match(self, token_ids: list[int], num_prefix_tokens: int) -> tuple[StoredCache, CacheView] | None:
+        """The longest stored prompt that starts `token_ids` (short of its last token) and
+        whose region starts where the prefix cache's hit ends."""
+        lengths = sorted({s.num_tokens for s in self._stored.values() if s.region_start == num_prefix_tokens},
+                         reverse=True)
+        for length in lengths:
+            if length < len(token_ids):
+                stored = self._valid(self._stored.get(self._key(token_ids[:length])))
+                if stored is not None and stored.region_start == num_prefix_tokens:
+                    return stored, self._view(stored)
+        return None
+
+    def _view(self, stored: StoredCache) -> CacheView:
+        if isinstance(stored, StoredMaster):
+            positions = torch.arange(stored.region_start, stored.num_tokens)
+            return MasterView(stored.num_tokens, stored.region_start, self.blobs.slots(stored.blob),
+                              positions - stored.ref, self.inv_freq)
+        master_slots = self.blobs.slots(stored.master.blob)
+        base_src = torch.where(stored.base >= 0, master_slots[stored.base.clamp(min=0)], -1)  # (m,)
+        diff_slots = self.blobs.slots(stored.diff) if stored.diff else torch.empty(0, dtype=torch.long)
+        return MirrorView(stored.num_tokens, stored.region_start, stored.layout, base_src, stored.delta,
+                          stored.block_diff, diff_slots, stored.block_tokens, self.inv_freq)
+
+    def acquire(self, stored: StoredCache) -> None:
+        """Pin what a view reads (the master's blocks and the diff's) until `release`."""
+        for blob in self._blobs_of(stored):
+            self.blobs.acquire(blob)
+
+    def release(self, stored: StoredCache) -> None:
+        for blob in self._blobs_of(stored):
+            self.blobs.release(blob)
+
+    @staticmethod
+    def _blobs_of(stored: StoredCache) -> list:
+        if isinstance(stored, StoredMaster):
+            return [stored.blob]
+        return [stored.master.blob] + ([stored.diff] if stored.diff else [])
+
+    def _valid(self, stored: StoredCache | None) -> StoredCache | None:
+        """The entry if every block it reads is still in the pool; else forget it."""
+        if stored is None:
+            return None
+        if all(self.blobs.valid(b) for b in self._blobs_of(stored)):
+            return stored
+        self._forget(stored)
+        return None
+
+    def _forget(self, stored: StoredCache) -> None:
+        """Drop an entry and free the blocks it owns (a mirror owns its diff, not its master)."""
+        del self._stored[stored.key]
+        owned = stored.blob if isinstance(stored, StoredMaster) else stored.diff
+        if owned is not None:
+            self.blobs.discard(owned)
+
+    def _masters(self) -> list[StoredMaster]:
+        return [s for s in list(self._stored.values()) if isinstance(s, StoredMaster) and self._valid(s)]
+
+    # -- accounting --------------------------------------------------------------------
+    def dense_bytes(self, image: CacheImage) -> int:
+        """What the image would take kept densely in pool blocks."""
+        return -(-image.num_region_tokens // self.kv_cache.block_size) * self.kv_cache.bytes_per_block
+
+    def num_bytes(self, stored: StoredCache) -> int:
+        if isinstance(stored, StoredMaster):
+            return self.blobs.num_bytes(stored.blob)
+        return (self.blobs.num_bytes(stored.diff) if stored.diff else 0) + stored.metadata_bytes
+
+    def stats(self) -> dict[str, int]:
+        live = [s for s in list(self._stored.values()) if self._valid(s) is not None]
+        masters = [s for s in live if isinstance(s, StoredMaster)]
+        mirrors = [s for s in live if isinstance(s, StoredMirror)]
+        return {"masters": len(masters), "mirrors": len(mirrors),
+                "master_bytes": sum(self.num_bytes(s) for s in masters),
+                "mirror_bytes": sum(self.num_bytes(s) for s in mirrors),
+                "mirror_touched_blocks": sum(m.num_touched for m in mirrors)}
