@@ -146,9 +146,12 @@ class RoundRunner:
     def __init__(self, engine: LLMEngine, town: Town) -> None:
         self.engine, self.town = engine, town
         self.num_rounds = 0
+        self.recompute_ratio: dict[str, float] = {}  # path -> recomputed / placed tokens, latest round
 
     def per_request(self) -> list[Sequence]:
-        return _prefill_round(self.engine, self.town, None)
+        seqs = _prefill_round(self.engine, self.town, None)
+        self.recompute_ratio["per_request"] = _recompute_ratio(seqs)
+        return seqs
 
     def collective(self, max_tokens: int = 1) -> list[Sequence]:
         self.num_rounds += 1
@@ -158,7 +161,13 @@ class RoundRunner:
             self.engine.step()
         if self.engine.collector.num_grouped - grouped != len(seqs):
             raise RuntimeError("the round did not run as one collective group")
+        self.recompute_ratio["collective"] = _recompute_ratio(seqs)
         return seqs
+
+
+def _recompute_ratio(seqs: list[Sequence]) -> float:
+    outcomes = [o for s in seqs for o in s.reuse_outcomes or [] if o.method == "blend"]
+    return sum(o.num_recomputed for o in outcomes) / max(sum(o.segment.num_tokens for o in outcomes), 1)
 
 
 def _engine(model: str | None, diff_store: bool) -> LLMEngine:
@@ -174,10 +183,7 @@ def _kv(engine: LLMEngine, slots: torch.Tensor) -> list[tuple[torch.Tensor, torc
 def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
     """One collective round into the DiffStore: sizes, and restore of every mirror, checked bit for bit."""
     store = engine.diff_store
-    runner = RoundRunner(engine, town)
-    start = time.perf_counter()
-    seqs = runner.collective(max_tokens=2)  # still running: their KV can be read back
-    took = time.perf_counter() - start
+    seqs = RoundRunner(engine, town).collective(max_tokens=2)  # still running: their KV can be read back
     result = store.last_round
     snapshots = {s.request_id: _kv(engine, engine.kv.slots(s, s.num_prompt_tokens)) for s in seqs}
     fused, dense, exact = [], [], True
@@ -211,7 +217,7 @@ def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
         "restore_ms_fused": statistics.fmean(fused) * 1e3,
         "restore_ms_dense": statistics.fmean(dense) * 1e3,
         "restore_bit_exact": float(exact),
-        "round_ms_collective_with_store": took * 1e3,
+        "store_ms": result.seconds * 1e3,
     }
 
 
@@ -250,6 +256,8 @@ def run(quick: bool, model: str | None) -> BenchResult:
         metrics[f"round_ms_per_request_{n}"] = t_single * 1e3
         metrics[f"round_ms_collective_{n}"] = t_coll * 1e3
         metrics[f"collective_speedup_{n}"] = t_single / t_coll
+        for path, ratio in runner.recompute_ratio.items():
+            metrics[f"recompute_ratio_{path}_{n}"] = ratio
         rows.append((f"round prefill ms, {n} agents", f"{t_coll * 1e3:.0f}", f"{t_single * 1e3:.0f} (per-request)",
                      f"{t_coll / t_single:.3f}"))
     largest = sizes.agent_counts[-1]
@@ -262,6 +270,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
         (f"KV bytes of the {largest}-agent round (MiB)", f"{storage['stored_mib']:.1f} (master + mirrors)",
          f"{storage['dense_mib']:.1f} (dense)", f"{1 / storage['round_storage_reduction']:.3f}"),
         ("mirror bytes / dense bytes, mean", f"{storage['mirror_fraction']:.3f}", "1 (dense)", ""),
+        ("ms to store the round (master + mirrors)", f"{storage['store_ms']:.0f}", "", ""),
         ("restore ms per mirror, bit-exact" if storage["restore_bit_exact"] else "restore ms per mirror, NOT EXACT",
          f"{storage['restore_ms_fused']:.1f} (fused)", f"{storage['restore_ms_dense']:.1f} (dense restore)",
          f"{storage['restore_ms_fused'] / storage['restore_ms_dense']:.3f}"),

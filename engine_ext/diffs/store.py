@@ -21,6 +21,7 @@ dropped on read.
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,7 @@ class StoreResult(NamedTuple):
     master: int  # index of the master image
     master_bytes: int  # 0 when the master could not be stored (no free blocks)
     mirror_bytes: list[int | None]  # diff blocks plus metadata; None for the master and any cache not stored
+    seconds: float  # wall time of storing the round
 
     @property
     def num_stored_bytes(self) -> int:
@@ -70,13 +72,14 @@ class DiffStore:
     # -- storing -----------------------------------------------------------------------
     def store_round(self, images: list[CacheImage], master: int) -> StoreResult:
         """Keep a round's caches: images[master] densely, the others as its mirrors."""
+        start = time.perf_counter()
         head = self._store_master(images[master])
         mirror_bytes: list[int | None] = []
         for i, image in enumerate(images):
             mirror = self._store_mirror(image, head) if head is not None and i != master else None
             mirror_bytes.append(None if mirror is None else self.num_bytes(mirror))
         self.last_round = StoreResult([self.dense_bytes(img) for img in images], master,
-                                      self.num_bytes(head) if head else 0, mirror_bytes)
+                                      self.num_bytes(head) if head else 0, mirror_bytes, time.perf_counter() - start)
         return self.last_round
 
     def store(self, image: CacheImage) -> StoredCache | None:
