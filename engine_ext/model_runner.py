@@ -81,7 +81,11 @@ class ModelRunner:
             for i, seq in enumerate(seqs):
                 seq.assembly.collective = result.plan.report(i)
             if self.diff_store is not None:
-                self.diff_store.store_round(self.collective.images(members, result.plan), result.plan.master)
+                images = self.collective.images(members, result.plan)
+                if len(images) > 1:
+                    self.diff_store.store_round(images, result.plan.master)
+                else:  # a late member: a mirror of its round's master, found by similarity
+                    self.diff_store.store(images[0])
         finally:
             for seq in seqs:
                 self.assembler.release(seq.assembly)

@@ -4,6 +4,10 @@ Running sequences go first (decodes cost one token each), so a long prompt arriv
 never stalls the streams already decoding; it is prefilled in chunks with whatever
 token budget the step has left. When the KV pool runs dry the newest running sequence
 is preempted (its blocks freed, to be recomputed later, mostly from the prefix cache).
+
+A request of an All-Gather round is admitted together with its waiting siblings, so the
+KVCollector can prefill them as one group; a prompt that extends a stored round cache
+starts from it (the Restorer), as it would from a prefix-cache hit.
 """
 
 from __future__ import annotations
@@ -79,18 +83,25 @@ class Scheduler:
                 budget -= num_tokens
                 i += 1
         while self.waiting and budget > 0 and not num_preempted:
-            if len(self.running) >= self.config.max_num_seqs:
+            head = self.waiting[0]
+            if self.collector is not None and self.collector.holds(head, self.waiting):
                 break
-            seq = self.waiting[0]
-            if self.collector is not None and self.collector.holds(seq, self.waiting):
+            # A round's request brings its waiting siblings along (KVCollector).
+            candidates = [head] + (self.collector.siblings(head, self.waiting) if self.collector else [])
+            admitted = []
+            for seq in candidates:
+                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                    break
+                admission = self._admit(seq, budget)
+                if admission is None:
+                    break
+                chunks.append(admission.chunk)
+                budget -= admission.cost
+                admitted.append(seq)
+            if admitted and self.collector is not None:
+                self.collector.form(admitted)
+            if len(admitted) < len(candidates):
                 break
-            admitted = self._admit(seq, budget)
-            if admitted is None:
-                break
-            chunks.append(admitted.chunk)
-            budget -= admitted.cost
-            if self.collector is not None:
-                budget = self._admit_round(seq, budget, chunks)
         chunks.sort(key=lambda c: c.is_decode)  # stable: prefill chunks first
         return SchedulerOutput(chunks, num_preempted)
 
@@ -126,23 +137,6 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return Admission(ScheduledChunk(seq, num_tokens), cost)
-
-    def _admit_round(self, seq: Sequence, budget: int, chunks: list[ScheduledChunk]) -> int:
-        """Admit the waiting siblings of seq's All-Gather round with it, and group the
-        compatible ones for one collective prefill. Returns the budget left."""
-        members = [seq]
-        for sibling in self.collector.siblings(seq, self.waiting):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                break
-            admitted = self._admit(sibling, budget)
-            if admitted is None:
-                break
-            chunks.append(admitted.chunk)
-            budget -= admitted.cost
-            members.append(sibling)
-        if len(members) > 1:
-            self.collector.form(members)
-        return budget
 
     def _drop_assembly(self, seq: Sequence) -> None:
         """Unpin the cached segments of an assembly that will not run now."""

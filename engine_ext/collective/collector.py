@@ -3,10 +3,11 @@
 The gateway names each request's round in its plan (round id, expected size). The
 scheduler asks the collector, when it admits a round's request, which waiting requests
 of the same round may join it; once they are admitted (their segments assembled), the
-collector keeps the compatible ones as a group. Compatible means: a first prefill whose
-placed segments all use blend (the recovery collective reuse drives), and whose shared
-segments are all held by the probe, the member with the most placed tokens, over whose
-prompt the one deviation pass runs. Anything else runs on the single-request path.
+collector keeps the compatible ones as a group. Compatible means: a request of a round,
+on its first prefill, whose placed segments all use blend (the recovery collective
+reuse drives), and whose shared segments are all held by the probe, the member with the
+most placed tokens, over whose prompt the one deviation pass runs. Anything else runs
+on the single-request path.
 
 Grouping adds no waiting by default: only requests already waiting together join.
 With `window_ms` > 0, a round's first waiting request is held (and the queue behind it)
@@ -61,15 +62,15 @@ class KVCollector:
         return same[: self.config.max_group - 1]
 
     def form(self, admitted: list[Sequence]) -> CollectiveGroup | None:
-        """Group the compatible admitted requests (probe first); None if fewer than two."""
+        """Group the compatible admitted requests of a round (probe first); None if none is.
+        A request alone is a group too: it reuses its round's selection if one was made
+        (TokenDance's late arrival), and its cache joins the round's in the DiffStore."""
         candidates = [s for s in admitted if _collectible(s)]
-        if len(candidates) < 2:
+        if not candidates:
             return None
         probe = max(candidates, key=lambda s: sum(p.segment.num_tokens for p in s.assembly.placed))
         held = _keys(probe)
         members = [probe] + [s for s in candidates if s is not probe and _keys(s) <= held]
-        if len(members) < 2:
-            return None
         group = CollectiveGroup(round_id(probe) or "", members)
         for s in members:
             s.group = group
@@ -80,7 +81,7 @@ class KVCollector:
 
 def _collectible(seq: Sequence) -> bool:
     a = seq.assembly
-    return (a is not None and bool(a.placed) and not a.decisions and not a.measurements
+    return (round_id(seq) is not None and a is not None and bool(a.placed) and not a.decisions and not a.measurements
             and seq.reuse_outcomes is None and all(p.method == "blend" and p.num_linked == 0 for p in a.placed))
 
 

@@ -24,6 +24,7 @@ master: the one closest to the shared cached blocks.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,9 @@ from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import CausalLM
 from engine_ext.reuse.assembler import Assembly
 from kernels.shift_copy import shift_copy
+
+
+MAX_REMEMBERED_ROUNDS = 256
 
 
 class GroupMember(NamedTuple):
@@ -62,17 +66,26 @@ class CollectivePrefill:
         self.recovery = recovery
         self.last_check = max(config.check_layers)
         self.probe_forward = RowsForward(model, kv_cache, config.check_layers)
+        # Per recent round, the offsets it recomputes: a member arriving after its
+        # round's group ran recomputes the same ones, without a deviation pass.
+        self.selections: OrderedDict[str, dict[bytes, torch.Tensor]] = OrderedDict()
 
     @torch.inference_mode()
     def run(self, round_id: str, members: list[GroupMember],
             selected: dict[bytes, torch.Tensor] | None = None) -> CollectiveResult:
         """Prefill every member's prompt around its placed segments. members[0] is the
         probe; `selected` (segment key -> offsets) skips the deviation pass and
-        recomputes exactly those offsets (the per-request path of the same plan)."""
+        recomputes exactly those offsets (the per-request path of the same plan); by
+        default the round's earlier selection is reused when it covers every member."""
         self.place(members)
+        if selected is None:
+            selected = self._remembered(round_id, members)
         if selected is None:
             selected, num_candidates = self._select(members[0])
             self.place(members[:1], num_layers=self.last_check + 1)  # undo the deviation pass's writes
+            self.selections[round_id] = selected
+            while len(self.selections) > MAX_REMEMBERED_ROUNDS:
+                self.selections.popitem(last=False)
         else:
             num_candidates = sum(p.segment.num_tokens for p in members[0].assembly.placed)
         prompts = [self._rows(m, selected) for m in members]
@@ -84,6 +97,14 @@ class CollectivePrefill:
         plan = CollectivePlan(round_id, [m.request_id for m in members], deviations, lowest(deviations),
                               selected, num_candidates, num_selected)
         return CollectiveResult([r.last_hidden for r in results], plan)
+
+    def _remembered(self, round_id: str, members: list[GroupMember]) -> dict[bytes, torch.Tensor] | None:
+        """The round's earlier selection, if it covers every member's segments."""
+        selected = self.selections.get(round_id)
+        if selected is None or any(p.entry.key not in selected for m in members for p in m.assembly.placed):
+            return None
+        self.selections.move_to_end(round_id)
+        return selected
 
     def place(self, members: list[GroupMember], num_layers: int | None = None) -> None:
         """Copy every placed segment of every member into its slots, keys shifted from the
@@ -123,13 +144,14 @@ class CollectivePrefill:
             for lo in range(0, offsets.numel(), size):
                 block_dev = dev[lo : lo + size]
                 blocks.append((float(block_dev.mean()), p.entry.key, offsets[lo : lo + size], block_dev))
-        chosen: dict[bytes, list[torch.Tensor]] = {}
+        chosen: dict[bytes, list[torch.Tensor]] = {p.entry.key: [torch.empty(0, dtype=torch.long)]
+                                                   for p in assembly.placed}  # every scored segment, even unchosen
         for _, key, offsets, dev in sorted(blocks, key=lambda b: -b[0]):
             if budget <= 0:
                 break
             if offsets.numel() > budget:
                 offsets = offsets[dev.topk(budget).indices]  # the last block: its best tokens only
-            chosen.setdefault(key, []).append(offsets)
+            chosen[key].append(offsets)
             budget -= offsets.numel()
         selected = {key: torch.unique(torch.cat(parts)) for key, parts in chosen.items()}  # sorted
         return selected, int(candidates.numel())

@@ -137,3 +137,22 @@ def test_an_evicted_output_is_computed_densely_and_the_rest_still_grouped(deep_l
         assert by_name["agent_1_current"].method == "dense" and "evicted" in by_name["agent_1_current"].reason
         assert by_name["agent_0_current"].collective is not None
     assert eng.kv.pool.num_free == eng.kv.pool.num_blocks  # nothing left pinned
+
+
+def test_a_late_member_reuses_its_rounds_selection_and_joins_its_storage(deep_llama):
+    eng = engine(deep_llama)
+    rnd = Round.make(num_agents=3)
+    rnd.cache_outputs(eng)
+    early = rnd.add(eng, agents=[0, 1])
+    run_all(eng)
+    late = rnd.add(eng, agents=[2])  # same round id, after the group ran
+    passes = []
+    probe = eng.runner.collective._select
+    eng.runner.collective._select = lambda member: passes.append(member) or probe(member)
+    run_all(eng)
+    assert passes == []  # no deviation pass: the round's selection is reused
+    recomputed = {o.segment.name: o.num_recomputed for o in early[0].reuse_outcomes}
+    assert {o.segment.name: o.num_recomputed for o in late[0].reuse_outcomes} == recomputed
+    assert late[0].reuse_outcomes[0].collective["group_size"] == 1
+    stats = eng.diff_store.stats()
+    assert (stats["masters"], stats["mirrors"]) == (1, 2)  # found the round's master by similarity
