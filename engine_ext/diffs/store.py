@@ -35,7 +35,7 @@ from engine_ext.diffs.stored import (
     StoredMaster,
     StoredMirror,
 )
-from engine_ext.kv.blobs import BlobStore
+from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import chain_hash, namespace_root
 from kernels.rope_shift import shift_keys_torch
@@ -238,7 +238,7 @@ class DiffStore:
             self.blobs.release(blob)
 
     @staticmethod
-    def _blobs_of(stored: StoredCache) -> list:
+    def _blobs_of(stored: StoredCache) -> list[Blob]:
         if isinstance(stored, StoredMaster):
             return [stored.blob]
         return [stored.master.blob] + ([stored.diff] if stored.diff else [])
