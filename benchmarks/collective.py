@@ -117,7 +117,7 @@ class Town:
 
 
 def _add_round(engine: LLMEngine, town: Town, round_id: str | None, max_tokens: int = 1,
-               agents: range | None = None) -> list[Sequence]:
+               agents: range | None = None, publish: bool = False) -> list[Sequence]:
     seqs = []
     agents = range(town.n) if agents is None else agents
     for i in agents:
@@ -125,7 +125,7 @@ def _add_round(engine: LLMEngine, town: Town, round_id: str | None, max_tokens: 
         info = RoundInfo(id=round_id, size=len(agents), index=i) if round_id else None
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seqs.append(engine.add_request(f"{round_id}-{i}-{time.monotonic_ns()}", ids, sampling, segments=segments,
-                                       scope=ReuseScope("town", f"agent_{i + 1}", info), publish=False))
+                                       scope=ReuseScope("town", f"agent_{i + 1}", info), publish=publish))
     return seqs
 
 
@@ -143,8 +143,8 @@ def _prefill_round(engine: LLMEngine, town: Town, round_id: str | None) -> list[
 class RoundRunner:
     """Runs round 2 of a town on one engine, per request or as one collective group."""
 
-    def __init__(self, engine: LLMEngine, town: Town) -> None:
-        self.engine, self.town = engine, town
+    def __init__(self, engine: LLMEngine, town: Town, publish: bool = False) -> None:
+        self.engine, self.town, self.publish = engine, town, publish  # publish: the round's caches are stored
         self.num_rounds = 0
         self.recompute_ratio: dict[str, float] = {}  # path -> recomputed / placed tokens, latest round
 
@@ -156,7 +156,7 @@ class RoundRunner:
     def collective(self, max_tokens: int = 1) -> list[Sequence]:
         self.num_rounds += 1
         grouped = self.engine.collector.num_grouped
-        seqs = _add_round(self.engine, self.town, f"round-{self.num_rounds}", max_tokens)
+        seqs = _add_round(self.engine, self.town, f"round-{self.num_rounds}", max_tokens, publish=self.publish)
         while self.engine.has_work and any(not s.output_token_ids for s in seqs):
             self.engine.step()
         if self.engine.collector.num_grouped - grouped != len(seqs):
@@ -183,7 +183,7 @@ def _kv(engine: LLMEngine, slots: torch.Tensor) -> list[tuple[torch.Tensor, torc
 def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
     """One collective round into the DiffStore: sizes, and restore of every mirror, checked bit for bit."""
     store = engine.diff_store
-    seqs = RoundRunner(engine, town).collective(max_tokens=2)  # still running: their KV can be read back
+    seqs = RoundRunner(engine, town, publish=True).collective(max_tokens=2)  # still running: KV readable
     result = store.last_round
     snapshots = {s.request_id: _kv(engine, engine.kv.slots(s, s.num_prompt_tokens)) for s in seqs}
     fused, dense, exact = [], [], True

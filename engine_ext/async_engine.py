@@ -93,14 +93,15 @@ class AsyncEngine:
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
         try:
-            idle = False
             while True:
-                # A step that produced nothing (a round held for its siblings, a prefill
-                # chunk) waits a moment for new requests instead of spinning.
-                timeout = 0.5 if not self.engine.has_work else (0.001 if idle else 0.0)
+                # A step that could run nothing (a round held for its siblings) waits a
+                # moment for new requests instead of spinning.
+                waiting = self.engine.has_work and self.engine.last_step_empty
+                timeout = 0.5 if not self.engine.has_work else (0.001 if waiting else 0.0)
                 if not self._drain_commands(timeout):
                     break
-                idle = self.engine.has_work and not self._step()
+                if self.engine.has_work:
+                    self._step()
         except BaseException as exc:  # the thread must report why it died, then stop serving
             logger.exception("engine thread died")
             self._dead = exc
@@ -129,8 +130,7 @@ class AsyncEngine:
                 continue
             self._sinks[cmd.request_id] = cmd
 
-    def _step(self) -> bool:
-        """Run one engine step; whether it produced any output."""
+    def _step(self) -> None:
         try:
             outputs = self.engine.step()
         except Exception as exc:
@@ -138,7 +138,7 @@ class AsyncEngine:
             # every cached hash so no later request reuses possibly corrupt blocks.
             logger.exception("engine step failed; failing its requests")
             self._fail_all(EngineError(f"engine step failed: {exc}"))
-            return True
+            return
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is None:
@@ -146,7 +146,6 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
             _deliver(target, out)
-        return bool(outputs)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, target in list(self._sinks.items()):

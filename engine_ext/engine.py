@@ -84,6 +84,7 @@ class LLMEngine:
         reuse = (ReusePrefill(self.model, self.kv_cache, self.segment_index, config.reuse)
                  if self.segment_index else None)
         self.collector, collective, self.diff_store, restorer = self._collective()
+        self.last_step_empty = False
         self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
                                   collective, self.diff_store)
@@ -127,7 +128,7 @@ class LLMEngine:
             return KVCollector(settings), collective, None, None
         store = DiffStore(self.segment_index.blobs, self.kv_cache, self.segment_index.shifter.inv_freq,
                           self.model_name, settings.diff_block_tokens, settings.diff_tolerance)
-        return KVCollector(settings), collective, store, Restorer(store, self.kv_cache)
+        return KVCollector(settings), collective, store, Restorer(store, self.kv_cache, self.config.reuse.default_method)
 
     # -- admission -------------------------------------------------------------------
     def add_request(
@@ -178,6 +179,7 @@ class LLMEngine:
             segments=_checked_segments(segments or [], num_prompt),
             scope=scope,
             num_exact_tokens=None if publish else 0,
+            publish=publish,
         )
         self.scheduler.add(seq)
         return seq
@@ -196,6 +198,7 @@ class LLMEngine:
     # -- the loop body ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
+        self.last_step_empty = step.is_empty  # nothing could run (a round held for its siblings)
         if step.is_empty:
             return []
         sampled = self.runner.run(step)

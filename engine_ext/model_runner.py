@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from engine_ext.collective.collector import CollectiveGroup
+from engine_ext.collective.plan import CollectivePlan
 from engine_ext.collective.prefill import CollectivePrefill, GroupMember
 from engine_ext.diffs.store import DiffStore
 from engine_ext.kv.cache import KVCache
@@ -15,6 +18,8 @@ from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
 from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
 from engine_ext.sequence import Sequence
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -72,20 +77,16 @@ class ModelRunner:
             seq.num_exact_tokens = min(limits) if limits else None
 
     def _run_group(self, group: CollectiveGroup) -> list[tuple[Sequence, torch.Tensor]]:
-        """One collective prefill for the round's members; then their caches go to the
+        """One collective prefill for the round's members; their caches then go to the
         DiffStore (while the segments they read are still pinned)."""
         seqs = group.members
-        members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens)) for s in seqs]
+        members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens),
+                               s.num_exact_tokens) for s in seqs]
         try:
             result = self.collective.run(group.round_id, members)
             for i, seq in enumerate(seqs):
                 seq.assembly.collective = result.plan.report(i)
-            if self.diff_store is not None:
-                images = self.collective.images(members, result.plan)
-                if len(images) > 1:
-                    self.diff_store.store_round(images, result.plan.master)
-                else:  # a late member: a mirror of its round's master, found by similarity
-                    self.diff_store.store(images[0])
+            self._store(seqs, members, result.plan)
         finally:
             for seq in seqs:
                 self.assembler.release(seq.assembly)
@@ -93,6 +94,24 @@ class ModelRunner:
                 seq.num_exact_tokens = first if seq.num_exact_tokens is None else min(seq.num_exact_tokens, first)
                 seq.group = None
         return list(zip(seqs, result.last_hidden))
+
+    def _store(self, seqs: list[Sequence], members: list[GroupMember], plan: CollectivePlan) -> None:
+        """Keep the caches of the members that may publish: the round's lowest-deviation
+        one as master, the others as its mirrors; a member alone joins its round's stored
+        caches by similarity. Storage only saves later work, so a failure is logged and
+        the requests go on."""
+        keep = [i for i, seq in enumerate(seqs) if seq.publish]
+        if self.diff_store is None or not keep:
+            return
+        try:
+            images = self.collective.images([members[i] for i in keep], plan)
+            if len(images) == 1:
+                self.diff_store.store(images[0])
+            else:
+                master = min(range(len(keep)), key=lambda j: (plan.deviations[keep[j]], j))
+                self.diff_store.store_round(images, master)
+        except Exception:
+            logger.exception("storing round %s failed; its requests go on without it", plan.round_id)
 
     def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
         input_ids: list[int] = []

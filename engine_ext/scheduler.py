@@ -117,7 +117,8 @@ class Scheduler:
         # Reuse is planned for a prompt's first prefill; after a preemption the
         # sequence is recomputed densely (from the prefix cache where it can).
         if seq.segments and seq.reuse_outcomes is None and self.assembler is not None:
-            seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, num_ready, seq.scope)
+            restored_from = restore.region_start if restore is not None else None
+            seq.assembly = self.assembler.assemble(seq.segments, seq.token_ids, num_ready, seq.scope, restored_from)
             if seq.assembly.placed:
                 num_tokens = seq.num_tokens - num_ready
                 cost = min(len(seq.assembly.full_positions()), budget)
@@ -146,7 +147,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._drop_assembly(seq)
-        seq.group = None
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

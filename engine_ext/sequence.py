@@ -54,6 +54,7 @@ class Sequence:
     # Blocks at or past this position hold approximate KV and are never published to
     # the prefix cache; None: every computed block is exact.
     num_exact_tokens: int | None = None
+    publish: bool = True  # False: this request leaves nothing for others (prefix cache, round caches)
     # Teacher forcing (the fidelity harness): append these tokens instead of sampling,
     # and keep the logits each step produced.
     forced_token_ids: list[int] | None = None

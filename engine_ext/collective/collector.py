@@ -17,11 +17,15 @@ until the round's expected size is waiting or the window has passed.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_ext.config import CollectiveConfig
 from engine_ext.sequence import Sequence
+
+
+MAX_FORMED_ROUNDS = 256
 
 
 @dataclass
@@ -41,11 +45,12 @@ class KVCollector:
         self.config = config
         self.num_groups = 0
         self.num_grouped = 0  # requests prefilled collectively
+        self._formed: OrderedDict[str, None] = OrderedDict()  # recent rounds that ran: their late members never wait
 
     def holds(self, seq: Sequence, waiting: Iterable[Sequence], now: float | None = None) -> bool:
         """Whether the round's first waiting request should wait for its siblings a little longer."""
         rid = round_id(seq)
-        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions:
+        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions or rid in self._formed:
             return False
         now = time.monotonic() if now is None else now
         if (now - seq.arrival_time) * 1e3 >= self.config.window_ms:
@@ -74,6 +79,9 @@ class KVCollector:
         group = CollectiveGroup(round_id(probe) or "", members)
         for s in members:
             s.group = group
+        self._formed[group.round_id] = None
+        while len(self._formed) > MAX_FORMED_ROUNDS:
+            self._formed.popitem(last=False)
         self.num_groups += 1
         self.num_grouped += len(members)
         return group

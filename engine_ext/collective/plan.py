@@ -19,23 +19,29 @@ class CollectivePlan(NamedTuple):
     deviations: list[float]  # per member: summed key deviation of its recomputed positions
     master: int  # index of the member with the lowest deviation
     selected: dict[bytes, torch.Tensor]  # segment key -> offsets recomputed (sorted), same for every member
-    num_candidates: int  # placed tokens the deviation pass scored
+    num_candidates: int  # placed tokens of the probe
     num_selected: int  # of those, how many every member recomputes
+    recompute_ratios: list[float]  # per member: its recomputed placed tokens over its placed tokens
+    reused_selection: bool  # the offsets came from an earlier group of the round (no deviation pass)
 
     @property
     def size(self) -> int:
         return len(self.request_ids)
 
     def report(self, member: int) -> dict[str, Any]:
-        """What a member's response says about its group (under each collective segment)."""
-        return {
+        """What a member's response says about its group (under each collective segment).
+        A request alone (a late member of its round) has no master in its group."""
+        out: dict[str, Any] = {
             "round": self.round_id,
             "group_size": self.size,
-            "master": self.request_ids[self.master],
-            "is_master": member == self.master,
+            "selection": "round" if self.reused_selection else "probe",
             "deviation": round(self.deviations[member], 4),
-            "recompute_ratio": round(self.num_selected / max(self.num_candidates, 1), 4),
+            "recompute_ratio": round(self.recompute_ratios[member], 4),
         }
+        if self.size > 1:
+            out["master"] = self.request_ids[self.master]
+            out["is_master"] = member == self.master
+        return out
 
 
 def lowest(deviations: list[float]) -> int:

@@ -49,6 +49,7 @@ class GroupMember(NamedTuple):
     assembly: Assembly
     token_ids: list[int]
     slots: torch.Tensor  # (T,) the member's cache slots
+    num_exact_tokens: int | None = None  # KV from here on is approximate (restored or placed); None: exact
 
 
 class CollectiveResult(NamedTuple):
@@ -78,24 +79,24 @@ class CollectivePrefill:
         recomputes exactly those offsets (the per-request path of the same plan); by
         default the round's earlier selection is reused when it covers every member."""
         self.place(members)
+        reused = False
         if selected is None:
             selected = self._remembered(round_id, members)
+            reused = selected is not None
         if selected is None:
-            selected, num_candidates = self._select(members[0])
+            selected = self._select(members[0])
             self.place(members[:1], num_layers=self.last_check + 1)  # undo the deviation pass's writes
             self.selections[round_id] = selected
             while len(self.selections) > MAX_REMEMBERED_ROUNDS:
                 self.selections.popitem(last=False)
-        else:
-            num_candidates = sum(p.segment.num_tokens for p in members[0].assembly.placed)
         prompts = [self._rows(m, selected) for m in members]
         results = self.recovery.recover(prompts)
-        for m in members:
-            self._count_selected(m, selected)
+        ratios = [self._count_selected(m, selected) for m in members]
         deviations = [r.deviation for r in results]
+        num_candidates = sum(p.segment.num_tokens for p in members[0].assembly.placed)
         num_selected = sum(int(o.numel()) for o in selected.values())
         plan = CollectivePlan(round_id, [m.request_id for m in members], deviations, lowest(deviations),
-                              selected, num_candidates, num_selected)
+                              selected, num_candidates, num_selected, ratios, reused)
         return CollectiveResult([r.last_hidden for r in results], plan)
 
     def _remembered(self, round_id: str, members: list[GroupMember]) -> dict[bytes, torch.Tensor] | None:
@@ -123,9 +124,8 @@ class CollectivePrefill:
         for k_cache, v_cache in self.kv_cache.layers[:num_layers]:
             shift_copy(k_cache, v_cache, src_all, dst_all, delta_all, inv_freq)
 
-    def _select(self, probe: GroupMember) -> tuple[dict[bytes, torch.Tensor], int]:
-        """The offsets each shared segment recomputes, from one deviation pass over the
-        probe; and how many placed tokens that pass scored."""
+    def _select(self, probe: GroupMember) -> dict[bytes, torch.Tensor]:
+        """The offsets each shared segment recomputes, from one deviation pass over the probe."""
         assembly = probe.assembly
         full = assembly.full_positions()  # (R,)
         blend = assembly.blend_positions()  # per placed segment, (n_i,)
@@ -153,8 +153,7 @@ class CollectivePrefill:
                 offsets = offsets[dev.topk(budget).indices]  # the last block: its best tokens only
             chosen[key].append(offsets)
             budget -= offsets.numel()
-        selected = {key: torch.unique(torch.cat(parts)) for key, parts in chosen.items()}  # sorted
-        return selected, int(candidates.numel())
+        return {key: torch.unique(torch.cat(parts)) for key, parts in chosen.items()}  # sorted
 
     def images(self, members: list[GroupMember], plan: CollectivePlan) -> list[CacheImage]:
         """Each member's cache as the DiffStore keeps it: from the block holding its first
@@ -173,7 +172,9 @@ class CollectivePrefill:
                 if seg.end > last:
                     exact[last - seg.start] = False  # the last prompt token is always computed
                 runs.append(CanonicalRun(seg.start, p.entry.key, self.index.slots(p.entry), exact))
-            region_start = m.assembly.first_approximate // block_size * block_size
+            first = m.assembly.first_approximate
+            first = first if m.num_exact_tokens is None else min(first, m.num_exact_tokens)
+            region_start = first // block_size * block_size  # before it: published prefix-cache blocks
             images.append(CacheImage(tuple(m.token_ids), m.slots, region_start, runs))
         return images
 
@@ -190,10 +191,13 @@ class CollectivePrefill:
         return PromptRows(member.token_ids, member.slots, rows, torch.isin(rows, chosen))
 
     @staticmethod
-    def _count_selected(member: GroupMember, selected: dict[bytes, torch.Tensor]) -> None:
-        """Record per placed segment how many of its tokens were recomputed (for its outcome)."""
+    def _count_selected(member: GroupMember, selected: dict[bytes, torch.Tensor]) -> float:
+        """Record per placed segment how many of its tokens were recomputed (for its
+        outcome); returns the member's recomputed share of its placed tokens."""
         last = member.assembly.num_tokens - 1
         for i, p in enumerate(member.assembly.placed):
             offsets = selected.get(p.entry.key)
             num = 0 if offsets is None else int((p.segment.start + offsets < last).sum())
             member.assembly.num_selected[i] = num
+        num_placed = sum(p.segment.num_tokens for p in member.assembly.placed)
+        return sum(member.assembly.num_selected.values()) / max(num_placed, 1)

@@ -9,7 +9,8 @@ applied while copying) is restored into the new sequence's blocks, exactly the K
 agent's previous request ran on, and counts as cached.
 
 Only requests that carry a plan are served (a plan is the client's consent to reuse),
-and none whose plan asks for exact prefix or dense computation of a restored segment.
+none whose plan asks for exact prefix or dense computation of a restored segment, and
+no lossy mirror (a DiffStore with a tolerance keeps them for accounting only).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.diffs.store import DiffStore
-from engine_ext.diffs.stored import CacheView, StoredCache
+from engine_ext.diffs.stored import CacheView, StoredCache, StoredMirror
 from engine_ext.kv.cache import KVCache
+from engine_ext.protocol import ReuseMethod
 from engine_ext.sequence import Sequence
 
 _EXACT_METHODS = frozenset({"prefix", "dense"})
@@ -34,9 +36,10 @@ class Restore(NamedTuple):
 
 
 class Restorer:
-    def __init__(self, store: DiffStore, kv_cache: KVCache) -> None:
+    def __init__(self, store: DiffStore, kv_cache: KVCache, default_method: ReuseMethod = "blend") -> None:
         self.store = store
         self.kv_cache = kv_cache
+        self.default_method = default_method  # what a segment naming no method asks for
         self.num_restores = 0
         self.num_restored_tokens = 0
 
@@ -48,8 +51,10 @@ class Restorer:
         if found is None:
             return None
         stored, view = found
-        if any(s.method in _EXACT_METHODS and s.start < view.num_tokens and s.end > view.region_start
-               for s in seq.segments):
+        if isinstance(stored, StoredMirror) and self.store.tolerance > 0:
+            return None  # a lossy mirror is not the KV the agent ran on
+        if any((s.method or self.default_method) in _EXACT_METHODS and s.start < view.num_tokens
+               and s.end > view.region_start for s in seq.segments):
             return None
         self.store.acquire(stored)
         return Restore(stored, view, view.region_start, view.num_tokens)

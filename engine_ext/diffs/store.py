@@ -22,6 +22,7 @@ dropped on read.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -67,6 +68,7 @@ class DiffStore:
         self.block_tokens = block_tokens
         self.tolerance = tolerance
         self._stored: dict[bytes, StoredCache] = {}
+        self._lengths: dict[int, Counter[int]] = {}  # region start -> prompt lengths stored (for match)
         self.last_round: StoreResult | None = None  # what the latest store_round kept
 
     # -- storing -----------------------------------------------------------------------
@@ -114,14 +116,10 @@ class DiffStore:
         for row, seg_key, offset, slot in image.canonical_rows():
             src[row], ref[row] = slot, offset  # the segment's own value, rotated for its offset
             index.setdefault((seg_key, offset), row)
-        dst = self.blobs.slots(blob)
-        for k_cache, v_cache in self.kv_cache.layers:
-            k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-            v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-        self.blobs.seal(blob)
+        self._write(blob, src)
         tokens = torch.tensor(image.token_ids[image.region_start :], dtype=torch.long)
         stored = StoredMaster(key, len(image.token_ids), image.region_start, blob, ref, tokens, index)
-        self._stored[key] = stored
+        self._add(stored)
         return stored
 
     def _store_mirror(self, image: CacheImage, master: StoredMaster) -> StoredMirror | None:
@@ -154,18 +152,26 @@ class DiffStore:
             diff = self.blobs.allocate(chain_hash(key, (1,)), int(kept.sum()))
             if diff is None:
                 return None
-            src, dst = image.slots[start + layout[kept]], self.blobs.slots(diff)
-            for k_cache, v_cache in self.kv_cache.layers:
-                k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
-                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
-            self.blobs.seal(diff)
+            self._write(diff, image.slots[start + layout[kept]])
         pad = torch.where(real, layout, 0)
         mirror = StoredMirror(key, len(image.token_ids), start, master, layout,
                               torch.where(real, base[pad], -1), torch.where(real, delta[pad], 0), block_diff, diff,
                               self.block_tokens)
-        master.num_mirrors += 1
-        self._stored[key] = mirror
+        master.mirrors.append(key)
+        self._add(mirror)
         return mirror
+
+    def _write(self, blob: Blob, src: torch.Tensor) -> None:
+        """Copy the KV at slots src (n,) into a freshly allocated blob, every layer, and seal it."""
+        dst = self.blobs.slots(blob)
+        try:
+            for k_cache, v_cache in self.kv_cache.layers:
+                k_cache.index_copy_(0, dst, k_cache.index_select(0, src))
+                v_cache.index_copy_(0, dst, v_cache.index_select(0, src))
+        except BaseException:
+            self.blobs.abandon(blob)
+            raise
+        self.blobs.seal(blob)
 
     def _layout(self, image: CacheImage) -> torch.Tensor:
         """Region rows in blocks that follow the prompt's structure: each span (a
@@ -208,9 +214,7 @@ class DiffStore:
     def match(self, token_ids: list[int], num_prefix_tokens: int) -> tuple[StoredCache, CacheView] | None:
         """The longest stored prompt that starts `token_ids` (short of its last token) and
         whose region starts where the prefix cache's hit ends."""
-        lengths = sorted({s.num_tokens for s in self._stored.values() if s.region_start == num_prefix_tokens},
-                         reverse=True)
-        for length in lengths:
+        for length in sorted(self._lengths.get(num_prefix_tokens, ()), reverse=True):
             if length < len(token_ids):
                 stored = self._valid(self._stored.get(self._key(token_ids[:length])))
                 if stored is not None and stored.region_start == num_prefix_tokens:
@@ -252,12 +256,31 @@ class DiffStore:
         self._forget(stored)
         return None
 
+    def _add(self, stored: StoredCache) -> None:
+        self._stored[stored.key] = stored
+        self._lengths.setdefault(stored.region_start, Counter())[stored.num_tokens] += 1
+        if len(self._stored) > self.blobs.pool.num_blocks:  # dead entries could pile up: sweep them
+            for entry in list(self._stored.values()):
+                self._valid(entry)
+
     def _forget(self, stored: StoredCache) -> None:
-        """Drop an entry and free the blocks it owns (a mirror owns its diff, not its master)."""
+        """Drop an entry and free the blocks it owns (a mirror owns its diff, not its
+        master); a master takes its mirrors with it."""
+        if self._stored.get(stored.key) is not stored:
+            return
         del self._stored[stored.key]
+        lengths = self._lengths[stored.region_start]
+        lengths[stored.num_tokens] -= 1
+        if lengths[stored.num_tokens] <= 0:
+            del lengths[stored.num_tokens]
         owned = stored.blob if isinstance(stored, StoredMaster) else stored.diff
         if owned is not None:
             self.blobs.discard(owned)
+        if isinstance(stored, StoredMaster):
+            for key in stored.mirrors:
+                mirror = self._stored.get(key)
+                if isinstance(mirror, StoredMirror) and mirror.master is stored:
+                    self._forget(mirror)
 
     def _masters(self) -> list[StoredMaster]:
         return [s for s in list(self._stored.values()) if isinstance(s, StoredMaster) and self._valid(s)]

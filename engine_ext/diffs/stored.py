@@ -18,7 +18,7 @@ layer, applying the diff while it copies the master (kernels.diff_restore);
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -39,7 +39,7 @@ class StoredMaster:
     ref: torch.Tensor  # (n,) the position each stored key is rotated for
     tokens: torch.Tensor  # (n,) the region's token ids
     index: dict[tuple[bytes, int], int]  # (segment key, offset) -> region row, for canonical rows
-    num_mirrors: int = 0
+    mirrors: list[bytes] = field(default_factory=list)  # keys of the mirrors stored against it
 
 
 @dataclass

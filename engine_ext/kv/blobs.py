@@ -50,6 +50,10 @@ class BlobStore:
             self.pool.register(block, block_hash)
         self.pool.release(list(reversed(blob.blocks)))
 
+    def abandon(self, blob: Blob) -> None:
+        """Give back a blob that was allocated but never sealed (writing it failed)."""
+        self.pool.release(list(reversed(blob.blocks)))
+
     def valid(self, blob: Blob) -> bool:
         return all(b.block_hash == h for b, h in zip(blob.blocks, blob.block_hashes))
 

@@ -99,14 +99,17 @@ class Assembler:
         self.no_index_reason = no_index_reason or "segment reuse is disabled"
 
     def assemble(self, segments: list[TokenSegment], token_ids: list[int], num_prefix_tokens: int,
-                 scope: ReuseScope | None = None) -> Assembly:
-        """Decide every segment; placed entries are pinned until `release`."""
+                 scope: ReuseScope | None = None, restored_from: int | None = None) -> Assembly:
+        """Decide every segment; placed entries are pinned until `release`. The first
+        `num_prefix_tokens` are cached already: exactly (the prefix cache), or from
+        `restored_from` on restored from a stored round cache."""
         assembly = Assembly(len(token_ids), num_prefix_tokens, [], [])
         i = 0
         while i < len(segments):
             seg = segments[i]
+            covered = "restored" if restored_from is not None and seg.end > restored_from else "prefix"
             if seg.end <= num_prefix_tokens:
-                assembly.dense.append(SegmentOutcome(seg, "prefix", seg.num_tokens, 0))
+                assembly.dense.append(SegmentOutcome(seg, covered, seg.num_tokens, 0))
                 i += 1
                 continue
             num_hit = max(num_prefix_tokens - seg.start, 0)  # a segment the prefix hit covers in part
@@ -121,7 +124,7 @@ class Assembler:
                 i += self._kvcomm(assembly, seg, entry, follower, token_ids, scope)
                 continue
             if entry is None:
-                assembly.dense.append(SegmentOutcome(seg, "prefix" if num_hit else "dense", num_hit,
+                assembly.dense.append(SegmentOutcome(seg, covered if num_hit else "dense", num_hit,
                                                      seg.num_tokens - num_hit, reason))
             else:
                 self.index.acquire(entry)

@@ -8,11 +8,14 @@ under `kv_transfer_params["kvrelay_reuse"]`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from engine_ext.protocol import ReuseMethod, RoundInfo
 
 REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
+# What an outcome reports: a plan's method, or `restored` (KV restored from a stored
+# round cache, engine_ext/diffs: the approximate KV an earlier turn of the agent ran on).
+OutcomeMethod = ReuseMethod | Literal["restored"]
 REPORT_KEY = "kvrelay_reuse"  # the key under the response's kv_transfer_params
 
 # Kinds whose text recurs across requests and is worth keeping in the segment index.
@@ -52,7 +55,7 @@ class SegmentOutcome(NamedTuple):
     """What happened to one segment: `method` is what ran (dense when reuse fell back)."""
 
     segment: TokenSegment
-    method: ReuseMethod
+    method: OutcomeMethod
     num_reused: int  # tokens whose KV came from a cache
     num_recomputed: int  # tokens computed by the model
     reason: str | None = None  # why a reusable segment fell back to dense, if it did

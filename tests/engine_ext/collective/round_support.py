@@ -59,13 +59,13 @@ class Round(NamedTuple):
 
     def add(self, eng: LLMEngine, round_id: str | None = "round-1", method: str | None = "blend",
             agents: list[int] | None = None, record_logits: bool = True, publish: bool = False,
-            max_tokens: int = 1) -> list[Sequence]:
+            max_tokens: int = 1, size: int | None = None) -> list[Sequence]:
         """Queue every agent's request of the round (not yet run)."""
         agents = list(range(len(self.outputs))) if agents is None else agents
         seqs = []
         for i in agents:
             ids, segments = self.prompt(i, method)
-            info = RoundInfo(id=round_id, size=len(agents), index=i) if round_id else None
+            info = RoundInfo(id=round_id, size=size or len(agents), index=i) if round_id else None
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             seq = eng.add_request(f"agent{i}-{round_id}-{len(seqs)}", ids, sampling, segments=segments,
                                   scope=ReuseScope("app", f"agent{i}", info), publish=publish)

@@ -143,9 +143,9 @@ def test_a_late_member_reuses_its_rounds_selection_and_joins_its_storage(deep_ll
     eng = engine(deep_llama)
     rnd = Round.make(num_agents=3)
     rnd.cache_outputs(eng)
-    early = rnd.add(eng, agents=[0, 1])
+    early = rnd.add(eng, agents=[0, 1], publish=True)
     run_all(eng)
-    late = rnd.add(eng, agents=[2])  # same round id, after the group ran
+    late = rnd.add(eng, agents=[2], publish=True)  # same round id, after the group ran
     passes = []
     probe = eng.runner.collective._select
     eng.runner.collective._select = lambda member: passes.append(member) or probe(member)
@@ -153,6 +153,32 @@ def test_a_late_member_reuses_its_rounds_selection_and_joins_its_storage(deep_ll
     assert passes == []  # no deviation pass: the round's selection is reused
     recomputed = {o.segment.name: o.num_recomputed for o in early[0].reuse_outcomes}
     assert {o.segment.name: o.num_recomputed for o in late[0].reuse_outcomes} == recomputed
-    assert late[0].reuse_outcomes[0].collective["group_size"] == 1
+    report = late[0].reuse_outcomes[0].collective
+    assert report["group_size"] == 1 and report["selection"] == "round" and "master" not in report
     stats = eng.diff_store.stats()
     assert (stats["masters"], stats["mirrors"]) == (1, 2)  # found the round's master by similarity
+
+
+def test_requests_that_may_not_publish_leave_no_round_cache(deep_llama):
+    eng = engine(deep_llama)
+    rnd = Round.make(num_agents=3)
+    rnd.cache_outputs(eng)
+    rnd.add(eng)  # publish=False, as the fidelity harness and benchmarks send them
+    run_all(eng)
+    assert eng.collector.num_groups == 1
+    assert eng.diff_store.stats()["masters"] == 0
+
+
+def test_a_late_member_is_never_held_for_a_round_that_already_ran(deep_llama):
+    eng = engine(deep_llama, collective=CollectiveConfig(window_ms=10_000))
+    rnd = Round.make(num_agents=3)
+    rnd.cache_outputs(eng)
+    early = rnd.add(eng, agents=[0, 1], size=3)
+    eng.step()
+    assert eng.last_step_empty  # 2 of the 3 expected requests: held within the window
+    rnd.add(eng, agents=[2], size=3)
+    run_all(eng)
+    assert all(s.reuse_outcomes for s in early) and eng.collector.num_groups == 1
+    late = rnd.add(eng, agents=[2], size=3)  # the round ran: a late member runs at once
+    eng.step()
+    assert not eng.last_step_empty and late[0].reuse_outcomes is not None

@@ -155,7 +155,7 @@ def test_a_prompt_extending_a_stored_round_prompt_is_restored(deep_llama):
     seq = eng.generate(extended, SamplingParams(max_tokens=2, temperature=0.0), segments=segments, publish=False)
     assert eng.scheduler.restorer.num_restores == 1
     assert seq.num_cached_tokens == len(ids)
-    assert all(o.method == "prefix" for o in seq.reuse_outcomes)
+    assert all(o.method == "restored" and o.num_reused == o.segment.num_tokens for o in seq.reuse_outcomes)
     # Restored KV is the agent's own round KV, bit for bit (checked on a rerun that stops after prefill).
     again = eng.add_request("again", extended, SamplingParams(max_tokens=2), segments=segments, publish=False)
     eng.step()
@@ -177,3 +177,30 @@ def test_plans_asking_for_exact_reuse_are_not_restored(deep_llama):
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
     eng.generate(ids + [5, 7], SamplingParams(max_tokens=1), publish=False)  # no plan at all
     assert eng.scheduler.restorer.num_restores == 0
+    assert eng.diff_store.read(ids) is not None  # it was there to restore
+
+
+def test_an_evicted_master_takes_its_mirrors_with_it(deep_llama):
+    eng = engine(deep_llama)
+    rc = RoundCaches(eng, Round.make(num_agents=3))
+    store = eng.diff_store
+    store.store_round(rc.images, rc.plan.master)
+    master = rc.images[rc.plan.master]
+    store.blobs.discard(store._stored[store._key(master.token_ids)].blob)  # as if the LRU had evicted it
+    assert store.read(master.token_ids) is None
+    assert store._stored == {} and all(not lengths for lengths in store._lengths.values())
+    sibling = rc.images[(rc.plan.master + 1) % 3]
+    assert store.match(list(sibling.token_ids) + [5], sibling.region_start) is None
+
+
+def test_a_segment_asking_for_the_default_dense_method_is_not_restored(deep_llama):
+    eng = engine(deep_llama)
+    rnd = Round.make(num_agents=3)
+    rnd.cache_outputs(eng)
+    rnd.add(eng, publish=True)
+    while eng.has_work:
+        eng.step()
+    eng.scheduler.restorer.default_method = "dense"  # as if the engine ran with --reuse-method dense
+    ids, segments = rnd.prompt(1, method=None)
+    eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
+    assert eng.scheduler.restorer.num_restores == 0 and eng.diff_store.read(ids) is not None
