@@ -9,7 +9,7 @@ from engine_ext.collective import GroupMember
 from engine_ext.config import CollectiveConfig
 from engine_ext.diffs import CacheImage, DiffStore, MirrorView
 from engine_ext.sampling import SamplingParams
-from tests.engine_ext.collective.round_support import Round, engine, tokens
+from tests.engine_ext.collective.round_support import Round, engine, run_all, tokens
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +166,18 @@ def test_a_prompt_extending_a_stored_round_prompt_is_restored(deep_llama):
         eng.step()
 
 
-def test_plans_asking_for_exact_reuse_are_not_restored(deep_llama):
-    eng = engine(deep_llama)
+def _stored_round(model_dir) -> tuple:
+    """An engine after one collective round of three agents, its caches stored."""
+    eng = engine(model_dir)
     rnd = Round.make(num_agents=3)
     rnd.cache_outputs(eng)
     rnd.add(eng, publish=True)
-    while eng.has_work:
-        eng.step()
+    run_all(eng)
+    return eng, rnd
+
+
+def test_plans_asking_for_exact_reuse_are_not_restored(deep_llama):
+    eng, rnd = _stored_round(deep_llama)
     ids, segments = rnd.prompt(0, method="dense")
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
     eng.generate(ids + [5, 7], SamplingParams(max_tokens=1), publish=False)  # no plan at all
@@ -194,12 +199,7 @@ def test_an_evicted_master_takes_its_mirrors_with_it(deep_llama):
 
 
 def test_a_segment_asking_for_the_default_dense_method_is_not_restored(deep_llama):
-    eng = engine(deep_llama)
-    rnd = Round.make(num_agents=3)
-    rnd.cache_outputs(eng)
-    rnd.add(eng, publish=True)
-    while eng.has_work:
-        eng.step()
+    eng, rnd = _stored_round(deep_llama)
     eng.scheduler.restorer.default_method = "dense"  # as if the engine ran with --reuse-method dense
     ids, segments = rnd.prompt(1, method=None)
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
