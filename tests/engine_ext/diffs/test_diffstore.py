@@ -8,6 +8,8 @@ import torch
 from engine_ext.collective import GroupMember
 from engine_ext.config import CollectiveConfig
 from engine_ext.diffs import CacheImage, DiffStore, MirrorView
+from engine_ext.protocol import RoundInfo
+from engine_ext.reuse.segments import ReuseScope
 from engine_ext.sampling import SamplingParams
 from tests.engine_ext.collective.round_support import Round, engine, run_all, tokens
 
@@ -204,3 +206,26 @@ def test_a_segment_asking_for_the_default_dense_method_is_not_restored(deep_llam
     ids, segments = rnd.prompt(1, method=None)
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
     assert eng.scheduler.restorer.num_restores == 0 and eng.diff_store.read(ids) is not None
+
+
+def test_rounds_under_memory_pressure_never_leak_or_fail(deep_llama):
+    """Several rounds whose prompts extend the last ones (restores), with a pool too small
+    for everything: caches are evicted, requests preempted; all finish, nothing stays pinned."""
+    eng = engine(deep_llama, num_blocks=56)  # 896 tokens of KV in all
+    rnd = Round.make(num_agents=3, output_len=24)
+    rnd.cache_outputs(eng)
+    prompts = [rnd.prompt(i) for i in range(3)]
+    for turn in range(4):
+        seqs = []
+        for i, (ids, segments) in enumerate(prompts):
+            info = RoundInfo(id=f"turn-{turn}", size=3, index=i)
+            seqs.append(eng.add_request(f"t{turn}-{i}", ids, SamplingParams(max_tokens=6, temperature=0.0),
+                                        segments=segments, scope=ReuseScope("app", f"agent{i}", info)))
+        run_all(eng)
+        assert all(s.is_finished and s.finish_reason == "length" for s in seqs)
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks  # nothing pinned between turns
+        # Each agent's next prompt extends its last one: its own round cache is restored.
+        prompts = [(s.token_ids + tokens(4, 10 * turn + i), segments)
+                   for i, (s, (_, segments)) in enumerate(zip(seqs, prompts))]
+    assert eng.scheduler.restorer.num_restores > 0 and eng.kv.pool.num_evictions > 0
+    assert eng.collector.num_groups >= 2  # an evicted round cache: the next turn reused its segments again
