@@ -13,7 +13,7 @@ import torch
 
 from engine_ext.collective import RECOVERIES, CollectivePrefill, KVCollector
 from engine_ext.config import EngineConfig, ModelConfig
-from engine_ext.diffs import DiffStore, Restorer
+from engine_ext.diffs import CacheImage, DiffStore, Restorer
 from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import (
     CapacityError,
@@ -225,6 +225,22 @@ class LLMEngine:
                 self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start)
         self.assembler.commit(assembly, slots)
         self.assembler.release(assembly)
+        if seq.restore is not None and assembly.collective is None:  # a round group stored itself already
+            self._store_turn(seq, slots)
+
+    def _store_turn(self, seq: Sequence, slots: torch.Tensor) -> None:
+        """Keep a prompt that started from a stored round cache, as a mirror of that
+        cache's master: the agent's next turn then restores all of it, not just the
+        older part. Only an optimisation: a failure is logged."""
+        if self.diff_store is None or not seq.publish:
+            return
+        region_start = seq.num_exact_tokens // self.config.block_size * self.config.block_size
+        spans = tuple((seg.start, seg.end) for seg in seq.segments)
+        image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans)
+        try:
+            self.diff_store.store(image, like=seq.restore.stored)
+        except Exception:
+            logger.exception("storing request %s's turn failed; it goes on without it", seq.request_id)
 
     def _register_output(self, seq: Sequence) -> None:
         """Keep a finished answer as a segment: the next agent reading it reuses its KV

@@ -129,6 +129,7 @@ class Scheduler:
             return None
         if restore is not None:
             self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
+            seq.restore = restore
             seq.num_computed_tokens = restore.num_tokens
             exact = seq.num_exact_tokens
             seq.num_exact_tokens = restore.region_start if exact is None else min(exact, restore.region_start)

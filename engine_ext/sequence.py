@@ -13,6 +13,7 @@ from engine_ext.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from engine_ext.collective.collector import CollectiveGroup
+    from engine_ext.diffs.restorer import Restore
     from engine_ext.detokenizer import Detokenizer
     from engine_ext.kv.block_pool import Block
     from engine_ext.reuse.assembler import Assembly
@@ -50,6 +51,7 @@ class Sequence:
     scope: ReuseScope | None = None  # app and agent, for KVCOMM's anchors
     assembly: Assembly | None = None
     group: CollectiveGroup | None = None  # the round group its next prefill runs with (engine_ext/collective)
+    restore: Restore | None = None  # the stored round cache its prompt started from (engine_ext/diffs)
     reuse_outcomes: list[SegmentOutcome] | None = None
     # Blocks at or past this position hold approximate KV and are never published to
     # the prefix cache; None: every computed block is exact.

@@ -33,6 +33,15 @@ class CacheImage(NamedTuple):
     slots: torch.Tensor  # (T,) its cache slots, KV computed (or placed) for every token
     region_start: int  # stored from here on; [0, region_start) is in the prefix cache
     runs: list[CanonicalRun]  # in prompt order, inside the region
+    spans: tuple[tuple[int, int], ...] = ()  # other segments' [start, end): where the prompt's structure cuts
+
+    def cuts(self) -> list[int]:
+        """Region rows where a segment starts or ends (runs and spans), sorted, with 0 and n."""
+        n = self.num_region_tokens
+        bounds = {0, n}
+        for start, end in [(r.start, r.start + r.num_tokens) for r in self.runs] + list(self.spans):
+            bounds.update(min(max(p - self.region_start, 0), n) for p in (start, end))
+        return sorted(bounds)
 
     @property
     def num_region_tokens(self) -> int:

@@ -7,7 +7,8 @@ cache per member. Here one member is the master, kept densely; each sibling is a
 holding only the blocks where it differs from the master (kinds in diffs/stored.py).
 
 A sibling token is compared with the master's token holding the same segment at the
-same offset, or, outside segments, the master's token at the same position.
+same offset, else with the master's token at the same position (a later turn that
+extends a stored prompt lines up with it this way).
 
 The round's reuse plan names the master (the member with the lowest deviation); a
 cache stored outside a round gets the stored master sharing most of its segment tokens
@@ -84,12 +85,17 @@ class DiffStore:
                                       self.num_bytes(head) if head else 0, mirror_bytes, time.perf_counter() - start)
         return self.last_round
 
-    def store(self, image: CacheImage) -> StoredCache | None:
-        """Keep one cache outside a round: a mirror of the most similar master, or a master."""
-        canonical = {(key, offset) for _, key, offset, _ in image.canonical_rows()}
+    def store(self, image: CacheImage, like: StoredCache | None = None) -> StoredCache | None:
+        """Keep one cache outside a round: a mirror of `like`'s master (the cache it was
+        restored from) when that is still held, else of the most similar master (the
+        most region rows it shares as the same segment at the same offset, or the same
+        token at the same position), else a master."""
+        known = self._valid(like.master if isinstance(like, StoredMirror) else like) if like is not None else None
+        if isinstance(known, StoredMaster):
+            return self._store_mirror(image, known, like if isinstance(like, StoredMirror) else None)
         best, best_shared = None, 0
         for stored in self._masters():
-            shared = sum(1 for k in canonical if k in stored.index)
+            shared = int((self._align(image, stored) >= 0).sum())
             if shared > best_shared:
                 best, best_shared = stored, shared
         if best is not None and best_shared >= MIN_SHARED_FRACTION * image.num_region_tokens:
@@ -122,19 +128,18 @@ class DiffStore:
         self._add(stored)
         return stored
 
-    def _store_mirror(self, image: CacheImage, master: StoredMaster) -> StoredMirror | None:
+    def _store_mirror(self, image: CacheImage, master: StoredMaster,
+                      restored: StoredMirror | None = None) -> StoredMirror | None:
         key = self._key(image.token_ids)
         if self._valid(self._stored.get(key)) is not None:
             return None  # already held (as a master or a mirror)
         n, start = image.num_region_tokens, image.region_start
-        base = torch.full((n,), -1, dtype=torch.long)  # (n,) master row per region row
-        for row, seg_key, offset, _ in image.canonical_rows():
-            base[row] = master.index.get((seg_key, offset), -1)
-        if master.region_start == start:  # other rows: the master's verbatim row at the same position, same token
-            rows = torch.arange(min(n, master.tokens.shape[0]))
-            tokens = torch.tensor(image.token_ids[start : start + rows.shape[0]], dtype=torch.long)
-            same = (base[rows] < 0) & (master.ref[rows] == start + rows) & (master.tokens[rows] == tokens)
-            base[rows[same]] = rows[same]
+        base = self._align(image, master)  # (n,) master row per region row, or -1
+        if restored is not None and restored.region_start == start:
+            # The image starts with that mirror's prompt, restored: its rows equal the same master rows.
+            bases = restored.row_bases()[:n]
+            rows = (base[: bases.shape[0]] < 0).nonzero().flatten()
+            base[rows] = bases[rows]
         aligned = (base >= 0).nonzero().flatten()  # (A,) rows with a master counterpart
         delta = torch.zeros(n, dtype=torch.long)
         delta[aligned] = start + aligned - master.ref[base[aligned]]
@@ -161,6 +166,22 @@ class DiffStore:
         self._add(mirror)
         return mirror
 
+    @staticmethod
+    def _align(image: CacheImage, master: StoredMaster) -> torch.Tensor:
+        """(n,) the master row each region row may equal, or -1: the row holding the same
+        segment at the same offset, else the row holding the same token at the same
+        position. Candidates only: the comparison of values decides."""
+        n, start = image.num_region_tokens, image.region_start
+        base = torch.full((n,), -1, dtype=torch.long)
+        for row, seg_key, offset, _ in image.canonical_rows():
+            base[row] = master.index.get((seg_key, offset), -1)
+        if master.region_start == start:
+            rows = torch.arange(min(n, master.tokens.shape[0]))
+            tokens = torch.tensor(image.token_ids[start : start + rows.shape[0]], dtype=torch.long)
+            same = (base[rows] < 0) & (master.tokens[rows] == tokens)
+            base[rows[same]] = rows[same]
+        return base
+
     def _write(self, blob: Blob, src: torch.Tensor) -> None:
         """Copy the KV at slots src (n,) into a freshly allocated blob, every layer, and seal it."""
         dst = self.blobs.slots(blob)
@@ -178,11 +199,7 @@ class DiffStore:
         segment, or the text between segments) starts a new block and its last block is
         padded (-1). The text between segments differs in every sibling; aligned this
         way it touches its own small blocks, not the segments' blocks around it."""
-        n, size = image.num_region_tokens, self.block_tokens
-        cuts = {0, n}
-        for run in image.runs:
-            cuts.update(min(max(run.start - image.region_start + e, 0), n) for e in (0, run.num_tokens))
-        bounds = sorted(cuts)
+        size, bounds = self.block_tokens, image.cuts()
         parts = []
         for lo, hi in zip(bounds, bounds[1:]):
             for block_lo in range(lo, hi, size):

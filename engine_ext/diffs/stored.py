@@ -59,6 +59,13 @@ class StoredMirror:
     def num_touched(self) -> int:
         return int((self.block_diff >= 0).sum())
 
+    def row_bases(self) -> torch.Tensor:
+        """(n,) per region row, in prompt order, the master row it equals (moved), or -1."""
+        real = self.layout >= 0
+        bases = torch.full((self.num_tokens - self.region_start,), -1, dtype=torch.long)
+        bases[self.layout[real]] = self.base[real]
+        return bases
+
     @property
     def metadata_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.layout, self.base, self.delta, self.block_diff))

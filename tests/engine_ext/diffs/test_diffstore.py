@@ -228,4 +228,21 @@ def test_rounds_under_memory_pressure_never_leak_or_fail(deep_llama):
         prompts = [(s.token_ids + tokens(4, 10 * turn + i), segments)
                    for i, (s, (_, segments)) in enumerate(zip(seqs, prompts))]
     assert eng.scheduler.restorer.num_restores > 0 and eng.kv.pool.num_evictions > 0
-    assert eng.collector.num_groups >= 2  # an evicted round cache: the next turn reused its segments again
+
+
+def test_each_turn_is_stored_so_the_next_restores_all_of_it(deep_llama):
+    eng, rnd = _stored_round(deep_llama)
+    ids, segments = rnd.prompt(1)
+    turn1 = ids + tokens(6, 61)
+    first = eng.generate(turn1, SamplingParams(max_tokens=1), segments=segments)
+    assert first.num_cached_tokens == len(ids)  # the round's cache
+    turn2 = turn1 + tokens(6, 62)
+    second = eng.generate(turn2, SamplingParams(max_tokens=1), segments=segments)
+    assert second.num_cached_tokens == len(turn1)  # turn 1's own cache, a mirror of the round's master
+    store = eng.diff_store
+    round_caches = [store._stored[store._key(rnd.prompt(i)[0])] for i in range(3)]
+    (master,) = [c for c in round_caches if type(c).__name__ == "StoredMaster"]
+    stored = store._stored[store._key(turn1)]
+    assert type(stored).__name__ == "StoredMirror" and stored.master is master
+    assert stored.diff.num_tokens < len(turn1) - stored.region_start  # the restored part is the master's
+    assert eng.scheduler.restorer.num_restores == 2
