@@ -14,7 +14,9 @@ Round prefill time is the wall time until every agent has its first token (best 
 few paired runs). At the largest n, the round's caches go to the DiffStore: mirror
 bytes over dense bytes, dense bytes over master + mirrors, fused vs dense restore time
 (bit-exactness checked against the members' own KV), and fidelity (top1 / KL over the
-dense greedy continuation) of collective and per-request reuse.
+dense greedy continuation) of collective and per-request reuse. Last, agents' next turn
+(their round-2 prompt, answer and a new line): TTFT restored from the stored round vs
+the same plan reused per request.
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ class Sizes:
     repeats: int
     fidelity_agents: int  # agents of the largest round whose fidelity is measured
     num_fidelity_tokens: int
+    next_turn_agents: int  # agents whose next turn (restored from the stored round) is timed
 
 
 QUICK = Sizes(agent_counts=(3, 10), history_tokens=96, output_tokens=48, repeats=1, fidelity_agents=2,
-              num_fidelity_tokens=4)
+              num_fidelity_tokens=4, next_turn_agents=2)
 FULL = Sizes(agent_counts=(3, 5, 10), history_tokens=256, output_tokens=128, repeats=3, fidelity_agents=10,
-             num_fidelity_tokens=16)
+             num_fidelity_tokens=16, next_turn_agents=5)
 
 
 class Town:
@@ -180,8 +183,9 @@ def _kv(engine: LLMEngine, slots: torch.Tensor) -> list[tuple[torch.Tensor, torc
     return [(k.index_select(0, slots).clone(), v.index_select(0, slots).clone()) for k, v in engine.kv_cache.layers]
 
 
-def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
-    """One collective round into the DiffStore: sizes, and restore of every mirror, checked bit for bit."""
+def _storage(engine: LLMEngine, town: Town, repeats: int) -> tuple[dict[str, float], list[Sequence]]:
+    """One collective round into the DiffStore: sizes, and restore of every mirror,
+    checked bit for bit. Returns the metrics and the round's (finished) requests."""
     store = engine.diff_store
     seqs = RoundRunner(engine, town, publish=True).collective(max_tokens=2)  # still running: KV readable
     result = store.last_round
@@ -208,7 +212,7 @@ def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
     while engine.has_work:
         engine.step()
     mirrors = [(b, d) for b, d in zip(result.mirror_bytes, result.dense_bytes) if b is not None]
-    return {
+    return seqs, {
         "mirror_fraction": statistics.fmean(b / d for b, d in mirrors),
         "round_storage_reduction": sum(result.dense_bytes) / result.num_stored_bytes,
         "dense_mib": sum(result.dense_bytes) / 2**20,
@@ -219,6 +223,28 @@ def _storage(engine: LLMEngine, town: Town, repeats: int) -> dict[str, float]:
         "restore_bit_exact": float(exact),
         "store_ms": result.seconds * 1e3,
     }
+
+
+def _next_turn(storing: LLMEngine, timing: LLMEngine, town: Town, seqs: list[Sequence], agents: int,
+               repeats: int) -> dict[str, float]:
+    """TTFT of agents' next turn (round-2 prompt, its answer, a new line): restored from
+    the stored round on one engine, the same plan reused per request on the other."""
+    tail = town.tok.encode("\nThe town hall bell rings. What now?")
+    restored, per_request = [], []
+    for i, seq in enumerate(seqs[:agents]):
+        ids, segments = seq.token_ids + tail, town.prompt(i)[1]
+
+        def first_token(engine: LLMEngine) -> Sequence:
+            return engine.generate(ids, SamplingParams(max_tokens=1), segments=segments, publish=False)
+
+        t_restored, t_blend = paired_best_of(lambda: first_token(storing), lambda: first_token(timing), repeats)
+        if not any(o.method == "restored" for o in first_token(storing).reuse_outcomes or []):
+            raise RuntimeError("the next turn was not restored from the stored round; raise the KV budget")
+        restored.append(t_restored)
+        per_request.append(t_blend)
+    return {"next_turn_ttft_ms_restored": statistics.fmean(restored) * 1e3,
+            "next_turn_ttft_ms_per_request": statistics.fmean(per_request) * 1e3,
+            "next_turn_speedup": statistics.fmean(per_request) / statistics.fmean(restored)}
 
 
 def _fidelity(engine: LLMEngine, town: Town, agents: int, num_tokens: int) -> dict[str, float]:
@@ -264,7 +290,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
     storing = _engine(model, diff_store=True)
     town = Town(storing, sizes, largest)
     town.prepare(storing)
-    storage = _storage(storing, town, sizes.repeats)
+    seqs, storage = _storage(storing, town, sizes.repeats)
     metrics.update(storage)
     rows += [
         (f"KV bytes of the {largest}-agent round (MiB)", f"{storage['stored_mib']:.1f} (master + mirrors)",
@@ -275,6 +301,12 @@ def run(quick: bool, model: str | None) -> BenchResult:
          f"{storage['restore_ms_fused']:.1f} (fused)", f"{storage['restore_ms_dense']:.1f} (dense restore)",
          f"{storage['restore_ms_fused'] / storage['restore_ms_dense']:.3f}"),
     ]
+    turn = _next_turn(storing, timing, town, seqs, min(sizes.next_turn_agents, largest), sizes.repeats)
+    metrics.update(turn)
+    rows.append((f"next-turn TTFT ms ({min(sizes.next_turn_agents, largest)} agents; prompt extends the round's)",
+                 f"{turn['next_turn_ttft_ms_restored']:.0f} (restored)",
+                 f"{turn['next_turn_ttft_ms_per_request']:.0f} (per-request blend)",
+                 f"{1 / turn['next_turn_speedup']:.3f}"))
     fidelity = _fidelity(timing, Town(timing, sizes, largest), min(sizes.fidelity_agents, largest),
                          sizes.num_fidelity_tokens)
     metrics.update(fidelity)

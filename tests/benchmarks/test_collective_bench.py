@@ -11,7 +11,8 @@ from benchmarks import run_benchmark
 
 def test_collective_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_collective, "QUICK", bench_collective.Sizes(
-        agent_counts=(3,), history_tokens=24, output_tokens=24, repeats=1, fidelity_agents=2, num_fidelity_tokens=3))
+        agent_counts=(3,), history_tokens=24, output_tokens=24, repeats=1, fidelity_agents=2, num_fidelity_tokens=3,
+        next_turn_agents=2))
     out = tmp_path / "collective.json"
 
     result = run_benchmark("collective", quick=True, json_path=out, model=str(llama_dir))
@@ -24,6 +25,7 @@ def test_collective_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch,
     assert metrics["round_storage_reduction_3"] > 1
     assert metrics["restore_bit_exact"] == 1.0
     assert metrics["restore_ms_fused"] > 0 and metrics["restore_ms_dense"] > 0
+    assert metrics["next_turn_ttft_ms_restored"] > 0 and metrics["next_turn_speedup"] > 0
     for name in ("top1_agreement", "top1_agreement_per_request"):
         assert 0.0 <= metrics[name] <= 1.0
     assert "round prefill ms, 3 agents" in capsys.readouterr().out
