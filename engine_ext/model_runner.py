@@ -13,7 +13,7 @@ from engine_ext.diffs.store import DiffStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
-from engine_ext.reuse.assembler import Assembler
+from engine_ext.reuse.assembler import Assembler, Assembly
 from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
 from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
@@ -73,8 +73,7 @@ class ModelRunner:
             return self.reuse.run(assembly, seq.token_ids, slots)
         finally:
             self.assembler.release(assembly)
-            limits = [n for n in (seq.num_exact_tokens, assembly.first_approximate) if n is not None]
-            seq.num_exact_tokens = min(limits) if limits else None
+            _limit_exact(seq, assembly)
 
     def _run_group(self, group: CollectiveGroup) -> list[tuple[Sequence, torch.Tensor]]:
         """One collective prefill for the round's members; their caches then go to the
@@ -90,8 +89,7 @@ class ModelRunner:
         finally:
             for seq in seqs:
                 self.assembler.release(seq.assembly)
-                first = seq.assembly.first_approximate
-                seq.num_exact_tokens = first if seq.num_exact_tokens is None else min(seq.num_exact_tokens, first)
+                _limit_exact(seq, seq.assembly)
                 seq.group = None
         return list(zip(seqs, result.last_hidden))
 
@@ -139,3 +137,9 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta
         )  # (N, hidden)
         return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]
+
+
+def _limit_exact(seq: Sequence, assembly: Assembly) -> None:
+    """Blocks from the assembly's first placed token on hold approximate KV: never publish them."""
+    limits = [n for n in (seq.num_exact_tokens, assembly.first_approximate) if n is not None]
+    seq.num_exact_tokens = min(limits) if limits else None

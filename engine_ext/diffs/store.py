@@ -134,12 +134,7 @@ class DiffStore:
         if self._valid(self._stored.get(key)) is not None:
             return None  # already held (as a master or a mirror)
         n, start = image.num_region_tokens, image.region_start
-        base = self._align(image, master)  # (n,) master row per region row, or -1
-        if restored is not None and restored.region_start == start:
-            # The image starts with that mirror's prompt, restored: its rows equal the same master rows.
-            bases = restored.row_bases()[:n]
-            rows = (base[: bases.shape[0]] < 0).nonzero().flatten()
-            base[rows] = bases[rows]
+        base = self._align(image, master, restored)  # (n,) master row per region row, or -1
         aligned = (base >= 0).nonzero().flatten()  # (A,) rows with a master counterpart
         delta = torch.zeros(n, dtype=torch.long)
         delta[aligned] = start + aligned - master.ref[base[aligned]]
@@ -167,10 +162,11 @@ class DiffStore:
         return mirror
 
     @staticmethod
-    def _align(image: CacheImage, master: StoredMaster) -> torch.Tensor:
+    def _align(image: CacheImage, master: StoredMaster, restored: StoredMirror | None = None) -> torch.Tensor:
         """(n,) the master row each region row may equal, or -1: the row holding the same
         segment at the same offset, else the row holding the same token at the same
-        position. Candidates only: the comparison of values decides."""
+        position, else (an image that starts with the `restored` mirror's prompt) the row
+        that mirror's row equals. Candidates only: the comparison of values decides."""
         n, start = image.num_region_tokens, image.region_start
         base = torch.full((n,), -1, dtype=torch.long)
         for row, seg_key, offset, _ in image.canonical_rows():
@@ -180,6 +176,10 @@ class DiffStore:
             tokens = torch.tensor(image.token_ids[start : start + rows.shape[0]], dtype=torch.long)
             same = (base[rows] < 0) & (master.tokens[rows] == tokens)
             base[rows[same]] = rows[same]
+        if restored is not None and restored.region_start == start:
+            bases = restored.row_bases()[:n]
+            rows = (base[: bases.shape[0]] < 0).nonzero().flatten()
+            base[rows] = bases[rows]
         return base
 
     def _write(self, blob: Blob, src: torch.Tensor) -> None:
