@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "gateway": "benchmarks.gateway",
     "inference": "benchmarks.inference",
     "kvcomm": "benchmarks.kvcomm",
+    "kvflow": "benchmarks.kvflow",
     "pic": "benchmarks.pic",
 }
 

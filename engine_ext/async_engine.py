@@ -60,6 +60,7 @@ class AsyncEngine:
         if self._thread is not None:
             self._commands.put(None)
             self._thread.join(timeout)
+        self.engine.close()
 
     async def generate(
         self,

@@ -277,6 +277,60 @@ class ReuseConfig:
             raise ValueError("min_segment_tokens must be >= 1")
 
 
+EvictionPolicyName = Literal["lru", "workflow"]
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Where prefix-cache blocks go when the device tier (`kv_cache_bytes`) needs room,
+    and which ones leave it first (engine_ext/tiers).
+
+    Every published block is backed up on a background worker to the first lower tier:
+    host memory (`host_bytes`), else a memory-mapped file (`disk_path`, `disk_bytes`);
+    with both, blocks the host tier evicts move down to disk. A request whose prefix
+    left the device is loaded back from a lower tier instead of recomputed. With no
+    lower tier an evicted block is recomputed when next needed (plain prefix caching).
+
+    `policy` picks the victims: `lru` (least recently used) or `workflow` (KVFlow: free
+    suffixes first, then agents' fixed prefixes from the most steps-to-execution down,
+    LRU among equals). `load_ahead` > 0 (workflow only) prefetches the prefixes of
+    agents that many steps from running, at most `max_prefetches` agents at a time, and
+    the scheduler runs other requests while a request's prefix is still loading, for
+    at most `max_load_wait_ms`; after that the request goes on and recomputes the part
+    that has not arrived.
+    """
+
+    policy: EvictionPolicyName = "lru"
+    host_bytes: int = 0
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    load_ahead: int = 0
+    max_prefetches: int = 4
+    max_load_wait_ms: float = 2000.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in get_args(EvictionPolicyName):
+            raise ValueError(f"unknown eviction policy {self.policy!r} (lru | workflow)")
+        if self.host_bytes < 0 or self.disk_bytes < 0:
+            raise ValueError("tiers.host_bytes and tiers.disk_bytes must be >= 0")
+        if (self.disk_path is None) != (self.disk_bytes == 0):
+            raise ValueError("a disk tier needs both tiers.disk_path and tiers.disk_bytes > 0")
+        if not 0 <= self.load_ahead <= 64:
+            raise ValueError("tiers.load_ahead must be in [0, 64]")
+        if self.load_ahead and self.policy != "workflow":
+            raise ValueError("prefetching (tiers.load_ahead > 0) needs the workflow policy")
+        if self.load_ahead and not self.has_lower_tier:
+            raise ValueError("prefetching (tiers.load_ahead > 0) needs a host or disk tier to load from")
+        if self.max_prefetches < 1:
+            raise ValueError("tiers.max_prefetches must be >= 1")
+        if not 0.0 <= self.max_load_wait_ms <= 60_000.0:
+            raise ValueError("tiers.max_load_wait_ms must be in [0, 60000]")
+
+    @property
+    def has_lower_tier(self) -> bool:
+        return self.host_bytes > 0 or self.disk_path is not None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How the engine spends memory and compute.
@@ -294,6 +348,7 @@ class EngineConfig:
     dtype: Dtype = "float32"
     num_threads: int | None = None
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
 
     def __post_init__(self) -> None:
         if self.kv_cache_bytes <= 0:

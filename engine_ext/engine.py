@@ -38,6 +38,7 @@ from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
 from engine_ext.sequence import Sequence
+from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -76,7 +77,10 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.model_config, config.dtype)
         self.kv_cache = KVCache(self.model_config, config)
-        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, namespace=self.model_name)
+        self.workflows = WorkflowTable()  # KVFlow's view of the running workflows (engine_ext/tiers)
+        policy = WorkflowPolicy(self.workflows) if config.tiers.policy == "workflow" else None
+        self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, self.model_name, policy)
+        self.tiers, self.prefetcher = self._tiers()
         self.segment_index, no_index_reason = self._segment_index()
         self.anchor_bank = (AnchorBank(config.reuse.anchors, self.segment_index, self.kv_cache, self.model_name)
                             if self.segment_index else None)
@@ -85,7 +89,7 @@ class LLMEngine:
                  if self.segment_index else None)
         self.collector, collective, self.diff_store, restorer = self._collective()
         self.last_step_empty = False
-        self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer)
+        self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
                                   collective, self.diff_store)
         limits = [self.model_config.max_position_embeddings]
@@ -129,6 +133,26 @@ class LLMEngine:
         store = DiffStore(self.segment_index.blobs, self.kv_cache, self.segment_index.shifter.inv_freq,
                           self.model_name, settings.diff_block_tokens, settings.diff_tolerance)
         return KVCollector(settings), collective, store, Restorer(store, self.kv_cache, self.config.reuse.default_method)
+
+    def _tiers(self) -> tuple[TieredStore | None, Prefetcher | None]:
+        """KVFlow's lower KV tiers and prefetcher, when configured."""
+        settings = self.config.tiers
+        if not settings.has_lower_tier:
+            return None, None
+        try:
+            store = TieredStore(settings, self.kv.pool, self.kv_cache, self.kv.pool.policy)
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        if not settings.load_ahead:
+            return store, None
+        num_reserved = self.kv.num_blocks_for(self.config.max_num_batched_tokens)
+        return store, Prefetcher(self.workflows, store, self.kv.pool.policy, settings.load_ahead,
+                                 settings.max_prefetches, num_reserved)
+
+    def close(self) -> None:
+        """Stop the KV transfer worker (the engine serves nothing afterwards)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # -- admission -------------------------------------------------------------------
     def add_request(
@@ -181,14 +205,31 @@ class LLMEngine:
             num_exact_tokens=None if publish else 0,
             publish=publish,
         )
+        self._observe_workflow(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _observe_workflow(self, seq: Sequence) -> None:
+        """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution."""
+        scope = seq.scope
+        if self.config.tiers.policy != "workflow" or scope is None or scope.agent_id is None:
+            return
+        fixed = next((s for s in seq.segments if s.kind == "fixed_prefix"), None)
+        prefix = tuple(self.kv.prefix_hashes(seq, fixed.end)) if fixed is not None else None
+        steps = scope.workflow.steps_to_execution if scope.workflow is not None else None
+        self.workflows.observe(AgentKey(scope.app_id, scope.agent_id), prefix, steps)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        scope = seq.scope
+        if self.config.tiers.policy == "workflow" and scope is not None and scope.agent_id is not None:
+            self.workflows.finished(AgentKey(scope.app_id, scope.agent_id))
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         return True
 
     @property
@@ -197,14 +238,23 @@ class LLMEngine:
 
     # -- the loop body ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.tiers is not None:
+            self.tiers.poll()  # finished transfers: loaded prefixes become hits, backups unpin
+            if self.prefetcher is not None:
+                self.prefetcher.run()
         step = self.scheduler.schedule()
-        self.last_step_empty = step.is_empty  # nothing could run (a round held for its siblings)
+        # Nothing could run: a round held for its siblings, or every waiting prefix still loading.
+        self.last_step_empty = step.is_empty
         if step.is_empty:
+            if self.tiers is not None:
+                self.tiers.poll(timeout=0.005)  # wake as soon as a load lands, without spinning
             return []
         sampled = self.runner.run(step)
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
-            self.kv.publish(seq)
+            published = self.kv.publish(seq)
+            if self.tiers is not None:
+                self.tiers.backup(published)
             if seq.segments and seq.reuse_outcomes is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 self._after_prefill(seq)
         return [self._append(seq, token) for seq, token in sampled]
@@ -269,7 +319,7 @@ class LLMEngine:
         if ended_on_token and not text.stopped:
             self._register_output(seq)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
             delta_text=text.delta,

@@ -8,10 +8,17 @@ is preempted (its blocks freed, to be recomputed later, mostly from the prefix c
 A request of an All-Gather round is admitted together with its waiting siblings, so the
 KVCollector can prefill them as one group; a prompt that extends a stored round cache
 starts from it (the Restorer), as it would from a prefix-cache hit.
+
+With lower KV tiers (engine_ext/tiers), the blocks of a prompt's prefix that left the
+device are copied back into its own blocks at admission (reactive loading). A request
+whose prefix is still being prefetched is passed over while others run (KVFlow's
+status-aware scheduling), for at most `tiers.max_load_wait_ms`; then it goes on and
+recomputes what has not arrived.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -21,6 +28,7 @@ from engine_ext.diffs.restorer import Restorer
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.sequence import Sequence, SequenceStatus
+from engine_ext.tiers.store import TieredStore, TierEntry
 
 
 class ScheduledChunk(NamedTuple):
@@ -48,9 +56,11 @@ class Admission(NamedTuple):
 
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, assembler: Assembler | None = None,
-                 collector: KVCollector | None = None, restorer: Restorer | None = None) -> None:
+                 collector: KVCollector | None = None, restorer: Restorer | None = None,
+                 tiers: TieredStore | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.tiers = tiers  # lower KV tiers to load evicted prefix blocks from
         self.assembler = assembler
         self.collector = collector  # groups a round's waiting requests (engine_ext/collective)
         self.restorer = restorer  # serves prompts that extend a stored round cache (engine_ext/diffs)
@@ -82,8 +92,12 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
                 i += 1
-        while self.waiting and budget > 0 and not num_preempted:
-            head = self.waiting[0]
+        num_skipped = 0  # waiting requests passed over: their prefix is still loading
+        while len(self.waiting) > num_skipped and budget > 0 and not num_preempted:
+            head = self.waiting[num_skipped]
+            if self._still_loading(head):
+                num_skipped += 1
+                continue
             if self.collector is not None and self.collector.holds(head, self.waiting):
                 break
             # A round's request brings its waiting siblings along (KVCollector).
@@ -111,7 +125,9 @@ class Scheduler:
         whole, in one step: its blend selection needs every placed token at once."""
         prefix = self.kv.match_prefix(seq)
         restore = self.restorer.find(seq, prefix.num_cached_tokens) if self.restorer is not None else None
-        num_ready = restore.num_tokens if restore is not None else prefix.num_cached_tokens
+        fetch = self._lower_tier_blocks(seq, len(prefix.blocks)) if restore is None else []
+        num_ready = restore.num_tokens if restore is not None else \
+            prefix.num_cached_tokens + len(fetch) * self.kv.block_size
         num_tokens = min(seq.num_tokens - num_ready, budget)
         cost = num_tokens
         # Reuse is planned for a prompt's first prefill; after a preemption the
@@ -127,6 +143,11 @@ class Scheduler:
             if restore is not None:
                 self.restorer.cancel(restore)
             return None
+        if fetch:
+            num_hits = len(prefix.blocks)
+            self.tiers.fetch(fetch, seq.blocks[num_hits : num_hits + len(fetch)])
+            seq.num_computed_tokens += len(fetch) * self.kv.block_size
+            seq.num_fetched_tokens = len(fetch) * self.kv.block_size if seq.num_preemptions == 0 else 0
         if restore is not None:
             self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
             seq.restore = restore
@@ -139,6 +160,28 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return Admission(ScheduledChunk(seq, num_tokens), cost)
+
+    def _lower_tier_blocks(self, seq: Sequence, num_hits: int) -> list[TierEntry]:
+        """The lower-tier blocks that continue the sequence's device prefix hit (up to
+        the first block still loading), keeping one prompt token to compute."""
+        if self.tiers is None:
+            return []
+        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size
+        return self.tiers.match(seq.block_hashes[num_hits:max_blocks]).entries
+
+    def _still_loading(self, seq: Sequence) -> bool:
+        """Whether to pass the sequence over this step: part of its prefix is on its way
+        to the device tier, and it has not waited `max_load_wait_ms` for it yet."""
+        if self.tiers is None or seq.num_preemptions:
+            return False
+        prefix = self.kv.match_prefix(seq)
+        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size
+        if not self.tiers.match(seq.block_hashes[len(prefix.blocks) : max_blocks]).loading:
+            return False
+        now = time.monotonic()
+        if seq.load_wait_since is None:
+            seq.load_wait_since = now
+        return (now - seq.load_wait_since) * 1000.0 < self.config.tiers.max_load_wait_ms
 
     def _drop_assembly(self, seq: Sequence) -> None:
         """Unpin the cached segments of an assembly that will not run now."""

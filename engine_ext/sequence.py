@@ -38,6 +38,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    num_fetched_tokens: int = 0  # of those, tokens loaded back from a lower KV tier (engine_ext/tiers)
+    load_wait_since: float | None = None  # when admission first found its prefix still loading
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_published_blocks: int = 0

@@ -2,15 +2,18 @@
 
 A block whose reference count drops to zero keeps its contents and its hash so a later
 request with the same prefix can take it back (automatic prefix caching). Such blocks
-sit in `_free`, an OrderedDict used as an LRU: allocation pops the least recently
-freed block, and a cache hit removes a block from the middle in O(1), which a deque
-cannot do.
+sit in `_free`, an OrderedDict kept in LRU order: a cache hit removes a block from the
+middle in O(1), which a deque cannot do. Which free blocks an allocation takes is the
+eviction policy's call (engine_ext/tiers): plain LRU takes the least recently freed.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from engine_ext.kv.eviction import EvictionPolicy, LruPolicy
 
 
 @dataclass
@@ -21,9 +24,10 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("a block pool needs at least one block")
+        self.policy = policy or LruPolicy()
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -52,13 +56,18 @@ class BlockPool:
             del self._free[block.block_id]
         block.ref_count += 1
 
+    def count_free(self, spares: Callable[[bytes | None], bool]) -> int:
+        """Free blocks whose contents `spares` (given the block's hash) lets go."""
+        return sum(1 for block_id in self._free if spares(self.blocks[block_id].block_hash))
+
     def allocate(self, num_blocks: int) -> list[Block]:
-        """Hand out `num_blocks` fresh blocks, evicting least-recently-freed cached ones."""
+        """Hand out `num_blocks` fresh blocks, evicting the cached ones the policy picks."""
         if num_blocks > len(self._free):
             raise MemoryError(f"need {num_blocks} KV blocks, {len(self._free)} free")
+        candidates = ((block_id, self.blocks[block_id].block_hash) for block_id in self._free)
         out = []
-        for _ in range(num_blocks):
-            block_id, _ = self._free.popitem(last=False)
+        for block_id in self.policy.victims(candidates, num_blocks):
+            del self._free[block_id]
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]

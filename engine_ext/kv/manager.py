@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.kv.block_pool import Block, BlockPool
+from engine_ext.kv.eviction import EvictionPolicy
 from engine_ext.kv.hashing import block_hashes, chain_hash, namespace_root
 from engine_ext.sequence import Sequence
 
@@ -17,8 +18,8 @@ class PrefixMatch(NamedTuple):
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, namespace: str) -> None:
-        self.pool = BlockPool(num_blocks)
+    def __init__(self, num_blocks: int, block_size: int, namespace: str, policy: EvictionPolicy | None = None) -> None:
+        self.pool = BlockPool(num_blocks, policy)
         self.block_size = block_size
         self.root = namespace_root(namespace)
         self.num_lookup_tokens = 0
@@ -27,15 +28,22 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def prefix_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
+        """Chained hashes of the full blocks among the sequence's first `num_tokens` tokens."""
+        bs = self.block_size
+        num_full = min(num_tokens, len(seq.token_ids)) // bs
+        if len(seq.block_hashes) < num_full:
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.root
+            seq.block_hashes += block_hashes(
+                self.root, seq.token_ids[: num_full * bs], bs, start=len(seq.block_hashes), parent=parent
+            )
+        return seq.block_hashes[:num_full]
+
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the sequence's tokens,
         leaving at least one token to compute (its logits are needed)."""
         bs = self.block_size
-        if len(seq.block_hashes) < len(seq.token_ids) // bs:
-            parent = seq.block_hashes[-1] if seq.block_hashes else self.root
-            seq.block_hashes += block_hashes(
-                self.root, seq.token_ids, bs, start=len(seq.block_hashes), parent=parent
-            )
+        self.prefix_hashes(seq, len(seq.token_ids))
         max_blocks = (len(seq.token_ids) - 1) // bs
         hits: list[Block] = []
         for block_hash in seq.block_hashes[:max_blocks]:
@@ -72,19 +80,25 @@ class KVCacheManager:
         block_ids = torch.tensor([b.block_id for b in seq.blocks[:num_blocks]], dtype=torch.long)
         return (block_ids[:, None] * bs + torch.arange(bs)[None, :]).flatten()[:end]
 
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: Sequence) -> list[Block]:
         """Register hashes of blocks that became full and computed, so others can reuse
-        them; blocks holding approximate KV (from num_exact_tokens on) never are."""
+        them; blocks holding approximate KV (from num_exact_tokens on) never are.
+        Returns the blocks this call published."""
         bs = self.block_size
         num_exact = seq.num_computed_tokens if seq.num_exact_tokens is None else \
             min(seq.num_computed_tokens, seq.num_exact_tokens)
         num_full = num_exact // bs
+        published = []
         for idx in range(seq.num_published_blocks, num_full):
             if idx == len(seq.block_hashes):
                 parent = seq.block_hashes[-1] if seq.block_hashes else self.root
                 seq.block_hashes.append(chain_hash(parent, seq.token_ids[idx * bs : (idx + 1) * bs]))
-            self.pool.register(seq.blocks[idx], seq.block_hashes[idx])
+            block = seq.blocks[idx]
+            self.pool.register(block, seq.block_hashes[idx])
+            if block.block_hash == seq.block_hashes[idx]:
+                published.append(block)
         seq.num_published_blocks = max(seq.num_published_blocks, num_full)
+        return published
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(list(reversed(seq.blocks)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple, get_args
 
-from engine_ext.protocol import ReuseMethod, RoundInfo
+from engine_ext.protocol import ReuseMethod, RoundInfo, WorkflowInfo
 
 REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
 # What an outcome reports: a plan's method, or `restored` (KV restored from a stored
@@ -44,11 +44,13 @@ DEFAULT_APP = "default"  # the app of a plan that names none
 
 class ReuseScope(NamedTuple):
     """Whose prompt this is, from the plan: KVCOMM keeps anchors per app and offsets per
-    agent; TokenDance prefills the requests of one All-Gather round together."""
+    agent; TokenDance prefills the requests of one All-Gather round together; KVFlow
+    ranks cached prefixes by the workflow's steps-to-execution."""
 
     app_id: str
     agent_id: str | None
     round: RoundInfo | None = None
+    workflow: WorkflowInfo | None = None
 
 
 class SegmentOutcome(NamedTuple):

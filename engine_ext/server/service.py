@@ -57,7 +57,7 @@ class CompletionService:
             if plan is None:
                 return AlignedPrompt(self.tokenizer.encode(prompt), [])
             aligned = self.aligner.text(prompt, plan)
-        return aligned._replace(scope=ReuseScope(plan.app_id or DEFAULT_APP, plan.agent_id, plan.round))
+        return aligned._replace(scope=ReuseScope(plan.app_id or DEFAULT_APP, plan.agent_id, plan.round, plan.workflow))
 
     def _outputs(self, req: Request, request_id: str) -> tuple[AsyncIterator[RequestOutput], str | None]:
         prompt = self._prompt(req)

@@ -1,0 +1,242 @@
+"""`kvrelay bench kvflow`: KVFlow's workflows on SmolLM2, with a device tier too small for them.
+
+Each workflow is a cycle of agents run one after another (KVFlow's 10-agent sequential
+workflow): agent i's prompt is its fixed prompt (its own tokens, 1k-4k in the full run)
+then a fresh dynamic part, and it writes a fixed number of tokens; then agent i+1 runs.
+Every request carries what the gateway's plan would: the app, the agent, its fixed
+prefix segment and the step graph's steps-to-execution. Several workflows run
+concurrently without sharing anything. The device tier (the KV pool) holds about half
+of all fixed prefixes, so something must be evicted at every step.
+
+Policies, each on a fresh engine, after one untimed warm-up cycle:
+- lru_recompute: LRU eviction, no lower tier (an evicted prefix is recomputed);
+- lru_reactive: LRU, every block backed up to the lower tier, loaded back when its
+  request is admitted (SGLang's HiCache);
+- kvflow: workflow-aware eviction, prefetch of the agents <= 2 steps away, and the
+  scheduler runs ready requests while a prefix is loading.
+The lower tier is host memory or a memory-mapped file on disk (read back from the
+disk, not the page cache). Timed: end-to-end time of the workflows' cycles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+from benchmarks.common import BenchResult
+from engine_ext.config import EngineConfig, ModelConfig, ReuseConfig, TierConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.model_store import resolve_model
+from engine_ext.protocol import WorkflowInfo
+from engine_ext.reuse.segments import ReuseScope, TokenSegment
+from engine_ext.sampling import SamplingParams
+from engine_ext.sequence import Sequence
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    label: str
+    num_workflows: int
+    num_agents: int
+    fixed_tokens: tuple[int, int]  # fixed prompt lengths, spread evenly over this range
+    dynamic_tokens: int
+    output_tokens: int
+    num_cycles: int  # timed cycles of every workflow, after the warm-up cycle
+    lower_tiers: tuple[str, ...]  # "host" and/or "disk"
+    device_fraction: float = 0.5  # device tier / all fixed prefixes' KV
+
+
+@dataclass(frozen=True)
+class Sizes:
+    workloads: tuple[Workload, ...]
+
+
+QUICK = Sizes(workloads=(
+    Workload("1 workflow", 1, 10, (192, 512), 32, 8, 1, ("disk",)),
+    Workload("8 workflows", 8, 4, (64, 96), 16, 8, 1, ("disk",)),
+))
+FULL = Sizes(workloads=(
+    Workload("1 workflow", 1, 10, (1024, 4096), 32, 32, 2, ("host", "disk")),
+    Workload("8 workflows", 8, 10, (256, 512), 32, 32, 1, ("disk",)),
+    Workload("32 workflows", 32, 10, (64, 128), 32, 32, 1, ("disk",)),
+))
+
+
+class Finished(NamedTuple):
+    seq: Sequence
+    num_fixed: int  # tokens of its fixed prompt
+    seconds: float  # from submission to its last token
+
+
+@dataclass
+class PolicyRun:
+    seconds: float  # the timed cycles, end to end
+    requests: list[Finished]
+    fetch_seconds: float  # admissions' synchronous loads from the lower tier
+    num_fetched_blocks: int
+    num_prefetched_blocks: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Timed requests whose fixed prefix was all on the device tier when admitted
+        (loaded ahead counts; loaded at admission or recomputed does not)."""
+        hits = [f for f in self.requests
+                if f.seq.num_cached_tokens - f.seq.num_fetched_tokens >= f.num_fixed // BLOCK_SIZE * BLOCK_SIZE]
+        return len(hits) / len(self.requests)
+
+    @property
+    def mean_step_seconds(self) -> float:
+        return statistics.mean(f.seconds for f in self.requests)
+
+    def same_outputs(self, other: PolicyRun) -> bool:
+        """Whether every request generated exactly the tokens it did under `other`."""
+        mine = {f.seq.request_id: f.seq.output_token_ids for f in self.requests}
+        theirs = {f.seq.request_id: f.seq.output_token_ids for f in other.requests}
+        return mine == theirs
+
+
+class WorkflowSet:
+    """The workload's prompts and its driver: each workflow submits its next agent's
+    request as soon as the previous one finishes."""
+
+    def __init__(self, load: Workload, vocab_size: int, seed: int = 0) -> None:
+        self.load = load
+        self.rng = random.Random(seed)
+        lo, hi = load.fixed_tokens
+        lengths = [lo + (hi - lo) * i // max(load.num_agents - 1, 1) for i in range(load.num_agents)]
+        self.vocab = (1000, vocab_size - 1)
+        self.fixed = [[self._tokens(n) for n in lengths] for _ in range(load.num_workflows)]
+        self.names = [f"agent{i}" for i in range(load.num_agents)]
+
+    def _tokens(self, n: int, rng: random.Random | None = None) -> list[int]:
+        return [(rng or self.rng).randint(*self.vocab) for _ in range(n)]
+
+    def run(self, engine: LLMEngine, num_cycles: int, first_cycle: int = 0) -> tuple[float, list[Finished]]:
+        """Run `num_cycles` cycles of every workflow at once: the wall time and the requests.
+        A request's dynamic part depends only on its workflow, cycle and agent, so every
+        policy runs the very same prompts."""
+        load = self.load
+        sampling = SamplingParams(max_tokens=load.output_tokens, temperature=0.0, ignore_eos=True)
+        remaining = [num_cycles * load.num_agents] * load.num_workflows
+        position = [first_cycle * load.num_agents] * load.num_workflows
+        done: list[Finished] = []
+        running: dict[str, tuple[int, Sequence, int, float]] = {}
+
+        def submit(w: int) -> None:
+            turn = position[w]
+            agent = turn % load.num_agents
+            fixed = self.fixed[w][agent]
+            steps = {self.names[(agent + k) % load.num_agents]: k for k in range(load.num_agents)}
+            following = self.names[(agent + 1) % load.num_agents]
+            scope = ReuseScope(f"workflow{w}", self.names[agent], None,
+                               WorkflowInfo(steps_to_execution=steps, next=[following]))
+            prompt = fixed + self._tokens(load.dynamic_tokens, random.Random(f"{w}/{turn}"))
+            segments = [TokenSegment(0, len(fixed), "fixed_prefix", self.names[agent]),
+                        TokenSegment(len(fixed), len(prompt), "private")]
+            request_id = f"workflow{w}-turn{turn}"
+            seq = engine.add_request(request_id, prompt, sampling, segments=segments, scope=scope)
+            running[request_id] = (w, seq, len(fixed), time.perf_counter())
+            position[w] += 1
+            remaining[w] -= 1
+
+        start = time.perf_counter()
+        for w in range(load.num_workflows):
+            submit(w)
+        while running:
+            for out in engine.step():
+                if out.finished:
+                    w, seq, num_fixed, submitted = running.pop(out.request_id)
+                    done.append(Finished(seq, num_fixed, time.perf_counter() - submitted))
+                    if remaining[w]:
+                        submit(w)
+        return time.perf_counter() - start, done
+
+
+def _tiers(policy: str, lower: str, disk_dir: str, lower_bytes: int) -> TierConfig:
+    if policy == "lru_recompute":
+        return TierConfig(policy="lru")
+    placement = {"host_bytes": lower_bytes} if lower == "host" else {"disk_path": disk_dir, "disk_bytes": lower_bytes}
+    if policy == "lru_reactive":
+        return TierConfig(policy="lru", **placement)
+    return TierConfig(policy="workflow", load_ahead=2, **placement)
+
+
+def _measure(model_dir: Path, load: Workload, policy: str, lower: str) -> PolicyRun:
+    """One policy on a fresh engine: a warm-up cycle, then the timed cycles."""
+    model_cfg = ModelConfig.from_dir(model_dir)
+    bytes_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 4
+    lo, hi = load.fixed_tokens
+    fixed_tokens = load.num_workflows * load.num_agents * (lo + hi) // 2
+    running = load.num_workflows * (load.dynamic_tokens + load.output_tokens + 2 * BLOCK_SIZE)
+    device_tokens = int(load.device_fraction * fixed_tokens) + running
+    disk_dir = tempfile.mkdtemp(prefix="kvrelay-bench-kvflow-")
+    tiers = _tiers(policy, lower, disk_dir, 2 * (fixed_tokens + running) * bytes_per_token)
+    config = EngineConfig(kv_cache_bytes=device_tokens * bytes_per_token, block_size=BLOCK_SIZE,
+                          reuse=ReuseConfig(enabled=False), tiers=tiers)
+    engine = LLMEngine(model_dir, config)
+    try:
+        work = WorkflowSet(load, model_cfg.vocab_size)
+        work.run(engine, 1)
+        before = dataclasses.replace(engine.tiers.stats) if engine.tiers else None
+        seconds, requests = work.run(engine, load.num_cycles, first_cycle=1)
+        after = engine.tiers.stats if engine.tiers else None
+        if before is None or after is None:
+            return PolicyRun(seconds, requests, 0.0, 0, 0)
+        return PolicyRun(seconds, requests, after.fetch_seconds - before.fetch_seconds,
+                         after.num_fetched - before.num_fetched, after.num_prefetched - before.num_prefetched)
+    finally:
+        engine.close()
+        shutil.rmtree(disk_dir, ignore_errors=True)
+
+
+def run(quick: bool = False, model: str | None = None) -> BenchResult:
+    sizes = QUICK if quick else FULL
+    model_dir = resolve_model(model)
+    rows: list[tuple[str, str, str, str]] = []
+    metrics: dict[str, float] = {}
+    hit_runs: list[PolicyRun] = []
+    for load in sizes.workloads:
+        recompute = _measure(model_dir, load, "lru_recompute", "none")
+        for lower in load.lower_tiers:
+            reactive = _measure(model_dir, load, "lru_reactive", lower)
+            kvflow = _measure(model_dir, load, "kvflow", lower)
+            hit_runs.append(kvflow)
+            tag = f"{load.label}, {lower}"
+            rows.append((f"{tag}: workflow s vs lru_recompute", f"{kvflow.seconds:.2f}", f"{recompute.seconds:.2f}",
+                         f"{kvflow.seconds / recompute.seconds:.3f}"))
+            rows.append((f"{tag}: workflow s vs lru_reactive", f"{kvflow.seconds:.2f}", f"{reactive.seconds:.2f}",
+                         f"{kvflow.seconds / reactive.seconds:.3f}"))
+            rows.append((f"{tag}: prefix on device at admission", f"{kvflow.hit_rate:.3f}",
+                         f"{reactive.hit_rate:.3f} / {recompute.hit_rate:.3f}", ""))
+            rows.append((f"{tag}: outputs equal lru_recompute's", str(kvflow.same_outputs(recompute)),
+                         str(reactive.same_outputs(recompute)), ""))
+            rows.append((f"{tag}: blocks prefetched / loaded at admission",
+                         f"{kvflow.num_prefetched_blocks} / {kvflow.num_fetched_blocks}",
+                         f"0 / {reactive.num_fetched_blocks}", ""))
+            key = "" if load is sizes.workloads[0] else f"_{load.num_workflows}wf"
+            suffix = "" if lower == "disk" else f"_{lower}"
+            metrics[f"speedup_vs_lru_reactive{suffix}{key}"] = reactive.seconds / kvflow.seconds
+            if lower == load.lower_tiers[0]:
+                metrics[f"speedup_vs_lru_recompute{key}"] = recompute.seconds / kvflow.seconds
+            if lower == "disk" and load is sizes.workloads[0]:
+                num_prefix_blocks = statistics.mean(f.num_fixed // BLOCK_SIZE for f in reactive.requests)
+                per_block = reactive.fetch_seconds / max(reactive.num_fetched_blocks, 1)
+                load_seconds = per_block * num_prefix_blocks
+                metrics["load_to_step_time_ratio"] = load_seconds / kvflow.mean_step_seconds
+                rows.append((f"{tag}: load one prefix / one agent step, ms",
+                             f"{1000 * load_seconds:.0f} / {1000 * kvflow.mean_step_seconds:.0f}", "", ""))
+    metrics["next_agent_hit_rate"] = (sum(r.hit_rate * len(r.requests) for r in hit_runs)
+                                      / sum(len(r.requests) for r in hit_runs))
+    config = {"quick": quick, "model": model_dir.name, "block_size": BLOCK_SIZE,
+              "workloads": [dataclasses.asdict(w) for w in sizes.workloads]}
+    return BenchResult("kvflow", metrics, config, rows,
+                       headers=("measure", "kvflow", "baseline", "kvflow/baseline"))

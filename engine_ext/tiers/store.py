@@ -1,0 +1,244 @@
+"""TieredStore: the device tier (the KV pool) backed by host memory and/or disk (KVFlow, HiCache).
+
+Write-through: every block the prefix cache publishes is copied down to the first
+lower tier in the background, and the device block stays pinned (offloading) until the
+copy lands, so evicting it later costs nothing and loses nothing. A lower tier that is
+full evicts by the policy; the host tier hands its victims down to disk when there is
+one. Reading back is either synchronous, into a request's own fresh blocks at
+admission (reactive loading), or asynchronous, into free blocks that are published
+once the copy lands (prefetch; the blocks are pinned and loading until then).
+
+Node states (per block hash): loading, offloading, on device, on host, on disk.
+Everything here runs on the engine thread; only the copies run on the worker.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from engine_ext.config import TORCH_DTYPES, TierConfig
+from engine_ext.kv.block_pool import Block, BlockPool
+from engine_ext.kv.cache import KVCache
+from engine_ext.tiers.copies import device_to_tier, tier_to_device, tier_to_tier
+from engine_ext.kv.eviction import EvictionPolicy
+from engine_ext.tiers.storage import DiskStorage, HostStorage
+from engine_ext.tiers.tier import BlockTier
+from engine_ext.tiers.worker import Transfer, TransferWorker
+
+
+class NodeState(enum.Enum):
+    ON_DEVICE = "on_device"
+    ON_HOST = "on_host"
+    ON_DISK = "on_disk"
+    LOADING = "loading"
+    OFFLOADING = "offloading"
+
+
+class TierEntry(NamedTuple):
+    block_hash: bytes
+    tier: BlockTier
+    slot: int
+
+
+class LowerMatch(NamedTuple):
+    entries: list[TierEntry]  # ready lower-tier blocks that continue a prompt's device prefix
+    loading: bool  # the run stopped at a block that is still loading into the device tier
+
+
+@dataclass
+class TierStats:
+    num_backed_up: int = 0  # blocks copied down from the device tier
+    num_demoted: int = 0  # blocks moved from host to disk
+    num_prefetched: int = 0  # blocks loaded back ahead of their request
+    num_fetched: int = 0  # blocks loaded back at admission (reactive)
+    fetch_seconds: float = 0.0  # time admissions spent loading
+    num_failed: int = 0  # transfers that raised (their blocks are dropped, never half-used)
+
+
+class TieredStore:
+    def __init__(self, config: TierConfig, pool: BlockPool, kv_cache: KVCache, policy: EvictionPolicy) -> None:
+        self.pool = pool
+        self.kv_cache = kv_cache
+        k = kv_cache.layers[0][0]
+        block_shape = (len(kv_cache.layers), 2, kv_cache.block_size, *k.shape[1:])  # (L, 2, bs, H, D)
+        dtype = k.dtype
+        self.tiers: list[BlockTier] = []
+        if config.host_bytes:
+            num = config.host_bytes // kv_cache.bytes_per_block
+            self.tiers.append(BlockTier("host", HostStorage((num, *block_shape), dtype), policy))
+        if config.disk_path is not None:
+            num = config.disk_bytes // kv_cache.bytes_per_block
+            self.tiers.append(BlockTier("disk", DiskStorage(config.disk_path, (num, *block_shape), dtype), policy))
+        for tier in self.tiers:
+            if tier.num_blocks < 1:
+                raise ValueError(f"the {tier.name} tier's budget holds no block of {kv_cache.bytes_per_block} bytes")
+        self.worker = TransferWorker()
+        self._loading: dict[bytes, Block] = {}
+        self._offloading: set[bytes] = set()
+        self.num_loads_in_flight = 0  # prefetch loads (one per agent prefix) not yet landed
+        self.stats = TierStats()
+
+    def state(self, block_hash: bytes) -> NodeState | None:
+        if block_hash in self._loading:
+            return NodeState.LOADING
+        if block_hash in self._offloading or any(block_hash in t and t.lookup(block_hash) is None for t in self.tiers):
+            return NodeState.OFFLOADING
+        if self.pool.lookup(block_hash) is not None:
+            return NodeState.ON_DEVICE
+        for tier in self.tiers:
+            if tier.lookup(block_hash) is not None:
+                return NodeState.ON_HOST if tier.name == "host" else NodeState.ON_DISK
+        return None
+
+    # -- down: backups and demotions -------------------------------------------------
+    def backup(self, blocks: list[Block]) -> None:
+        """Copy newly published blocks to the first lower tier (each pinned until it lands)."""
+        if not self.tiers:
+            return
+        top = self.tiers[0]
+        todo: list[tuple[Block, bytes, int]] = []
+        demotions: list[tuple[bytes, int]] = []
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None or block_hash in self._offloading or any(block_hash in t for t in self.tiers):
+                continue
+            reservation = top.reserve(block_hash)
+            if reservation is None:
+                break
+            if reservation.evicted is not None:
+                demotions.append((reservation.evicted, reservation.slot))
+            todo.append((block, block_hash, reservation.slot))
+        self._demote(demotions)  # submitted first: it reads the slots the backup then overwrites
+        if not todo:
+            return
+        for block, block_hash, _ in todo:
+            self.pool.touch(block)
+            self._offloading.add(block_hash)
+        ids, slots = [b.block_id for b, _, _ in todo], [s for _, _, s in todo]
+
+        def copy() -> None:
+            device_to_tier(self.kv_cache, ids, top.storage.blocks, slots)
+            top.storage.settle(slots)
+
+        def done(transfer: Transfer) -> None:
+            for block, block_hash, _ in todo:
+                self._offloading.discard(block_hash)
+                (top.cancel if transfer.error else top.commit)(block_hash)
+            self.pool.release([b for b, _, _ in reversed(todo)])
+            self.stats.num_backed_up += 0 if transfer.error else len(todo)
+            self.stats.num_failed += 1 if transfer.error else 0
+
+        self.worker.submit(Transfer("backup", copy, done, len(todo)))
+
+    def _demote(self, evicted: list[tuple[bytes, int]]) -> None:
+        """Move blocks the host tier evicted down to disk; without a disk tier they are dropped."""
+        if not evicted or len(self.tiers) < 2:
+            return
+        src, dst = self.tiers[0], self.tiers[1]
+        moves = [(h, slot, r.slot) for h, slot in evicted if (r := dst.reserve(h)) is not None]
+        if not moves:
+            return
+        src_slots, dst_slots = [m[1] for m in moves], [m[2] for m in moves]
+
+        def copy() -> None:
+            tier_to_tier(src.storage.blocks, src_slots, dst.storage.blocks, dst_slots)
+            dst.storage.settle(dst_slots)
+
+        def done(transfer: Transfer) -> None:
+            for block_hash, _, _ in moves:
+                (dst.cancel if transfer.error else dst.commit)(block_hash)
+            self.stats.num_demoted += 0 if transfer.error else len(moves)
+            self.stats.num_failed += 1 if transfer.error else 0
+
+        self.worker.submit(Transfer("demote", copy, done, len(moves)))
+
+    # -- up: matching, reactive fetches, prefetch loads --------------------------------
+    def match(self, hashes: list[bytes]) -> LowerMatch:
+        """The ready lower-tier blocks at the start of `hashes` (the part of a prompt's
+        chain past its device prefix), stopping at the first block found nowhere."""
+        entries: list[TierEntry] = []
+        for block_hash in hashes:
+            if block_hash in self._loading:
+                return LowerMatch(entries, loading=True)
+            entry = self._find(block_hash)
+            if entry is None:
+                break
+            entries.append(entry)
+        return LowerMatch(entries, loading=False)
+
+    def fetch(self, entries: list[TierEntry], blocks: list[Block]) -> None:
+        """Copy matched blocks into a request's own blocks now, on the engine thread."""
+        started = time.perf_counter()
+        for tier in self.tiers:
+            pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
+            if pairs:
+                tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+        for entry in entries:
+            entry.tier.touch(entry.block_hash)
+        self.stats.num_fetched += len(entries)
+        self.stats.fetch_seconds += time.perf_counter() - started
+
+    def load(self, hashes: tuple[bytes, ...], spares: Callable[[bytes | None], bool], num_reserved: int) -> int:
+        """Start loading the blocks of `hashes` that are off the device back into it, in
+        the background; takes only free blocks `spares` allows and leaves `num_reserved`
+        free blocks for running requests. Returns the number of blocks it started."""
+        run: list[TierEntry] = []
+        for block_hash in hashes:
+            if block_hash in self._loading:
+                return 0  # this prefix is already on its way
+            if self.pool.lookup(block_hash) is not None:
+                continue
+            entry = self._find(block_hash)
+            if entry is None:
+                break  # blocks past a lost one are useless: the chain is broken there
+            run.append(entry)
+        room = min(self.pool.count_free(spares), self.pool.num_free - num_reserved)
+        run = run[: max(room, 0)]
+        if not run:
+            return 0
+        blocks = self.pool.allocate(len(run))
+        for entry, block in zip(run, blocks):
+            self._loading[entry.block_hash] = block
+            entry.tier.pin(entry.slot)
+        by_tier = [(t, [(e.slot, b.block_id) for e, b in zip(run, blocks) if e.tier is t]) for t in self.tiers]
+
+        def copy() -> None:
+            for tier, pairs in by_tier:
+                if pairs:
+                    tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+
+        def done(transfer: Transfer) -> None:
+            self.num_loads_in_flight -= 1
+            for entry, block in zip(run, blocks):
+                del self._loading[entry.block_hash]
+                entry.tier.unpin(entry.slot)
+                if transfer.error is None:
+                    self.pool.register(block, entry.block_hash)
+                    entry.tier.touch(entry.block_hash)
+            self.pool.release(list(reversed(blocks)))
+            self.stats.num_prefetched += 0 if transfer.error else len(run)
+            self.stats.num_failed += 1 if transfer.error else 0
+
+        self.num_loads_in_flight += 1
+        self.worker.submit(Transfer("load", copy, done, len(run)))
+        return len(run)
+
+    def poll(self, timeout: float = 0.0) -> None:
+        """Apply finished transfers; wait up to `timeout` s for one when some are in flight."""
+        for transfer in self.worker.completed(timeout):
+            transfer.on_done(transfer)
+
+    def close(self) -> None:
+        self.worker.close()
+        self.poll()
+
+    def _find(self, block_hash: bytes) -> TierEntry | None:
+        for tier in self.tiers:
+            slot = tier.lookup(block_hash)
+            if slot is not None:
+                return TierEntry(block_hash, tier, slot)
+        return None

@@ -1,0 +1,72 @@
+"""TransferWorker: the background thread that moves KV blocks between tiers.
+
+Copies run one at a time in submission order, so a tier slot that is emptied by one
+copy (a demotion to disk) and refilled by the next (a backup) never mixes the two.
+Completion is reported, not acted on: the engine thread collects finished transfers
+with `completed` and updates the pool and the tiers itself, so nothing but tensor
+rows is ever shared between the threads. torch releases the GIL while copying, so
+model steps on the engine thread run while a transfer is in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+logger = logging.getLogger(__name__)
+
+TransferKind = Literal["backup", "demote", "load"]
+
+
+@dataclass
+class Transfer:
+    kind: TransferKind
+    copy: Callable[[], None]  # runs on the worker thread
+    on_done: Callable[[Transfer], None]  # runs on the engine thread, once `copy` returned or raised
+    num_blocks: int
+    error: BaseException | None = field(default=None, init=False)
+
+
+class TransferWorker:
+    def __init__(self) -> None:
+        self._todo: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
+        self.num_in_flight = 0
+        self._thread = threading.Thread(target=self._run, name="kvrelay-kv-transfer", daemon=True)
+        self._thread.start()
+
+    def submit(self, transfer: Transfer) -> None:
+        self.num_in_flight += 1
+        self._todo.put(transfer)
+
+    def completed(self, timeout: float = 0.0) -> list[Transfer]:
+        """Transfers finished since the last call; waits up to `timeout` s for the first
+        when none has (the engine has nothing to run until a load arrives)."""
+        out: list[Transfer] = []
+        wait = timeout if timeout > 0 and self.num_in_flight else 0.0
+        while True:
+            try:
+                item = self._done.get(timeout=wait) if wait else self._done.get_nowait()
+            except queue.Empty:
+                break
+            wait = 0.0
+            out.append(item)
+        self.num_in_flight -= len(out)
+        return out
+
+    def close(self) -> None:
+        self._todo.put(None)
+        self._thread.join(timeout=10.0)
+
+    def _run(self) -> None:
+        while (transfer := self._todo.get()) is not None:
+            try:
+                transfer.copy()
+            except Exception as exc:  # reported to the engine thread, which undoes the transfer
+                logger.exception("KV %s of %d blocks failed", transfer.kind, transfer.num_blocks)
+                transfer.error = exc
+            self._done.put(transfer)
