@@ -145,9 +145,8 @@ class LLMEngine:
             raise ModelLoadError(str(exc)) from exc
         if not settings.load_ahead:
             return store, None
-        num_reserved = self.kv.num_blocks_for(self.config.max_num_batched_tokens)
         return store, Prefetcher(self.workflows, store, self.kv.pool.policy, settings.load_ahead,
-                                 settings.max_prefetches, num_reserved)
+                                 settings.max_prefetches, lambda: self.scheduler.num_blocks_to_finish())
 
     def close(self) -> None:
         """Stop the KV transfer worker (the engine serves nothing afterwards)."""

@@ -145,7 +145,9 @@ class Scheduler:
             return None
         if fetch:
             num_hits = len(prefix.blocks)
-            self.tiers.fetch(fetch, seq.blocks[num_hits : num_hits + len(fetch)])
+            if not self.tiers.fetch(fetch, seq.blocks[num_hits : num_hits + len(fetch)]):
+                self._undo_admission(seq)  # the unreadable blocks are gone: next time it recomputes them
+                return None
             seq.num_computed_tokens += len(fetch) * self.kv.block_size
             seq.num_fetched_tokens = len(fetch) * self.kv.block_size if seq.num_preemptions == 0 else 0
         if restore is not None:
@@ -160,6 +162,11 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         return Admission(ScheduledChunk(seq, num_tokens), cost)
+
+    def num_blocks_to_finish(self) -> int:
+        """Blocks the running sequences may still allocate before they finish."""
+        return sum(max(self.kv.num_blocks_for(seq.num_prompt_tokens + seq.max_tokens) - len(seq.blocks), 0)
+                   for seq in self.running)
 
     def _lower_tier_blocks(self, seq: Sequence, num_hits: int) -> list[TierEntry]:
         """The lower-tier blocks that continue the sequence's device prefix hit (up to
@@ -182,6 +189,12 @@ class Scheduler:
         if seq.load_wait_since is None:
             seq.load_wait_since = now
         return (now - seq.load_wait_since) * 1000.0 < self.config.tiers.max_load_wait_ms
+
+    def _undo_admission(self, seq: Sequence) -> None:
+        """Give back what `_admit` took for a sequence that stays waiting."""
+        self._drop_assembly(seq)
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
 
     def _drop_assembly(self, seq: Sequence) -> None:
         """Unpin the cached segments of an assembly that will not run now."""

@@ -34,10 +34,20 @@ def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_token
         raise _fail(f"invalid reuse settings: {exc}") from exc
 
 
+def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_kv_mb: int, load_ahead: int):
+    from engine_ext.config import TierConfig
+
+    try:
+        return TierConfig(policy=kv_policy, host_bytes=host_kv_mb * 2**20, disk_path=disk_kv_dir,  # type: ignore[arg-type]
+                          disk_bytes=disk_kv_mb * 2**20 if disk_kv_dir else 0, load_ahead=load_ahead)
+    except ValueError as exc:
+        raise _fail(f"invalid KV tier settings: {exc}") from exc
+
+
 def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb: int, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str,
-                  reuse=None):
-    from engine_ext.config import EngineConfig, ReuseConfig
+                  reuse=None, tiers=None):
+    from engine_ext.config import EngineConfig, ReuseConfig, TierConfig
     from engine_ext.engine import LLMEngine
     from engine_ext.errors import EngineError
     from engine_ext.model_store import resolve_model
@@ -46,7 +56,7 @@ def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb:
         config = EngineConfig(
             kv_cache_bytes=kv_cache_mb * 2**20, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,  # type: ignore[arg-type]
-            reuse=reuse or ReuseConfig(),
+            reuse=reuse or ReuseConfig(), tiers=tiers or TierConfig(),
         )
         model_dir = resolve_model(model)
         return LLMEngine(model_dir, config, served_model_name or model_dir.name)
@@ -104,6 +114,11 @@ CorrectionOpt = Annotated[str, typer.Option(help="kvcomm: rotation | placeholder
 CollectiveOpt = Annotated[bool, typer.Option(help="prefill the requests of one All-Gather round together (TokenDance)")]
 RoundWindowOpt = Annotated[float, typer.Option(min=0.0, max=10000.0, help="collective: ms a round's first request waits for its siblings")]
 DiffStoreOpt = Annotated[bool, typer.Option(help="collective: keep a round's caches as one master and block-sparse mirrors")]
+KvPolicyOpt = Annotated[str, typer.Option(help="which cached KV leaves the device first: lru | workflow (KVFlow's steps-to-execution)")]
+HostKvOpt = Annotated[int, typer.Option(min=0, help="host-memory KV tier in MiB; evicted prefixes load back from it (0: none)")]
+DiskKvDirOpt = Annotated[Optional[str], typer.Option(help="directory for a disk KV tier (a memory-mapped file, removed on exit)")]
+DiskKvOpt = Annotated[int, typer.Option(min=0, help="disk KV tier size in MiB (with --disk-kv-dir)")]
+LoadAheadOpt = Annotated[int, typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow and a lower tier; 0: off)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -131,6 +146,11 @@ def engine(
     collective: CollectiveOpt = True,
     round_window_ms: RoundWindowOpt = 0.0,
     diff_store: DiffStoreOpt = True,
+    kv_policy: KvPolicyOpt = "lru",
+    host_kv_mb: HostKvOpt = 0,
+    disk_kv_dir: DiskKvDirOpt = None,
+    disk_kv_mb: DiskKvOpt = 0,
+    load_ahead: LoadAheadOpt = 0,
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -143,8 +163,9 @@ def engine(
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
+    tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
-                        max_num_batched_tokens, max_model_len, dtype, reuse)
+                        max_num_batched_tokens, max_model_len, dtype, reuse, tiers)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
 
@@ -189,6 +210,11 @@ def up(
     collective: CollectiveOpt = True,
     round_window_ms: RoundWindowOpt = 0.0,
     diff_store: DiffStoreOpt = True,
+    kv_policy: KvPolicyOpt = "lru",
+    host_kv_mb: HostKvOpt = 0,
+    disk_kv_dir: DiskKvDirOpt = None,
+    disk_kv_mb: DiskKvOpt = 0,
+    load_ahead: LoadAheadOpt = 0,
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -203,7 +229,8 @@ def up(
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
-    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse)
+    tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
+    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse, tiers)
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
     engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),

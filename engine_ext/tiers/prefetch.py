@@ -5,11 +5,13 @@ conditional counts: the step graph gives each possible next agent its steps) hav
 blocks of their prefix that left the device loaded back from the lower tiers, soonest
 agent first, with at most `max_prefetches` loads in flight. A load takes only free
 blocks the workflow policy would give up for that agent (never a nearer agent's
-prefix) and leaves a step's worth of blocks free, so prefetching never preempts a
-running request. The copies run on the transfer worker while the model computes.
+prefix) and leaves free the blocks running requests still need to finish, so
+prefetching never preempts one. The copies run on the transfer worker while the model computes.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from engine_ext.kv.eviction import EvictionPolicy
 from engine_ext.tiers.store import TieredStore
@@ -18,23 +20,25 @@ from engine_ext.tiers.workflow import WorkflowTable
 
 class Prefetcher:
     def __init__(self, table: WorkflowTable, store: TieredStore, policy: EvictionPolicy,
-                 load_ahead: int, max_prefetches: int, num_reserved_blocks: int) -> None:
+                 load_ahead: int, max_prefetches: int, num_reserved_blocks: Callable[[], int]) -> None:
         self.table = table
         self.store = store
         self.policy = policy
         self.load_ahead = load_ahead
         self.max_prefetches = max_prefetches
-        self.num_reserved_blocks = num_reserved_blocks
+        self.num_reserved_blocks = num_reserved_blocks  # blocks running requests still need
         self.num_started = 0  # loads started (one per agent prefix that needed one)
 
     def run(self) -> int:
         """Start the loads the upcoming agents need; returns how many blocks it started."""
         num_blocks = 0
-        for upcoming in self.table.upcoming(self.load_ahead):
+        upcoming_agents = self.table.upcoming(self.load_ahead)
+        num_reserved = self.num_reserved_blocks() if upcoming_agents else 0
+        for upcoming in upcoming_agents:
             if self.store.num_loads_in_flight >= self.max_prefetches:
                 break
             started = self.store.load(upcoming.prefix, lambda h, s=upcoming.steps: self.policy.spares(h, s),
-                                      self.num_reserved_blocks)
+                                      num_reserved + num_blocks)
             if started:
                 self.num_started += 1
                 num_blocks += started

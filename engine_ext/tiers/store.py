@@ -15,6 +15,7 @@ Everything here runs on the engine thread; only the copies run on the worker.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from engine_ext.kv.eviction import EvictionPolicy
 from engine_ext.tiers.storage import DiskStorage, HostStorage
 from engine_ext.tiers.tier import BlockTier
 from engine_ext.tiers.worker import Transfer, TransferWorker
+
+logger = logging.getLogger(__name__)
 
 
 class NodeState(enum.Enum):
@@ -79,6 +82,7 @@ class TieredStore:
         self.worker = TransferWorker()
         self._loading: dict[bytes, Block] = {}
         self._offloading: set[bytes] = set()
+        self._backlog: list[tuple[Block, bytes]] = []  # published blocks waiting for a lower-tier slot
         self.num_loads_in_flight = 0  # prefetch loads (one per agent prefix) not yet landed
         self.stats = TierStats()
 
@@ -96,19 +100,25 @@ class TieredStore:
 
     # -- down: backups and demotions -------------------------------------------------
     def backup(self, blocks: list[Block]) -> None:
-        """Copy newly published blocks to the first lower tier (each pinned until it lands)."""
+        """Copy newly published blocks to the first lower tier (each pinned until it lands).
+        Blocks the tier has no slot for yet (every slot is being written) wait in a
+        backlog, retried as copies land, for as long as the device still holds them."""
         if not self.tiers:
             return
+        self._backlog += [(block, block.block_hash) for block in blocks if block.block_hash is not None]
         top = self.tiers[0]
         todo: list[tuple[Block, bytes, int]] = []
         demotions: list[tuple[bytes, int]] = []
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is None or block_hash in self._offloading or any(block_hash in t for t in self.tiers):
+        while self._backlog:
+            block, block_hash = self._backlog[0]
+            if block.block_hash != block_hash or block_hash in self._offloading or \
+                    any(block_hash in t for t in self.tiers):
+                self._backlog.pop(0)  # evicted meanwhile, or already kept
                 continue
             reservation = top.reserve(block_hash)
             if reservation is None:
                 break
+            self._backlog.pop(0)
             if reservation.evicted is not None:
                 demotions.append((reservation.evicted, reservation.slot))
             todo.append((block, block_hash, reservation.slot))
@@ -170,17 +180,26 @@ class TieredStore:
             entries.append(entry)
         return LowerMatch(entries, loading=False)
 
-    def fetch(self, entries: list[TierEntry], blocks: list[Block]) -> None:
-        """Copy matched blocks into a request's own blocks now, on the engine thread."""
+    def fetch(self, entries: list[TierEntry], blocks: list[Block]) -> bool:
+        """Copy matched blocks into a request's own blocks now, on the engine thread.
+        False when reading failed: the entries are dropped, the request must recompute."""
         started = time.perf_counter()
-        for tier in self.tiers:
-            pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
-            if pairs:
-                tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+        try:
+            for tier in self.tiers:
+                pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
+                if pairs:
+                    tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+        except Exception:
+            logger.exception("loading %d KV blocks back failed; they will be recomputed", len(entries))
+            for entry in entries:
+                entry.tier.drop(entry.block_hash)
+            self.stats.num_failed += 1
+            return False
         for entry in entries:
             entry.tier.touch(entry.block_hash)
         self.stats.num_fetched += len(entries)
         self.stats.fetch_seconds += time.perf_counter() - started
+        return True
 
     def load(self, hashes: tuple[bytes, ...], spares: Callable[[bytes | None], bool], num_reserved: int) -> int:
         """Start loading the blocks of `hashes` that are off the device back into it, in
@@ -219,6 +238,8 @@ class TieredStore:
                 if transfer.error is None:
                     self.pool.register(block, entry.block_hash)
                     entry.tier.touch(entry.block_hash)
+                else:  # unreadable: recomputed when next needed, not retried forever
+                    entry.tier.drop(entry.block_hash)
             self.pool.release(list(reversed(blocks)))
             self.stats.num_prefetched += 0 if transfer.error else len(run)
             self.stats.num_failed += 1 if transfer.error else 0
@@ -229,8 +250,11 @@ class TieredStore:
 
     def poll(self, timeout: float = 0.0) -> None:
         """Apply finished transfers; wait up to `timeout` s for one when some are in flight."""
-        for transfer in self.worker.completed(timeout):
+        completed = self.worker.completed(timeout)
+        for transfer in completed:
             transfer.on_done(transfer)
+        if completed and self._backlog:
+            self.backup([])
 
     def close(self) -> None:
         self.worker.close()

@@ -69,6 +69,13 @@ class BlockTier:
         """The copy into the block's slot failed: the slot is free again."""
         self._free.append(self._pending.pop(block_hash))
 
+    def drop(self, block_hash: bytes) -> None:
+        """Forget a ready block that could not be read back (its slot is free again)."""
+        slot = self._ready.get(block_hash)
+        if slot is not None and not self._busy[slot]:
+            del self._ready[block_hash]
+            self._free.append(slot)
+
     def pin(self, slot: int) -> None:
         self._busy[slot] += 1
 

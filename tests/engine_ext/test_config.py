@@ -82,3 +82,30 @@ def test_rope_config_partial_factor_from_hf():
     cfg = ModelConfig.from_hf({**RAW, "partial_rotary_factor": 0.5})
     assert cfg.rotary_dim == 8
     assert RopeConfig.from_hf({}).theta == 10000.0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"policy": "fifo"}, "unknown eviction policy"),
+    ({"host_bytes": -1}, "must be >= 0"),
+    ({"disk_path": "/tmp/kv"}, "needs both"),
+    ({"disk_bytes": 2**20}, "needs both"),
+    ({"load_ahead": 2, "host_bytes": 2**20}, "needs the workflow policy"),
+    ({"load_ahead": 2, "policy": "workflow"}, "needs a host or disk tier"),
+    ({"load_ahead": 65, "policy": "workflow", "host_bytes": 2**20}, "load_ahead"),
+    ({"max_prefetches": 0}, "max_prefetches"),
+    ({"max_load_wait_ms": -1.0}, "max_load_wait_ms"),
+])
+def test_tier_config_refusals(kwargs, message):
+    from engine_ext.config import TierConfig
+
+    with pytest.raises(ValueError, match=message):
+        TierConfig(**kwargs)
+
+
+def test_a_tier_too_small_for_one_block_is_refused(tiny_model_dir):
+    from engine_ext.config import TierConfig
+    from engine_ext.errors import ModelLoadError
+    from tests.helpers import make_engine
+
+    with pytest.raises(ModelLoadError, match="host tier's budget holds no block"):
+        make_engine(tiny_model_dir("llama"), tiers=TierConfig(host_bytes=100))

@@ -28,6 +28,11 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--anchor-gamma", "1.5"), "--anchor-gamma"),
         (("up", "--round-window-ms", "-1"), "--round-window-ms"),
         (("engine", "--round-window-ms", "20000"), "--round-window-ms"),
+        (("engine", "--kv-policy", "fifo"), "unknown eviction policy 'fifo'"),
+        (("up", "--load-ahead", "2", "--host-kv-mb", "64"), "needs the workflow policy"),
+        (("engine", "--kv-policy", "workflow", "--load-ahead", "2"), "needs a host or disk tier"),
+        (("engine", "--disk-kv-dir", "/tmp/kv"), "needs both tiers.disk_path and tiers.disk_bytes"),
+        (("engine", "--host-kv-mb", "-1"), "--host-kv-mb"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
