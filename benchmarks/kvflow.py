@@ -8,7 +8,8 @@ prefix segment and the step graph's steps-to-execution. Several workflows run
 concurrently without sharing anything. The device tier (the KV pool) holds about half
 of all fixed prefixes, so something must be evicted at every step.
 
-Policies, each on a fresh engine, after one untimed warm-up cycle:
+Policies, each on its own engine, after one untimed warm-up cycle (the timed cycles
+alternate between the engines):
 - lru_recompute: LRU eviction, no lower tier (an evicted prefix is recomputed);
 - lru_reactive: LRU, every block backed up to the lower tier, loaded back when its
   request is admitted (SGLang's HiCache);
@@ -61,8 +62,8 @@ class Sizes:
 
 
 QUICK = Sizes(workloads=(
-    Workload("1 workflow", 1, 10, (192, 512), 32, 8, 1, ("disk",)),
-    Workload("8 workflows", 8, 4, (64, 96), 16, 8, 1, ("disk",)),
+    Workload("1 workflow", 1, 10, (96, 320), 32, 4, 1, ("disk",)),
+    Workload("4 workflows", 4, 3, (64, 128), 16, 4, 1, ("disk",)),
 ))
 FULL = Sizes(workloads=(
     Workload("1 workflow", 1, 10, (1024, 4096), 32, 32, 2, ("host", "disk")),
@@ -113,7 +114,7 @@ class WorkflowSet:
         self.rng = random.Random(seed)
         lo, hi = load.fixed_tokens
         lengths = [lo + (hi - lo) * i // max(load.num_agents - 1, 1) for i in range(load.num_agents)]
-        self.vocab = (1000, vocab_size - 1)
+        self.vocab = (min(1000, vocab_size // 2), vocab_size - 1)  # clear of special tokens
         self.fixed = [[self._tokens(n) for n in lengths] for _ in range(load.num_workflows)]
         self.names = [f"agent{i}" for i in range(load.num_agents)]
 
@@ -170,32 +171,60 @@ def _tiers(policy: str, lower: str, disk_dir: str, lower_bytes: int) -> TierConf
     return TierConfig(policy="workflow", load_ahead=2, **placement)
 
 
-def _measure(model_dir: Path, load: Workload, policy: str, lower: str) -> PolicyRun:
-    """One policy on a fresh engine: a warm-up cycle, then the timed cycles."""
-    model_cfg = ModelConfig.from_dir(model_dir)
-    bytes_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 4
-    lo, hi = load.fixed_tokens
-    fixed_tokens = load.num_workflows * load.num_agents * (lo + hi) // 2
-    running = load.num_workflows * (load.dynamic_tokens + load.output_tokens + 2 * BLOCK_SIZE)
-    device_tokens = int(load.device_fraction * fixed_tokens) + running
-    disk_dir = tempfile.mkdtemp(prefix="kvrelay-bench-kvflow-")
-    tiers = _tiers(policy, lower, disk_dir, 2 * (fixed_tokens + running) * bytes_per_token)
-    config = EngineConfig(kv_cache_bytes=device_tokens * bytes_per_token, block_size=BLOCK_SIZE,
-                          reuse=ReuseConfig(enabled=False), tiers=tiers)
-    engine = LLMEngine(model_dir, config)
+class PolicyBench:
+    """One policy on its own engine: warmed up by one cycle, then timed cycle by cycle,
+    so the caller can alternate policies (drift on a noisy machine hits all alike)."""
+
+    def __init__(self, model_dir: Path, load: Workload, policy: str, lower: str) -> None:
+        model_cfg = ModelConfig.from_dir(model_dir)
+        bytes_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 4
+        lo, hi = load.fixed_tokens
+        fixed_tokens = load.num_workflows * load.num_agents * (lo + hi) // 2
+        running = load.num_workflows * (load.dynamic_tokens + load.output_tokens + 2 * BLOCK_SIZE)
+        device_tokens = int(load.device_fraction * fixed_tokens) + running
+        self.disk_dir = tempfile.mkdtemp(prefix="kvrelay-bench-kvflow-")
+        tiers = _tiers(policy, lower, self.disk_dir, 2 * (fixed_tokens + running) * bytes_per_token)
+        config = EngineConfig(kv_cache_bytes=device_tokens * bytes_per_token, block_size=BLOCK_SIZE,
+                              reuse=ReuseConfig(enabled=False), tiers=tiers)
+        self.engine = LLMEngine(model_dir, config)
+        self.work = WorkflowSet(load, model_cfg.vocab_size)
+        self.run = PolicyRun(0.0, [], 0.0, 0, 0)
+
+    def warm_up(self) -> None:
+        self.work.run(self.engine, 1)
+
+    def timed_cycle(self, cycle: int) -> None:
+        stats = self.engine.tiers.stats if self.engine.tiers else None
+        before = dataclasses.replace(stats) if stats else None
+        seconds, requests = self.work.run(self.engine, 1, first_cycle=cycle)
+        self.run.seconds += seconds
+        self.run.requests += requests
+        if stats is not None and before is not None:
+            self.run.fetch_seconds += stats.fetch_seconds - before.fetch_seconds
+            self.run.num_fetched_blocks += stats.num_fetched - before.num_fetched
+            self.run.num_prefetched_blocks += stats.num_prefetched - before.num_prefetched
+
+    def close(self) -> None:
+        self.engine.close()
+        shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+
+def _measure(model_dir: Path, load: Workload) -> dict[str, PolicyRun]:
+    """Every policy of the workload (keys: lru_recompute, lru_reactive_<tier>, kvflow_<tier>)."""
+    benches = {"lru_recompute": PolicyBench(model_dir, load, "lru_recompute", "none")}
+    for lower in load.lower_tiers:
+        benches[f"lru_reactive_{lower}"] = PolicyBench(model_dir, load, "lru_reactive", lower)
+        benches[f"kvflow_{lower}"] = PolicyBench(model_dir, load, "kvflow", lower)
     try:
-        work = WorkflowSet(load, model_cfg.vocab_size)
-        work.run(engine, 1)
-        before = dataclasses.replace(engine.tiers.stats) if engine.tiers else None
-        seconds, requests = work.run(engine, load.num_cycles, first_cycle=1)
-        after = engine.tiers.stats if engine.tiers else None
-        if before is None or after is None:
-            return PolicyRun(seconds, requests, 0.0, 0, 0)
-        return PolicyRun(seconds, requests, after.fetch_seconds - before.fetch_seconds,
-                         after.num_fetched - before.num_fetched, after.num_prefetched - before.num_prefetched)
+        for bench in benches.values():
+            bench.warm_up()
+        for cycle in range(1, load.num_cycles + 1):
+            for bench in benches.values():
+                bench.timed_cycle(cycle)
+        return {name: bench.run for name, bench in benches.items()}
     finally:
-        engine.close()
-        shutil.rmtree(disk_dir, ignore_errors=True)
+        for bench in benches.values():
+            bench.close()
 
 
 def run(quick: bool = False, model: str | None = None) -> BenchResult:
@@ -205,10 +234,10 @@ def run(quick: bool = False, model: str | None = None) -> BenchResult:
     metrics: dict[str, float] = {}
     hit_runs: list[PolicyRun] = []
     for load in sizes.workloads:
-        recompute = _measure(model_dir, load, "lru_recompute", "none")
+        runs = _measure(model_dir, load)
+        recompute = runs["lru_recompute"]
         for lower in load.lower_tiers:
-            reactive = _measure(model_dir, load, "lru_reactive", lower)
-            kvflow = _measure(model_dir, load, "kvflow", lower)
+            reactive, kvflow = runs[f"lru_reactive_{lower}"], runs[f"kvflow_{lower}"]
             hit_runs.append(kvflow)
             tag = f"{load.label}, {lower}"
             rows.append((f"{tag}: workflow s vs lru_recompute", f"{kvflow.seconds:.2f}", f"{recompute.seconds:.2f}",

@@ -64,6 +64,10 @@ class WorkflowTable:
             self._priorities = self._propagate()
         return self._priorities.get(block_hash)
 
+    def agents(self) -> dict[AgentKey, tuple[float, int]]:
+        """Every agent seen with a fixed prefix: its steps-to-execution and prefix blocks."""
+        return {agent: (self.steps(agent), len(prefix)) for agent, prefix in self._prefixes.items()}
+
     def upcoming(self, load_ahead: int) -> list[UpcomingAgent]:
         """Agents with a known prefix due within `load_ahead` steps, soonest first."""
         due = [UpcomingAgent(int(steps), agent, prefix) for agent, prefix in self._prefixes.items()
