@@ -60,7 +60,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._commands.put(None)
             self._thread.join(timeout)
-        self.engine.close()
+        if self._thread is None or not self._thread.is_alive():  # only the engine thread may touch the engine
+            self.engine.close()
 
     async def generate(
         self,

@@ -10,7 +10,7 @@ eviction policy's call (engine_ext/tiers): plain LRU takes the least recently fr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from engine_ext.kv.eviction import EvictionPolicy, LruPolicy
@@ -60,11 +60,17 @@ class BlockPool:
         """Free blocks whose contents `spares` (given the block's hash) lets go."""
         return sum(1 for block_id in self._free if spares(self.blocks[block_id].block_hash))
 
-    def allocate(self, num_blocks: int) -> list[Block]:
-        """Hand out `num_blocks` fresh blocks, evicting the cached ones the policy picks."""
-        if num_blocks > len(self._free):
-            raise MemoryError(f"need {num_blocks} KV blocks, {len(self._free)} free")
-        candidates = ((block_id, self.blocks[block_id].block_hash) for block_id in self._free)
+    def allocate(self, num_blocks: int, spares: Callable[[bytes | None], bool] | None = None) -> list[Block]:
+        """Hand out `num_blocks` fresh blocks, evicting the cached ones the policy picks
+        (among those `spares` lets go, when given)."""
+        candidates: Iterable[tuple[int, bytes | None]] = \
+            ((block_id, self.blocks[block_id].block_hash) for block_id in self._free)
+        num_candidates = len(self._free)
+        if spares is not None:
+            candidates = [(block_id, block_hash) for block_id, block_hash in candidates if spares(block_hash)]
+            num_candidates = len(candidates)
+        if num_blocks > num_candidates:
+            raise MemoryError(f"need {num_blocks} KV blocks, {num_candidates} free")
         out = []
         for block_id in self.policy.victims(candidates, num_blocks):
             del self._free[block_id]

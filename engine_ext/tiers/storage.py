@@ -27,6 +27,9 @@ class HostStorage:
     def settle(self, slots: list[int]) -> None:
         """Nothing to do: host memory is where the data lives."""
 
+    def close(self) -> None:
+        """Nothing to release before the tensor itself goes."""
+
 
 class DiskStorage:
     def __init__(self, directory: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -58,3 +61,9 @@ class DiskStorage:
             self._map.flush(start, end - start)
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
             os.posix_fadvise(self._fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
+    def close(self) -> None:
+        """Close the file; the mapping goes with the last tensor that views it."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -69,16 +69,17 @@ class TieredStore:
         k = kv_cache.layers[0][0]
         block_shape = (len(kv_cache.layers), 2, kv_cache.block_size, *k.shape[1:])  # (L, 2, bs, H, D)
         dtype = k.dtype
+        sizes = {"host": config.host_bytes, "disk": config.disk_bytes if config.disk_path is not None else 0}
+        for name, num_bytes in sizes.items():
+            if num_bytes and num_bytes < kv_cache.bytes_per_block:
+                raise ValueError(f"the {name} tier's budget holds no block of {kv_cache.bytes_per_block} bytes")
         self.tiers: list[BlockTier] = []
-        if config.host_bytes:
-            num = config.host_bytes // kv_cache.bytes_per_block
+        if sizes["host"]:
+            num = sizes["host"] // kv_cache.bytes_per_block
             self.tiers.append(BlockTier("host", HostStorage((num, *block_shape), dtype), policy))
-        if config.disk_path is not None:
-            num = config.disk_bytes // kv_cache.bytes_per_block
+        if sizes["disk"]:
+            num = sizes["disk"] // kv_cache.bytes_per_block
             self.tiers.append(BlockTier("disk", DiskStorage(config.disk_path, (num, *block_shape), dtype), policy))
-        for tier in self.tiers:
-            if tier.num_blocks < 1:
-                raise ValueError(f"the {tier.name} tier's budget holds no block of {kv_cache.bytes_per_block} bytes")
         self.worker = TransferWorker()
         self._loading: dict[bytes, Block] = {}
         self._offloading: set[bytes] = set()
@@ -219,7 +220,7 @@ class TieredStore:
         run = run[: max(room, 0)]
         if not run:
             return 0
-        blocks = self.pool.allocate(len(run))
+        blocks = self.pool.allocate(len(run), spares)
         for entry, block in zip(run, blocks):
             self._loading[entry.block_hash] = block
             entry.tier.pin(entry.slot)
@@ -257,8 +258,13 @@ class TieredStore:
             self.backup([])
 
     def close(self) -> None:
+        """Stop the worker once the transfers in flight have landed; nothing new starts."""
+        self._backlog.clear()
         self.worker.close()
-        self.poll()
+        for transfer in self.worker.completed():
+            transfer.on_done(transfer)
+        for tier in self.tiers:
+            tier.storage.close()
 
     def _find(self, block_hash: bytes) -> TierEntry | None:
         for tier in self.tiers:

@@ -1,0 +1,132 @@
+"""WorkflowTable: priority propagation over shared prefixes, concurrent workflows, finished and upcoming agents."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine_ext.tiers.workflow import AgentKey, UpcomingAgent, WorkflowTable
+
+
+def h(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+@pytest.mark.parametrize("a_first", [True, False])
+def test_shared_prefix_blocks_take_the_smallest_steps(a_first: bool) -> None:
+    table = WorkflowTable()
+    a, b = AgentKey("app", "a"), AgentKey("app", "b")
+    shared = (h(0), h(1))
+    steps = {"a": 1, "b": 5}
+    observations = [(a, shared + (h(10), h(11))), (b, shared + (h(20),))]
+    for i, (agent, prefix) in enumerate(observations if a_first else observations[::-1]):
+        table.observe(agent, prefix, steps if i == 0 else None)  # one plan for the app
+    assert table.steps(a) == 1 and table.steps(b) == 5
+    assert [table.priority(x) for x in shared] == [1, 1]  # min(1, 5), whoever came first
+    assert [table.priority(x) for x in (h(10), h(11))] == [1, 1]
+    assert table.priority(h(20)) == 5  # b's own block keeps b's steps
+    assert table.priority(h(99)) is None  # in no prefix
+
+
+def test_private_blocks_keep_their_agents_steps_when_the_shared_one_is_far() -> None:
+    table = WorkflowTable()
+    a, b = AgentKey("app", "a"), AgentKey("app", "b")
+    table.observe(a, (h(0), h(1), h(2)), {"a": 7, "b": 2})
+    table.observe(b, (h(0), h(1), h(3)), None)
+    assert [table.priority(x) for x in (h(0), h(1), h(2), h(3))] == [2, 2, 7, 2]
+
+
+def test_concurrent_workflows_take_the_most_conservative_steps() -> None:
+    table = WorkflowTable()
+    x, y = AgentKey("x", "planner"), AgentKey("y", "planner")
+    table.observe(x, (h(0), h(1)), {"planner": 4})
+    table.observe(y, (h(0), h(2)), {"planner": 2})
+    assert (table.priority(h(0)), table.priority(h(1)), table.priority(h(2))) == (2, 4, 2)
+    # a newer plan of y (no prefix this time: the known one stays) invalidates the cache
+    table.observe(y, None, {"planner": 7})
+    assert (table.priority(h(0)), table.priority(h(1)), table.priority(h(2))) == (4, 4, 7)
+    table.observe(x, None, {"planner": 0})
+    assert (table.priority(h(0)), table.priority(h(1)), table.priority(h(2))) == (0, 0, 7)
+    assert table.steps(y) == 7  # x's plan does not touch y's
+
+
+def test_observe_copies_the_steps_map() -> None:
+    table = WorkflowTable()
+    agent = AgentKey("app", "a")
+    steps = {"a": 3}
+    table.observe(agent, (h(0),), steps)
+    steps["a"] = 0  # the caller's dict changing later is not a new plan
+    assert table.steps(agent) == 3
+    assert table.priority(h(0)) == 3
+
+
+def test_a_plan_that_drops_an_agent_makes_its_steps_unknown() -> None:
+    table = WorkflowTable()
+    a, b = AgentKey("app", "a"), AgentKey("app", "b")
+    table.observe(a, (h(0),), {"a": 1, "b": 2})
+    table.observe(b, (h(1),), None)
+    assert table.priority(h(1)) == 2
+    table.observe(a, None, {"a": 1})
+    assert table.steps(b) == math.inf
+    assert table.priority(h(1)) == math.inf
+
+
+def test_finished_agent_moves_behind_every_other_agent_of_its_app() -> None:
+    table = WorkflowTable()
+    a, b, c = AgentKey("app", "a"), AgentKey("app", "b"), AgentKey("app", "c")
+    other = AgentKey("other", "a")  # same agent id, another app
+    table.observe(a, (h(0),), {"a": 0, "b": 2, "c": 5})
+    table.observe(other, (h(9),), {"a": 0})
+    assert table.priority(h(0)) == 0  # fills the cache
+    table.finished(a)
+    assert table.steps(a) == 6  # max(2, 5) + 1
+    assert table.priority(h(0)) == 6  # the cache was invalidated
+    assert (table.steps(b), table.steps(c)) == (2, 5)
+    assert table.steps(other) == 0 and table.priority(h(9)) == 0
+    table.finished(c)
+    assert table.steps(c) == 7  # behind a's 6, not behind its own old 5
+
+
+def test_finished_alone_and_without_a_plan() -> None:
+    table = WorkflowTable()
+    solo = AgentKey("solo", "only")
+    table.observe(solo, (h(0),), {"only": 0})
+    table.finished(solo)
+    assert table.steps(solo) == 1  # no other agent: max(default 0) + 1
+
+    planless = AgentKey("planless", "a")
+    table.observe(planless, (h(1),), None)
+    table.finished(planless)  # no steps map: nothing to reorder
+    assert table.steps(planless) == math.inf
+    assert table.priority(h(1)) == math.inf
+    assert table.upcoming(64) == [UpcomingAgent(1, solo, (h(0),))]
+
+
+def test_unknown_steps_is_infinity() -> None:
+    table = WorkflowTable()
+    agent = AgentKey("app", "a")
+    assert table.steps(agent) == math.inf
+    table.observe(agent, (h(0),), None)
+    assert table.steps(agent) == math.inf
+    assert table.priority(h(0)) == math.inf
+    table.observe(AgentKey("app", "b"), None, {"b": 1})  # a plan without a
+    assert table.steps(agent) == math.inf
+
+
+def test_upcoming_lists_known_prefixes_due_within_load_ahead_soonest_first() -> None:
+    table = WorkflowTable()
+    a, b, c, d = (AgentKey("app", n) for n in "abcd")
+    e = AgentKey("other", "e")
+    table.observe(a, (h(0),), {"a": 2, "b": 0, "c": 1, "d": 5})
+    table.observe(b, (h(1), h(2)), None)
+    table.observe(d, (h(3),), None)
+    table.observe(c, (), None)  # an empty prefix is no prefix: c stays unknown
+    table.observe(e, (h(4),), None)  # no plan: never upcoming
+    assert table.upcoming(2) == [UpcomingAgent(0, b, (h(1), h(2))), UpcomingAgent(2, a, (h(0),))]
+    assert table.upcoming(0) == [UpcomingAgent(0, b, (h(1), h(2)))]
+    assert [u.agent for u in table.upcoming(64)] == [b, a, d]
+    assert all(isinstance(u.steps, int) for u in table.upcoming(64))
+    assert table.upcoming(-1) == []
+    table.finished(b)  # b just ran: it is now 6 steps away
+    assert [u.agent for u in table.upcoming(5)] == [a, d]
