@@ -62,11 +62,11 @@ class Sizes:
 
 
 QUICK = Sizes(workloads=(
-    Workload("1 workflow", 1, 10, (96, 320), 32, 4, 1, ("disk",)),
-    Workload("4 workflows", 4, 3, (64, 128), 16, 4, 1, ("disk",)),
+    Workload("1 workflow", 1, 8, (96, 256), 32, 4, 1, ("disk",)),
+    Workload("4 workflows", 4, 3, (48, 96), 16, 4, 1, ("disk",)),
 ))
 FULL = Sizes(workloads=(
-    Workload("1 workflow", 1, 10, (1024, 4096), 32, 32, 2, ("host", "disk")),
+    Workload("1 workflow", 1, 10, (1024, 4096), 32, 32, 1, ("host", "disk")),
     Workload("8 workflows", 8, 10, (256, 512), 32, 32, 1, ("disk",)),
     Workload("32 workflows", 32, 10, (64, 128), 32, 32, 1, ("disk",)),
 ))

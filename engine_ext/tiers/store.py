@@ -17,15 +17,16 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine_ext.config import TORCH_DTYPES, TierConfig
+from engine_ext.config import TierConfig
 from engine_ext.kv.block_pool import Block, BlockPool
 from engine_ext.kv.cache import KVCache
-from engine_ext.tiers.copies import device_to_tier, tier_to_device, tier_to_tier
 from engine_ext.kv.eviction import EvictionPolicy
+from engine_ext.tiers.copies import device_to_tier, tier_to_device, tier_to_tier
 from engine_ext.tiers.storage import DiskStorage, HostStorage
 from engine_ext.tiers.tier import BlockTier
 from engine_ext.tiers.worker import Transfer, TransferWorker
@@ -83,7 +84,7 @@ class TieredStore:
         self.worker = TransferWorker()
         self._loading: dict[bytes, Block] = {}
         self._offloading: set[bytes] = set()
-        self._backlog: list[tuple[Block, bytes]] = []  # published blocks waiting for a lower-tier slot
+        self._backlog: deque[tuple[Block, bytes]] = deque()  # published blocks waiting for a lower-tier slot
         self.num_loads_in_flight = 0  # prefetch loads (one per agent prefix) not yet landed
         self.stats = TierStats()
 
@@ -106,7 +107,7 @@ class TieredStore:
         backlog, retried as copies land, for as long as the device still holds them."""
         if not self.tiers:
             return
-        self._backlog += [(block, block.block_hash) for block in blocks if block.block_hash is not None]
+        self._backlog.extend((block, block.block_hash) for block in blocks if block.block_hash is not None)
         top = self.tiers[0]
         todo: list[tuple[Block, bytes, int]] = []
         demotions: list[tuple[bytes, int]] = []
@@ -114,12 +115,12 @@ class TieredStore:
             block, block_hash = self._backlog[0]
             if block.block_hash != block_hash or block_hash in self._offloading or \
                     any(block_hash in t for t in self.tiers):
-                self._backlog.pop(0)  # evicted meanwhile, or already kept
+                self._backlog.popleft()  # evicted meanwhile, or already kept
                 continue
             reservation = top.reserve(block_hash)
             if reservation is None:
                 break
-            self._backlog.pop(0)
+            self._backlog.popleft()
             if reservation.evicted is not None:
                 demotions.append((reservation.evicted, reservation.slot))
             todo.append((block, block_hash, reservation.slot))
@@ -190,6 +191,7 @@ class TieredStore:
                 pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
                 if pairs:
                     tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+                    tier.storage.forget([s for s, _ in pairs])
         except Exception:
             logger.exception("loading %d KV blocks back failed; they will be recomputed", len(entries))
             for entry in entries:
@@ -230,6 +232,7 @@ class TieredStore:
             for tier, pairs in by_tier:
                 if pairs:
                     tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
+                    tier.storage.forget([s for s, _ in pairs])
 
         def done(transfer: Transfer) -> None:
             self.num_loads_in_flight -= 1

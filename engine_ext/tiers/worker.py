@@ -1,7 +1,10 @@
 """TransferWorker: the background thread that moves KV blocks between tiers.
 
-Copies run one at a time in submission order, so a tier slot that is emptied by one
-copy (a demotion to disk) and refilled by the next (a backup) never mixes the two.
+Copies run one at a time: loads first (a request may be waiting for one), then backups
+and demotions in submission order, so a tier slot that is emptied by one copy (a
+demotion to disk) and refilled by the next (a backup) never mixes the two. A load
+never touches a slot a backup or demotion writes: it reads a ready, pinned slot into
+pinned device blocks.
 Completion is reported, not acted on: the engine thread collects finished transfers
 with `completed` and updates the pool and the tiers itself, so nothing but tensor
 rows is ever shared between the threads. torch releases the GIL while copying, so
@@ -10,6 +13,7 @@ model steps on the engine thread run while a transfer is in flight.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -33,7 +37,8 @@ class Transfer:
 
 class TransferWorker:
     def __init__(self) -> None:
-        self._todo: queue.SimpleQueue[Transfer | None] = queue.SimpleQueue()
+        self._todo: queue.PriorityQueue[tuple[int, int, Transfer | None]] = queue.PriorityQueue()
+        self._order = itertools.count()  # FIFO among transfers of one priority
         self._done: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self.num_in_flight = 0
         self._thread = threading.Thread(target=self._run, name="kvrelay-kv-transfer", daemon=True)
@@ -41,7 +46,7 @@ class TransferWorker:
 
     def submit(self, transfer: Transfer) -> None:
         self.num_in_flight += 1
-        self._todo.put(transfer)
+        self._todo.put((0 if transfer.kind == "load" else 1, next(self._order), transfer))
 
     def completed(self, timeout: float = 0.0) -> list[Transfer]:
         """Transfers finished since the last call; waits up to `timeout` s for the first
@@ -59,11 +64,11 @@ class TransferWorker:
         return out
 
     def close(self) -> None:
-        self._todo.put(None)
+        self._todo.put((2, next(self._order), None))  # after every transfer already submitted
         self._thread.join(timeout=10.0)
 
     def _run(self) -> None:
-        while (transfer := self._todo.get()) is not None:
+        while (transfer := self._todo.get()[2]) is not None:
             try:
                 transfer.copy()
             except Exception as exc:  # reported to the engine thread, which undoes the transfer
