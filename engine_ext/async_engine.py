@@ -154,6 +154,8 @@ class AsyncEngine:
             self.engine.abort(request_id)
             _deliver(target, exc)
         self._sinks.clear()
+        # Lower KV tiers keep their copies: each was made from a published (fully
+        # computed) block after a step that succeeded.
         self.engine.kv.pool.reset_cache()
 
 

@@ -92,11 +92,13 @@ class Scheduler:
                 chunks.append(ScheduledChunk(seq, num_tokens))
                 budget -= num_tokens
                 i += 1
-        num_skipped = 0  # waiting requests passed over: their prefix is still loading
-        while len(self.waiting) > num_skipped and budget > 0 and not num_preempted:
-            head = self.waiting[num_skipped]
+        skipped: set[str] = set()  # waiting requests passed over: their prefix is still loading
+        while budget > 0 and not num_preempted:
+            head = next((seq for seq in self.waiting if seq.request_id not in skipped), None)
+            if head is None:
+                break
             if self._still_loading(head):
-                num_skipped += 1
+                skipped.add(head.request_id)
                 continue
             if self.collector is not None and self.collector.holds(head, self.waiting):
                 break
@@ -149,7 +151,8 @@ class Scheduler:
                 self._undo_admission(seq)  # the unreadable blocks are gone: next time it recomputes them
                 return None
             seq.num_computed_tokens += len(fetch) * self.kv.block_size
-            seq.num_fetched_tokens = len(fetch) * self.kv.block_size if seq.num_preemptions == 0 else 0
+            if seq.num_preemptions == 0:
+                seq.num_fetched_tokens = len(fetch) * self.kv.block_size
         if restore is not None:
             self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
             seq.restore = restore

@@ -39,7 +39,7 @@ def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_
 
     try:
         return TierConfig(policy=kv_policy, host_bytes=host_kv_mb * 2**20, disk_path=disk_kv_dir,  # type: ignore[arg-type]
-                          disk_bytes=disk_kv_mb * 2**20 if disk_kv_dir else 0, load_ahead=load_ahead)
+                          disk_bytes=disk_kv_mb * 2**20, load_ahead=load_ahead)
     except ValueError as exc:
         raise _fail(f"invalid KV tier settings: {exc}") from exc
 

@@ -38,7 +38,7 @@ class Prefetcher:
             if self.store.num_loads_in_flight >= self.max_prefetches:
                 break
             started = self.store.load(upcoming.prefix, lambda h, s=upcoming.steps: self.policy.spares(h, s),
-                                      num_reserved + num_blocks)
+                                      num_reserved)
             if started:
                 self.num_started += 1
                 num_blocks += started

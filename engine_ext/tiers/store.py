@@ -256,7 +256,7 @@ class TieredStore:
         """Apply finished transfers; wait up to `timeout` s for one when some are in flight."""
         completed = self.worker.completed(timeout)
         for transfer in completed:
-            transfer.on_done(transfer)
+            self._finish(transfer)
         if completed and self._backlog:
             self.backup([])
 
@@ -265,9 +265,17 @@ class TieredStore:
         self._backlog.clear()
         self.worker.close()
         for transfer in self.worker.completed():
-            transfer.on_done(transfer)
+            self._finish(transfer)
         for tier in self.tiers:
             tier.storage.close()
+
+    def _finish(self, transfer: Transfer) -> None:
+        """Apply one landed transfer; a bookkeeping error is logged so it cannot strand
+        the transfers that landed with it (their pins and states are undone by theirs)."""
+        try:
+            transfer.on_done(transfer)
+        except Exception:
+            logger.exception("finishing a KV %s of %d blocks failed", transfer.kind, transfer.num_blocks)
 
     def _find(self, block_hash: bytes) -> TierEntry | None:
         for tier in self.tiers:

@@ -32,6 +32,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("up", "--load-ahead", "2", "--host-kv-mb", "64"), "needs the workflow policy"),
         (("engine", "--kv-policy", "workflow", "--load-ahead", "2"), "needs a host or disk tier"),
         (("engine", "--disk-kv-dir", "/tmp/kv"), "needs both tiers.disk_path and tiers.disk_bytes"),
+        (("up", "--disk-kv-mb", "64"), "needs both tiers.disk_path and tiers.disk_bytes"),
         (("engine", "--host-kv-mb", "-1"), "--host-kv-mb"),
     ],
 )
