@@ -307,6 +307,7 @@ class TierConfig:
     load_ahead: int = 0
     max_prefetches: int = 4
     max_load_wait_ms: float = 2000.0
+    workflow_idle_s: float = 600.0  # an app silent this long no longer ranks its agents' prefixes
 
     def __post_init__(self) -> None:
         if self.policy not in get_args(EvictionPolicyName):
@@ -325,6 +326,8 @@ class TierConfig:
             raise ValueError("tiers.max_prefetches must be >= 1")
         if not 0.0 <= self.max_load_wait_ms <= 60_000.0:
             raise ValueError("tiers.max_load_wait_ms must be in [0, 60000]")
+        if self.workflow_idle_s <= 0.0:
+            raise ValueError("tiers.workflow_idle_s must be > 0")
 
     @property
     def has_lower_tier(self) -> bool:

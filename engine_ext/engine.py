@@ -77,7 +77,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.model_config, config.dtype)
         self.kv_cache = KVCache(self.model_config, config)
-        self.workflows = WorkflowTable()  # KVFlow's view of the running workflows (engine_ext/tiers)
+        self.workflows = WorkflowTable(config.tiers.workflow_idle_s)  # KVFlow's view of the workflows (engine_ext/tiers)
         policy = WorkflowPolicy(self.workflows) if config.tiers.policy == "workflow" else None
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, self.model_name, policy)
         self.tiers, self.prefetcher = self._tiers()

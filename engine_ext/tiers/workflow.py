@@ -8,13 +8,16 @@ agent, in any workflow, needs it soon. Blocks in no prefix have no priority.
 
 An agent whose request just finished ran a moment ago: until a newer plan of its app
 says otherwise, it is placed after every other agent of the app (KVFlow's point: the
-agent that just ran is the least likely to run next).
+agent that just ran is the least likely to run next). An app that sent nothing for
+`idle_s` seconds is forgotten, so a finished workflow stops holding its prefixes ahead
+of everyone else's.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 
@@ -30,19 +33,36 @@ class UpcomingAgent(NamedTuple):
 
 
 class WorkflowTable:
-    def __init__(self) -> None:
+    def __init__(self, idle_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s = idle_s
+        self._clock = clock
         self._prefixes: dict[AgentKey, tuple[bytes, ...]] = {}
         self._steps: dict[str, dict[str, int]] = {}  # app -> agent -> steps-to-execution
+        self._last_seen: dict[str, float] = {}  # app -> when its last request arrived
         self._priorities: dict[bytes, float] | None = None  # cache, rebuilt after a change
 
     def observe(self, agent: AgentKey, prefix: tuple[bytes, ...] | None,
                 steps: Mapping[str, int] | None) -> None:
         """A request of `agent` arrived: its fixed prefix's block hashes (None: unknown)
         and its plan's steps-to-execution for the app's agents (None: no step graph)."""
+        self.expire()
         if prefix:
             self._prefixes[agent] = prefix
         if steps is not None:
             self._steps[agent.app_id] = dict(steps)
+        self._last_seen[agent.app_id] = self._clock()
+        self._priorities = None
+
+    def expire(self) -> None:
+        """Forget the apps that sent nothing for `idle_s` seconds."""
+        cutoff = self._clock() - self.idle_s
+        idle = {app for app, seen in self._last_seen.items() if seen < cutoff}
+        if not idle:
+            return
+        for app in idle:
+            del self._last_seen[app]
+            self._steps.pop(app, None)
+        self._prefixes = {agent: p for agent, p in self._prefixes.items() if agent.app_id not in idle}
         self._priorities = None
 
     def finished(self, agent: AgentKey) -> None:
@@ -70,6 +90,7 @@ class WorkflowTable:
 
     def upcoming(self, load_ahead: int) -> list[UpcomingAgent]:
         """Agents with a known prefix due within `load_ahead` steps, soonest first."""
+        self.expire()
         due = [UpcomingAgent(int(steps), agent, prefix) for agent, prefix in self._prefixes.items()
                if (steps := self.steps(agent)) <= load_ahead]
         return sorted(due)

@@ -94,6 +94,7 @@ def test_rope_config_partial_factor_from_hf():
     ({"load_ahead": 65, "policy": "workflow", "host_bytes": 2**20}, "load_ahead"),
     ({"max_prefetches": 0}, "max_prefetches"),
     ({"max_load_wait_ms": -1.0}, "max_load_wait_ms"),
+    ({"workflow_idle_s": 0.0}, "workflow_idle_s"),
 ])
 def test_tier_config_refusals(kwargs, message):
     from engine_ext.config import TierConfig

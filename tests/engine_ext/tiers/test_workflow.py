@@ -130,3 +130,16 @@ def test_upcoming_lists_known_prefixes_due_within_load_ahead_soonest_first() -> 
     assert table.upcoming(-1) == []
     table.finished(b)  # b just ran: it is now 6 steps away
     assert [u.agent for u in table.upcoming(5)] == [a, d]
+
+
+def test_an_idle_app_is_forgotten_and_stops_ranking_its_prefixes() -> None:
+    now = [0.0]
+    table = WorkflowTable(idle_s=60.0, clock=lambda: now[0])
+    table.observe(AgentKey("old", "a"), (b"old-block",), {"a": 1})
+    now[0] = 30.0
+    table.observe(AgentKey("live", "b"), (b"live-block",), {"b": 2})
+    assert table.priority(b"old-block") == 1 and table.priority(b"live-block") == 2
+    now[0] = 61.0  # "old" has been silent for 61 s, "live" for 31 s
+    assert [u.agent for u in table.upcoming(5)] == [AgentKey("live", "b")]
+    assert table.priority(b"old-block") is None and table.steps(AgentKey("old", "a")) == math.inf
+    assert table.priority(b"live-block") == 2
