@@ -208,21 +208,28 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _observe_workflow(self, seq: Sequence) -> None:
-        """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution."""
+    def _workflow_agent(self, seq: Sequence) -> AgentKey | None:
+        """The agent the workflow policy tracks this request under, if it tracks one."""
         scope = seq.scope
         if self.config.tiers.policy != "workflow" or scope is None or scope.agent_id is None:
+            return None
+        return AgentKey(scope.app_id, scope.agent_id)
+
+    def _observe_workflow(self, seq: Sequence) -> None:
+        """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution."""
+        agent = self._workflow_agent(seq)
+        if agent is None:
             return
         fixed = next((s for s in seq.segments if s.kind == "fixed_prefix"), None)
         prefix = tuple(self.kv.prefix_hashes(seq, fixed.end)) if fixed is not None else None
-        steps = scope.workflow.steps_to_execution if scope.workflow is not None else None
-        self.workflows.observe(AgentKey(scope.app_id, scope.agent_id), prefix, steps)
+        workflow = seq.scope.workflow
+        self.workflows.observe(agent, prefix, workflow.steps_to_execution if workflow is not None else None)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        scope = seq.scope
-        if self.config.tiers.policy == "workflow" and scope is not None and scope.agent_id is not None:
-            self.workflows.finished(AgentKey(scope.app_id, scope.agent_id))
+        agent = self._workflow_agent(seq)
+        if agent is not None:
+            self.workflows.finished(agent)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)

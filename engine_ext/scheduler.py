@@ -28,7 +28,7 @@ from engine_ext.diffs.restorer import Restorer
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.sequence import Sequence, SequenceStatus
-from engine_ext.tiers.store import TieredStore, TierEntry
+from engine_ext.tiers.store import LowerMatch, TieredStore, TierEntry
 
 
 class ScheduledChunk(NamedTuple):
@@ -176,17 +176,19 @@ class Scheduler:
         the first block still loading), keeping one prompt token to compute."""
         if self.tiers is None:
             return []
-        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size
-        return self.tiers.match(seq.block_hashes[num_hits:max_blocks]).entries
+        return self._lower_match(seq, num_hits).entries
+
+    def _lower_match(self, seq: Sequence, num_hits: int) -> LowerMatch:
+        """The lower tiers' view of the prompt's blocks past its `num_hits` device hits."""
+        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size  # one prompt token stays to compute
+        return self.tiers.match(seq.block_hashes[num_hits:max_blocks])
 
     def _still_loading(self, seq: Sequence) -> bool:
         """Whether to pass the sequence over this step: part of its prefix is on its way
         to the device tier, and it has not waited `max_load_wait_ms` for it yet."""
         if self.tiers is None or seq.num_preemptions:
             return False
-        prefix = self.kv.match_prefix(seq)
-        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size
-        if not self.tiers.match(seq.block_hashes[len(prefix.blocks) : max_blocks]).loading:
+        if not self._lower_match(seq, len(self.kv.match_prefix(seq).blocks)).loading:
             return False
         now = time.monotonic()
         if seq.load_wait_since is None:

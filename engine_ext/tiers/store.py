@@ -187,11 +187,7 @@ class TieredStore:
         False when reading failed: the entries are dropped, the request must recompute."""
         started = time.perf_counter()
         try:
-            for tier in self.tiers:
-                pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
-                if pairs:
-                    tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
-                    tier.storage.forget([s for s, _ in pairs])
+            self._read_back(entries, blocks)
         except Exception:
             logger.exception("loading %d KV blocks back failed; they will be recomputed", len(entries))
             for entry in entries:
@@ -226,13 +222,9 @@ class TieredStore:
         for entry, block in zip(run, blocks):
             self._loading[entry.block_hash] = block
             entry.tier.pin(entry.slot)
-        by_tier = [(t, [(e.slot, b.block_id) for e, b in zip(run, blocks) if e.tier is t]) for t in self.tiers]
 
         def copy() -> None:
-            for tier, pairs in by_tier:
-                if pairs:
-                    tier_to_device(tier.storage.blocks, [s for s, _ in pairs], self.kv_cache, [b for _, b in pairs])
-                    tier.storage.forget([s for s, _ in pairs])
+            self._read_back(run, blocks)
 
         def done(transfer: Transfer) -> None:
             self.num_loads_in_flight -= 1
@@ -276,6 +268,16 @@ class TieredStore:
             transfer.on_done(transfer)
         except Exception:
             logger.exception("finishing a KV %s of %d blocks failed", transfer.kind, transfer.num_blocks)
+
+    def _read_back(self, entries: list[TierEntry], blocks: list[Block]) -> None:
+        """Copy each entry's tier slot into its device block, one batch per tier (runs on
+        whichever thread calls it: the engine's for fetches, the worker's for loads)."""
+        for tier in self.tiers:
+            pairs = [(e.slot, b.block_id) for e, b in zip(entries, blocks) if e.tier is tier]
+            if pairs:
+                slots = [slot for slot, _ in pairs]
+                tier_to_device(tier.storage.blocks, slots, self.kv_cache, [block_id for _, block_id in pairs])
+                tier.storage.forget(slots)
 
     def _find(self, block_hash: bytes) -> TierEntry | None:
         for tier in self.tiers:
