@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine_ext.adapters.rows import AdapterRows
 from engine_ext.config import ModelConfig
 from engine_ext.model.attention import AttentionMetadata, paged_attention
 from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -29,8 +30,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -47,9 +49,13 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         cache: LayerCache,
         meta: AttentionMetadata,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)  # (N, q_size + 2 * kv_size)
+        if adapters is not None:
+            adapters.add(qkv, self.layer, "self_attn.qkv_proj", x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (N, heads, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (N, kv_heads, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -60,31 +66,40 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (N, heads, D)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        out = out.reshape(num_tokens, self.q_size)
+        projected = self.o_proj(out)  # (N, hidden)
+        return projected if adapters is None else adapters.add(projected, self.layer, "self_attn.o_proj", out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        self.layer = layer
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each (N, intermediate)
-        return self.down_proj(nn.functional.silu(gate) * up)
+    def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)  # (N, 2 * intermediate)
+        if adapters is not None:
+            adapters.add(gate_up, self.layer, "mlp.gate_up_proj", x)
+        gate, up = gate_up.chunk(2, dim=-1)  # each (N, intermediate)
+        hidden = nn.functional.silu(gate) * up
+        out = self.down_proj(hidden)  # (N, hidden)
+        return out if adapters is None else adapters.add(out, self.layer, "mlp.down_proj", hidden)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, layer)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata,
+                adapters: AdapterRows | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, adapters)
+        return x + self.mlp(self.post_attention_layernorm(x), adapters)
 
 
 class CausalLM(nn.Module):
@@ -94,7 +109,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -109,12 +124,14 @@ class CausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerCache],
         meta: AttentionMetadata,
+        adapters: AdapterRows | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: (N,) flat over the batch. Returns hidden states (N, hidden)."""
+        """input_ids, positions: (N,) flat over the batch. Returns hidden states (N, hidden).
+        `adapters` adds LoRA updates to the rows it names (multi-LoRA)."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # each (N, rotary_dim)
         x = self.embed_tokens(input_ids)  # (N, hidden)
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, meta)
+            x = layer(x, cos, sin, cache, meta, adapters)
         return self.norm(x)
 
     @torch.inference_mode()
