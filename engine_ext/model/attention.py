@@ -4,6 +4,11 @@ Each layer's cache is one flat tensor of slots (slot = block_id * block_size + o
 so a sequence's keys are gathered by slot index in position order. Prefill chunks run
 one sequence at a time (their query counts differ); decode tokens of all sequences run
 as one padded batch, which is where continuous batching earns its throughput.
+
+ICaRus decoder queries (engine_ext/adapters) ride along with the decode batch: each is
+a second query of a decode entry, at the same position, over the same keys (the base
+model's, its own token's included), and writes no K/V. Stacking it beside the base
+query reads each entry's keys once, as the paper's head-concatenated queries do.
 """
 
 from __future__ import annotations
@@ -34,16 +39,26 @@ class AttentionMetadata:
     decode_start: int  # decode tokens occupy [decode_start, N) of the flat batch
     decode_slots: torch.Tensor | None  # (B, Lmax) slots, padded with slot 0
     decode_mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where the key is real
+    # ICaRus decoder queries occupy [len(slot_mapping), N) of the flat batch, after every
+    # row that writes K/V; decoder_entries (M,) names the decode entry each one joins.
+    decoder_entries: torch.Tensor | None = None
+
+    @property
+    def num_kv_rows(self) -> int:
+        """Rows of the flat batch whose K/V are written to the cache."""
+        return self.slot_mapping.shape[0]
 
     @staticmethod
     def build(
         slot_mapping: torch.Tensor,
         prefill_chunks: list[tuple[int, torch.Tensor]],
         decode_contexts: list[torch.Tensor],
+        decoder_entries: list[int] | None = None,
     ) -> AttentionMetadata:
         """prefill_chunks: (num_new_tokens, context slots (L,)) per prefilling sequence in
         batch order; decode_contexts: context slots (new token last) per decoding sequence,
-        whose tokens follow all prefill tokens in the flat batch."""
+        whose tokens follow all prefill tokens in the flat batch; decoder_entries: for
+        each ICaRus decoder query (after the decode tokens), its decode entry's index."""
         prefills: list[PrefillSpan] = []
         start = 0
         for num_tokens, slots in prefill_chunks:
@@ -61,7 +76,8 @@ class AttentionMetadata:
             lengths = torch.tensor([c.shape[0] for c in decode_contexts])
             positions = torch.arange(decode_slots.shape[1])
             decode_mask = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,Lmax)
-        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask)
+        entries = torch.tensor(decoder_entries, dtype=torch.long) if decoder_entries else None
+        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask, entries)
 
 
 def paged_attention(
@@ -98,7 +114,12 @@ def paged_attention(
         )  # (1, heads, T, D)
         out[span.start : end] = o[0].transpose(0, 1)
     if meta.decode_slots is not None:
-        q_dec = q[meta.decode_start :, :, None, :]  # (B, heads, 1, D)
+        num_kv = meta.num_kv_rows
+        q_dec = q[meta.decode_start : num_kv, :, None, :]  # (B, heads, 1, D)
+        if meta.decoder_entries is not None:  # a second query per entry; unpaired ones repeat the first
+            second = q_dec.clone()  # (B, heads, 1, D)
+            second[meta.decoder_entries] = q[num_kv:, :, None, :]
+            q_dec = torch.cat([q_dec, second], dim=2)  # (B, heads, 2, D)
         batch, max_len = meta.decode_slots.shape
         flat = meta.decode_slots.flatten()
         k_dec = k_cache.index_select(0, flat).view(batch, max_len, *k_cache.shape[1:]).transpose(1, 2)
@@ -106,6 +127,8 @@ def paged_attention(
         # k_dec, v_dec: (B, kv_heads, Lmax, D)
         o = F.scaled_dot_product_attention(
             q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )  # (B, heads, 1, D)
-        out[meta.decode_start :] = o[:, :, 0, :]
+        )  # (B, heads, 1 or 2, D)
+        out[meta.decode_start : num_kv] = o[:, :, 0, :]
+        if meta.decoder_entries is not None:
+            out[num_kv:] = o[meta.decoder_entries, :, 1, :]
     return out

@@ -63,8 +63,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         k_cache, v_cache = cache
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        num_kv = meta.num_kv_rows  # ICaRus decoder rows (after these) write no K/V
+        k_cache.index_copy_(0, meta.slot_mapping, k[:num_kv])
+        v_cache.index_copy_(0, meta.slot_mapping, v[:num_kv])
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)  # (N, heads, D)
         out = out.reshape(num_tokens, self.q_size)
         projected = self.o_proj(out)  # (N, hidden)
