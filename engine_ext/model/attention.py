@@ -39,9 +39,11 @@ class AttentionMetadata:
     decode_start: int  # decode tokens occupy [decode_start, N) of the flat batch
     decode_slots: torch.Tensor | None  # (B, Lmax) slots, padded with slot 0
     decode_mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where the key is real
-    # ICaRus decoder queries occupy [len(slot_mapping), N) of the flat batch, after every
-    # row that writes K/V; decoder_entries (M,) names the decode entry each one joins.
+    # ICaRus decoder queries come after every row that writes K/V: first one per entry of
+    # decoder_entries (M,) (the decode entry it joins), then one per prefill_decoders item
+    # (span index -> its row), a query at the span's last position (the first token).
     decoder_entries: torch.Tensor | None = None
+    prefill_decoders: dict[int, int] | None = None
 
     @property
     def num_kv_rows(self) -> int:
@@ -54,11 +56,13 @@ class AttentionMetadata:
         prefill_chunks: list[tuple[int, torch.Tensor]],
         decode_contexts: list[torch.Tensor],
         decoder_entries: list[int] | None = None,
+        prefill_decoders: dict[int, int] | None = None,
     ) -> AttentionMetadata:
         """prefill_chunks: (num_new_tokens, context slots (L,)) per prefilling sequence in
         batch order; decode_contexts: context slots (new token last) per decoding sequence,
         whose tokens follow all prefill tokens in the flat batch; decoder_entries: for
-        each ICaRus decoder query (after the decode tokens), its decode entry's index."""
+        each ICaRus decoder query (after the decode tokens), its decode entry's index;
+        prefill_decoders: prefill span index -> the row of its last-position decoder query."""
         prefills: list[PrefillSpan] = []
         start = 0
         for num_tokens, slots in prefill_chunks:
@@ -77,7 +81,8 @@ class AttentionMetadata:
             positions = torch.arange(decode_slots.shape[1])
             decode_mask = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,Lmax)
         entries = torch.tensor(decoder_entries, dtype=torch.long) if decoder_entries else None
-        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask, entries)
+        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask, entries,
+                                 prefill_decoders or None)
 
 
 def paged_attention(
@@ -92,8 +97,12 @@ def paged_attention(
     """q (N, heads, D); k_new/v_new (N, kv_heads, D), already written to the caches
     (num_slots, kv_heads, D). Returns (N, heads, D)."""
     out = torch.empty_like(q)
-    for span in meta.prefills:
+    for index, span in enumerate(meta.prefills):
         end = span.start + span.num_tokens
+        decoder_row = meta.prefill_decoders.get(index) if meta.prefill_decoders else None
+        if decoder_row is not None:  # a second query at the last position, seeing what it sees
+            _prefill_with_decoder(q, k_new, v_new, k_cache, v_cache, span, decoder_row, scale, out)
+            continue
         q_seq = q[span.start : end].transpose(0, 1)[None]  # (1, heads, T, D)
         if span.mask is None:  # nothing cached: the new keys are the whole context
             k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]
@@ -116,9 +125,10 @@ def paged_attention(
     if meta.decode_slots is not None:
         num_kv = meta.num_kv_rows
         q_dec = q[meta.decode_start : num_kv, :, None, :]  # (B, heads, 1, D)
-        if meta.decoder_entries is not None:  # a second query per entry; unpaired ones repeat the first
+        num_decoders = 0 if meta.decoder_entries is None else meta.decoder_entries.shape[0]
+        if num_decoders:  # a second query per entry; unpaired ones repeat the first
             second = q_dec.clone()  # (B, heads, 1, D)
-            second[meta.decoder_entries] = q[num_kv:, :, None, :]
+            second[meta.decoder_entries] = q[num_kv : num_kv + num_decoders, :, None, :]
             q_dec = torch.cat([q_dec, second], dim=2)  # (B, heads, 2, D)
         batch, max_len = meta.decode_slots.shape
         flat = meta.decode_slots.flatten()
@@ -129,6 +139,28 @@ def paged_attention(
             q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
         )  # (B, heads, 1 or 2, D)
         out[meta.decode_start : num_kv] = o[:, :, 0, :]
-        if meta.decoder_entries is not None:
-            out[num_kv:] = o[meta.decoder_entries, :, 1, :]
+        if num_decoders:
+            out[num_kv : num_kv + num_decoders] = o[meta.decoder_entries, :, 1, :]
     return out
+
+
+def _prefill_with_decoder(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, span: PrefillSpan, decoder_row: int, scale: float,
+                          out: torch.Tensor) -> None:
+    """A prefill span plus an ICaRus decoder query at its last position, in one pass."""
+    end = span.start + span.num_tokens
+    queries = torch.cat([q[span.start : end], q[decoder_row : decoder_row + 1]])  # (T + 1, heads, D)
+    if span.mask is None:
+        k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]  # (T, kv_heads, D)
+        mask = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool).tril()  # (T, T)
+    else:
+        k_seq = k_cache.index_select(0, span.context_slots)  # (L, kv_heads, D)
+        v_seq = v_cache.index_select(0, span.context_slots)
+        mask = span.mask  # (T, L)
+    mask = torch.cat([mask, mask[-1:]])  # (T + 1, L): the decoder query sees what the last token sees
+    o = F.scaled_dot_product_attention(
+        queries.transpose(0, 1)[None], k_seq.transpose(0, 1)[None], v_seq.transpose(0, 1)[None],
+        attn_mask=mask, scale=scale, enable_gqa=True,
+    )[0].transpose(0, 1)  # (T + 1, heads, D)
+    out[span.start : end] = o[:-1]
+    out[decoder_row] = o[-1]

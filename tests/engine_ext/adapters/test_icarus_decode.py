@@ -64,3 +64,29 @@ def test_paired_decode_equals_separate_encoder_and_decoder(tmp_path):
         torch.testing.assert_close(k, rk)
         torch.testing.assert_close(v, rv)
     assert not torch.allclose(hidden[2:], hidden[1:2], atol=1e-3)  # the adapter changed the prediction
+
+
+def test_first_token_decoder_query_at_the_end_of_a_prefill(tmp_path):
+    write_adapter(tmp_path / "code", seed=5)
+    adapter = load_lora(tmp_path / "code", CFG, "code")
+    model = _model()
+    prompt = PROMPTS[0]
+    slots = torch.arange(len(prompt))
+    ids, positions = torch.tensor(prompt), torch.arange(len(prompt))
+
+    ref_cache = _cache()
+    base_hidden = model(ids, positions, ref_cache.layers, AttentionMetadata.build(slots, [(len(prompt), slots)], []))
+    # Reference decoder: the merged model's query for the last prompt token over the base K/V.
+    snapshot = [(k.clone(), v.clone()) for k, v in ref_cache.layers]
+    meta = AttentionMetadata.build(torch.tensor([SCRATCH]), [], [slots])
+    ref_decoder = _merged(model, adapter)(ids[-1:], positions[-1:], snapshot, meta)
+
+    cache = _cache()
+    meta = AttentionMetadata.build(slots, [(len(prompt), slots)], [], prefill_decoders={0: len(prompt)})
+    hidden = model(torch.cat([ids, ids[-1:]]), torch.cat([positions, positions[-1:]]), cache.layers, meta,
+                   AdapterRows([AdapterSpan(len(prompt), len(prompt) + 1, adapter)]))
+    torch.testing.assert_close(hidden[:-1], base_hidden)
+    torch.testing.assert_close(hidden[-1:], ref_decoder, rtol=1e-4, atol=1e-4)
+    for (k, v), (rk, rv) in zip(cache.layers, ref_cache.layers):
+        torch.testing.assert_close(k, rk)
+        torch.testing.assert_close(v, rv)
