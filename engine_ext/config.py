@@ -277,6 +277,35 @@ class ReuseConfig:
             raise ValueError("min_segment_tokens must be >= 1")
 
 
+AdapterMode = Literal["icarus", "multi_lora"]
+FirstToken = Literal["adapter", "base"]
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """A LoRA adapter served on the base model, selected by `name` (engine_ext/adapters).
+
+    `icarus`: the base model (the logical encoder) produces every K/V, so all icarus
+    adapters of one base share one cache; decoding runs the base and base+adapter on
+    the same token in one pass and samples from the adapter (the first token too, or
+    from the base with `first_token="base"`, the paper's variant). `multi_lora`: the
+    adapter produces its own K/V, cached under its own prefix namespace (vLLM's way).
+    """
+
+    name: str
+    path: str
+    mode: AdapterMode = "icarus"
+    first_token: FirstToken = "adapter"
+
+    def __post_init__(self) -> None:
+        if not self.name or ":" in self.name or "/" in self.name:
+            raise ValueError(f"adapter name {self.name!r} must be non-empty, without ':' or '/'")
+        if self.mode not in get_args(AdapterMode):
+            raise ValueError(f"unknown adapter mode {self.mode!r} (icarus | multi_lora)")
+        if self.first_token not in get_args(FirstToken):
+            raise ValueError(f"unknown first_token {self.first_token!r} (adapter | base)")
+
+
 EvictionPolicyName = Literal["lru", "workflow"]
 
 
@@ -352,8 +381,12 @@ class EngineConfig:
     num_threads: int | None = None
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    adapters: tuple[AdapterSpec, ...] = ()
 
     def __post_init__(self) -> None:
+        names = [spec.name for spec in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError("adapter names must be unique")
         if self.kv_cache_bytes <= 0:
             raise ValueError("kv_cache_bytes must be positive")
         if not 1 <= self.block_size <= 1024:

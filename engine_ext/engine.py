@@ -11,8 +11,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from engine_ext.adapters.registry import AdapterRegistry
 from engine_ext.collective import RECOVERIES, CollectivePrefill, KVCollector
-from engine_ext.config import EngineConfig, ModelConfig
+from engine_ext.config import TORCH_DTYPES, EngineConfig, ModelConfig
 from engine_ext.diffs import CacheImage, DiffStore, Restorer
 from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import (
@@ -76,6 +77,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.model_config, config.dtype)
+        self.adapters = AdapterRegistry(config.adapters, self.model_config, self.model_name, TORCH_DTYPES[config.dtype])
         self.kv_cache = KVCache(self.model_config, config)
         self.workflows = WorkflowTable(config.tiers.workflow_idle_s)  # KVFlow's view of the workflows (engine_ext/tiers)
         policy = WorkflowPolicy(self.workflows) if config.tiers.policy == "workflow" else None
@@ -163,12 +165,17 @@ class LLMEngine:
         segments: list[TokenSegment] | None = None,
         publish: bool = True,
         scope: ReuseScope | None = None,
+        adapter: str | None = None,
     ) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
 
         `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
         prefix cache, `scope` (the plan's app and agent) KVCOMM's anchors;
-        `publish=False` keeps this request's blocks out of the prefix cache."""
+        `publish=False` keeps this request's blocks out of the prefix cache; `adapter`
+        names a served LoRA adapter (engine_ext/adapters)."""
+        served = self.adapters.get(adapter) if adapter is not None else None
+        if served is not None:
+            segments = None  # placed segments carry the base model's plain prefill, not an adapter's
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
@@ -203,6 +210,7 @@ class LLMEngine:
             scope=scope,
             num_exact_tokens=None if publish else 0,
             publish=publish,
+            adapter=served,
         )
         self._observe_workflow(seq)
         self.scheduler.add(seq)
@@ -341,11 +349,12 @@ class LLMEngine:
     # -- convenience for tests and benchmarks ----------------------------------------
     def generate(self, prompt_token_ids: list[int], sampling: SamplingParams,
                  segments: list[TokenSegment] | None = None, publish: bool = True,
-                 record_logits: bool = False, scope: ReuseScope | None = None) -> Sequence:
+                 record_logits: bool = False, scope: ReuseScope | None = None,
+                 adapter: str | None = None) -> Sequence:
         """Run one request to completion synchronously (seq.logits holds each step's
         logits when record_logits is set)."""
         seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling,
-                               segments=segments, publish=publish, scope=scope)
+                               segments=segments, publish=publish, scope=scope, adapter=adapter)
         seq.logits = [] if record_logits else None
         while not seq.is_finished:
             self.step()

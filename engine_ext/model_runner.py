@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import torch
 
+from engine_ext.adapters.lora import LoraAdapter
+from engine_ext.adapters.rows import AdapterRows, AdapterSpan
 from engine_ext.collective.collector import CollectiveGroup
 from engine_ext.collective.plan import CollectivePlan
 from engine_ext.collective.prefill import CollectivePrefill, GroupMember
@@ -20,6 +23,17 @@ from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
 from engine_ext.sequence import Sequence
 
 logger = logging.getLogger(__name__)
+
+
+class DecoderRow(NamedTuple):
+    """An ICaRus decoder query: the sequence's last token again, through base + adapter."""
+
+    lora: LoraAdapter
+    sample_index: int  # which sampled row it replaces
+    decode_entry: int | None  # the decode entry whose keys it reads, or
+    prefill_span: int | None  # the prefill span at whose last position it sits
+    token: int
+    position: int
 
 
 class ModelRunner:
@@ -112,6 +126,10 @@ class ModelRunner:
             logger.exception("storing round %s failed; its requests go on without it", plan.round_id)
 
     def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
+        """One forward for every plain chunk. A multi-LoRA sequence's rows get its
+        adapter's updates; an ICaRus sequence about to sample adds a decoder row (its
+        token again, base + adapter, reading the base K/V and writing none) after every
+        K/V row, and samples from it."""
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
@@ -119,9 +137,12 @@ class ModelRunner:
         decode_contexts: list[torch.Tensor] = []
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        spans: list[AdapterSpan] = []
+        decoders: list[DecoderRow] = []
         for seq, num_tokens in chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             context = self.kv.slots(seq, end)  # (end,)
+            row = len(input_ids)
             input_ids += seq.token_ids[start:end]
             positions.append(torch.arange(start, end))
             new_slots.append(context[start:])
@@ -129,12 +150,38 @@ class ModelRunner:
                 decode_contexts.append(context)
             else:
                 prefill_chunks.append((num_tokens, context))
+            adapter = seq.adapter
+            if adapter is not None and not adapter.is_icarus:
+                spans.append(AdapterSpan(row, row + num_tokens, adapter.lora))
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
-        meta = AttentionMetadata.build(torch.cat(new_slots), prefill_chunks, decode_contexts)
+                first = end == seq.num_prompt_tokens
+                if adapter is not None and adapter.is_icarus and not (first and adapter.spec.first_token == "base"):
+                    entry = len(decode_contexts) - 1 if num_tokens == 1 else None
+                    span = len(prefill_chunks) - 1 if num_tokens > 1 else None
+                    decoders.append(DecoderRow(adapter.lora, len(sample_rows) - 1, entry, span,
+                                               seq.token_ids[end - 1], end - 1))
+        # Decoder rows go after every K/V row: the decode entries' first, then the prefills'.
+        decoders.sort(key=lambda d: d.decode_entry is None)
+        num_kv = len(input_ids)
+        entries: list[int] = []
+        prefill_decoders: dict[int, int] = {}
+        for i, decoder in enumerate(decoders):
+            row = num_kv + i
+            input_ids.append(decoder.token)
+            positions.append(torch.tensor([decoder.position]))
+            spans.append(AdapterSpan(row, row + 1, decoder.lora))
+            if decoder.decode_entry is not None:
+                entries.append(decoder.decode_entry)
+            else:
+                prefill_decoders[decoder.prefill_span] = row
+            sample_rows[decoder.sample_index] = row
+        meta = AttentionMetadata.build(torch.cat(new_slots), prefill_chunks, decode_contexts,
+                                       entries or None, prefill_decoders or None)
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta
+            torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta,
+            AdapterRows(spans) if spans else None,
         )  # (N, hidden)
         return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]
 

@@ -12,6 +12,7 @@ import torch
 from engine_ext.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_ext.adapters.registry import ServedAdapter
     from engine_ext.collective.collector import CollectiveGroup
     from engine_ext.diffs.restorer import Restore
     from engine_ext.detokenizer import Detokenizer
@@ -59,6 +60,7 @@ class Sequence:
     # the prefix cache; None: every computed block is exact.
     num_exact_tokens: int | None = None
     publish: bool = True  # False: this request leaves nothing for others (prefix cache, round caches)
+    adapter: ServedAdapter | None = None  # the LoRA adapter it runs with (engine_ext/adapters)
     # Teacher forcing (the fidelity harness): append these tokens instead of sampling,
     # and keep the logits each step produced.
     forced_token_ids: list[int] | None = None

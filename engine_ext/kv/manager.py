@@ -28,14 +28,21 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def root_of(self, seq: Sequence) -> bytes:
+        """The hash chain's start: the model's, or a multi-LoRA adapter's own (its K/V differ)."""
+        if seq.adapter is not None and seq.adapter.hash_root is not None:
+            return seq.adapter.hash_root
+        return self.root
+
     def prefix_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """Chained hashes of the full blocks among the sequence's first `num_tokens` tokens."""
         bs = self.block_size
         num_full = min(num_tokens, len(seq.token_ids)) // bs
         if len(seq.block_hashes) < num_full:
-            parent = seq.block_hashes[-1] if seq.block_hashes else self.root
+            root = self.root_of(seq)
+            parent = seq.block_hashes[-1] if seq.block_hashes else root
             seq.block_hashes += block_hashes(
-                self.root, seq.token_ids[: num_full * bs], bs, start=len(seq.block_hashes), parent=parent
+                root, seq.token_ids[: num_full * bs], bs, start=len(seq.block_hashes), parent=parent
             )
         return seq.block_hashes[:num_full]
 
@@ -91,7 +98,7 @@ class KVCacheManager:
         published = []
         for idx in range(seq.num_published_blocks, num_full):
             if idx == len(seq.block_hashes):
-                parent = seq.block_hashes[-1] if seq.block_hashes else self.root
+                parent = seq.block_hashes[-1] if seq.block_hashes else self.root_of(seq)
                 seq.block_hashes.append(chain_hash(parent, seq.token_ids[idx * bs : (idx + 1) * bs]))
             block = seq.blocks[idx]
             self.pool.register(block, seq.block_hashes[idx])
