@@ -31,6 +31,7 @@ class _Add:
     kv_transfer_params: dict[str, Any] | None
     segments: list[TokenSegment] | None
     scope: ReuseScope | None
+    adapter: str | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -71,6 +72,7 @@ class AsyncEngine:
         kv_transfer_params: dict[str, Any] | None = None,
         segments: list[TokenSegment] | None = None,
         scope: ReuseScope | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
         errors on first iteration; leaving the iteration early aborts the request."""
@@ -78,7 +80,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, sink, loop))
+        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
+                                sink, loop))
         finished = False
         try:
             while not finished:
@@ -126,7 +129,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
-                                        segments=cmd.segments, scope=cmd.scope)
+                                        segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter)
             except EngineError as exc:
                 _deliver(cmd, exc)
                 continue

@@ -34,15 +34,23 @@ class CompletionService:
         self.aligner = PromptAligner(self.tokenizer)
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvrelay",
-                "max_model_len": self.engine.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        """The base model, then each adapter as `base:adapter`."""
+        ids = [self.model_name] + [f"{self.model_name}:{name}" for name in self.engine.engine.adapters.adapters]
+        cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": "kvrelay",
+                  "max_model_len": self.engine.engine.max_model_len} for model_id in ids]
+        return {"object": "list", "data": cards}
+
+    def _adapter(self, model: str) -> str | None:
+        """The adapter a request's `model` names (`base:adapter`), None for the base."""
+        base, _, adapter = model.partition(":")
+        if base != self.model_name or (adapter and adapter not in self.engine.engine.adapters.adapters):
+            raise ModelNotFoundError(model)
+        return adapter or None
 
     # -- prompt ----------------------------------------------------------------------
     def _prompt(self, req: Request) -> AlignedPrompt:
         """Token ids of the prompt; segment-aligned when the request carries a plan."""
-        if req.model != self.model_name:
-            raise ModelNotFoundError(req.model)
+        self._adapter(req.model)
         req.check_supported()
         plan = _plan(req)
         if isinstance(req, ChatCompletionRequest):
@@ -63,7 +71,8 @@ class CompletionService:
         prompt = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
-                                       req.kv_transfer_params, prompt.segments, prompt.scope)
+                                       req.kv_transfer_params, prompt.segments, prompt.scope,
+                                       self._adapter(req.model))
         return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------

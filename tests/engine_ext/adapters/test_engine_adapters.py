@@ -118,3 +118,20 @@ def test_an_unknown_adapter_is_refused(model_dir):
     engine = _engine(model_dir)
     with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'"):
         engine.add_request("r", PROMPT, GREEDY, adapter="nope")
+
+
+def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_server):
+    import httpx
+
+    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1)
+    engine = _engine(model_dir, AdapterSpec("math", str(adapter_dir), "icarus"))
+    expected = engine.generate(PROMPT, GREEDY, adapter="math").output_token_ids
+    body = {"prompt": PROMPT, "max_tokens": GREEDY.max_tokens, "temperature": 0.0, "ignore_eos": True}
+    with run_server(engine, "tiny") as srv:
+        models = httpx.get(f"{srv.v1}/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "tiny:math"]
+        reply = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:math"}, timeout=30).json()
+        assert reply["choices"][0]["text"] == engine.tokenizer.decode(expected)
+        missing = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:nope"}, timeout=30)
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
