@@ -44,9 +44,24 @@ def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_
         raise _fail(f"invalid KV tier settings: {exc}") from exc
 
 
+def _adapter_specs(adapters: list[str] | None, mode: str) -> tuple:
+    from engine_ext.config import AdapterSpec
+
+    specs = []
+    for item in adapters or []:
+        name, sep, path = item.partition("=")
+        if not sep or not path:
+            raise _fail(f"--adapter {item!r}: expected NAME=PATH")
+        try:
+            specs.append(AdapterSpec(name, path, mode))  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise _fail(f"--adapter {item!r}: {exc}") from exc
+    return tuple(specs)
+
+
 def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb: int, block_size: int,
                   max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str,
-                  reuse=None, tiers=None):
+                  reuse=None, tiers=None, adapters=()):
     from engine_ext.config import EngineConfig, ReuseConfig, TierConfig
     from engine_ext.engine import LLMEngine
     from engine_ext.errors import EngineError
@@ -56,7 +71,7 @@ def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb:
         config = EngineConfig(
             kv_cache_bytes=kv_cache_mb * 2**20, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,  # type: ignore[arg-type]
-            reuse=reuse or ReuseConfig(), tiers=tiers or TierConfig(),
+            reuse=reuse or ReuseConfig(), tiers=tiers or TierConfig(), adapters=adapters,
         )
         model_dir = resolve_model(model)
         return LLMEngine(model_dir, config, served_model_name or model_dir.name)
@@ -119,6 +134,8 @@ HostKvOpt = Annotated[int, typer.Option(min=0, help="host-memory KV tier in MiB;
 DiskKvDirOpt = Annotated[Optional[str], typer.Option(help="directory for a disk KV tier (a memory-mapped file, removed on exit)")]
 DiskKvOpt = Annotated[int, typer.Option(min=0, help="disk KV tier size in MiB (with --disk-kv-dir)")]
 LoadAheadOpt = Annotated[int, typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow and a lower tier; 0: off)")]
+AdapterOpt = Annotated[Optional[list[str]], typer.Option(help="serve a PEFT LoRA adapter as NAME=PATH (repeat); clients ask for model 'BASE:NAME'")]
+AdapterModeOpt = Annotated[str, typer.Option(help="adapters: icarus (one shared KV cache, needs ICaRus-trained adapters) | multi_lora")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -151,6 +168,8 @@ def engine(
     disk_kv_dir: DiskKvDirOpt = None,
     disk_kv_mb: DiskKvOpt = 0,
     load_ahead: LoadAheadOpt = 0,
+    adapter: AdapterOpt = None,
+    adapter_mode: AdapterModeOpt = "icarus",
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -165,7 +184,8 @@ def engine(
                           diff_store)
     tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
-                        max_num_batched_tokens, max_model_len, dtype, reuse, tiers)
+                        max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
+                        _adapter_specs(adapter, adapter_mode))
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
 
@@ -215,6 +235,8 @@ def up(
     disk_kv_dir: DiskKvDirOpt = None,
     disk_kv_mb: DiskKvOpt = 0,
     load_ahead: LoadAheadOpt = 0,
+    adapter: AdapterOpt = None,
+    adapter_mode: AdapterModeOpt = "icarus",
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -230,7 +252,8 @@ def up(
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
     tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
-    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse, tiers)
+    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse, tiers,
+                        _adapter_specs(adapter, adapter_mode))
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
     engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),
@@ -360,6 +383,46 @@ def prepare_model() -> None:
         typer.echo(prepare_default_model())
     except EngineError as exc:
         raise _fail(str(exc)) from exc
+
+
+@app.command()
+def train(
+    mode: Annotated[str, typer.Argument(help="icarus (a logical decoder over the frozen base's KV) | lora")],
+    data: Annotated[Path, typer.Option(help="JSONL: one {\"prompt\", \"completion\"} object per line")],
+    out: Annotated[Path, typer.Option(help="directory for the PEFT adapter")],
+    model: ModelOpt = None,
+    rank: Annotated[int, typer.Option(min=1, max=256, help="LoRA rank")] = 8,
+    alpha: Annotated[float, typer.Option(min=0.0, help="LoRA alpha (scaling = alpha / rank)")] = 16.0,
+    steps: Annotated[int, typer.Option(min=1, help="passes over the examples")] = 3,
+    lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate")] = 1e-3,
+    max_examples: Annotated[Optional[int], typer.Option(min=1, help="use at most this many examples")] = None,
+) -> None:
+    """Fine-tune a LoRA adapter on CPU with the base frozen; writes it in PEFT's format."""
+    from engine_ext.adapters.dataset import read_examples
+    from engine_ext.adapters.training import train as fit
+    from engine_ext.config import ModelConfig
+    from engine_ext.errors import EngineError
+    from engine_ext.model import load_model
+    from engine_ext.model_store import resolve_model
+    from engine_ext.tokenizer import Tokenizer
+
+    if mode not in ("icarus", "lora"):
+        raise _fail(f"unknown training mode {mode!r} (icarus | lora)")
+    try:
+        model_dir = resolve_model(model)
+        cfg = ModelConfig.from_dir(model_dir)
+        examples = read_examples(data, Tokenizer(model_dir), max_examples)
+        base = load_model(model_dir, cfg)
+    except EngineError as exc:
+        raise _fail(str(exc)) from exc
+    factors, losses = fit(base, examples, mode, rank=rank, alpha=alpha, steps=steps, lr=lr)  # type: ignore[arg-type]
+    for step, loss in enumerate(losses, start=1):
+        typer.echo(f"step {step}: loss {loss:.4f}")
+    try:
+        factors.save(out)
+    except OSError as exc:
+        raise _fail(f"cannot write {out}: {exc.strerror or exc}") from exc
+    typer.echo(f"wrote {mode} adapter to {out}")
 
 
 @app.command()

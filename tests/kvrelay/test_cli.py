@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +35,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--disk-kv-dir", "/tmp/kv"), "needs both tiers.disk_path and tiers.disk_bytes"),
         (("up", "--disk-kv-mb", "64"), "needs both tiers.disk_path and tiers.disk_bytes"),
         (("engine", "--host-kv-mb", "-1"), "--host-kv-mb"),
+        (("train", "magic", "--data", "x.jsonl", "--out", "out"), "unknown training mode 'magic'"),
+        (("engine", "--adapter", "no-equals-sign"), "expected NAME=PATH"),
+        (("up", "--adapter", "a:b=/tmp/x"), "without ':' or '/'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
@@ -102,3 +106,15 @@ def test_bad_gateway_settings_name_the_field_but_never_echo_the_value(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "kvrelay: error: invalid gateway settings: admin_key: Value error, admin_key must be at least 16 characters"]
+
+
+def test_train_writes_an_adapter_the_engine_serves(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("llama")
+    data = Path(__file__).resolve().parents[2] / "data" / "tiny_math.jsonl"
+    proc = run_cli("train", "icarus", "--model", str(model_dir), "--data", str(data), "--out", str(tmp_path / "a"),
+                   "--steps", "2", "--max-examples", "4", "--rank", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("loss") == 2 and (tmp_path / "a" / "adapter_model.safetensors").exists()
+    bad = run_cli("train", "lora", "--model", str(model_dir), "--data", str(tmp_path / "missing.jsonl"),
+                  "--out", str(tmp_path / "b"))
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("kvrelay: error: cannot read")
