@@ -151,7 +151,8 @@ class CompletionService:
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
-        return {"id": request_id, "object": kind, "created": int(time.time()), "model": self.model_name}
+        # The model the client asked for: the base, or `base:adapter` (validated in _prompt).
+        return {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
 
 
 def _new_id(is_chat: bool) -> str:

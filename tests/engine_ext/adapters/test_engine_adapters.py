@@ -132,6 +132,7 @@ def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_se
         assert [m["id"] for m in models["data"]] == ["tiny", "tiny:math"]
         reply = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:math"}, timeout=30).json()
         assert reply["choices"][0]["text"] == engine.tokenizer.decode(expected)
+        assert reply["model"] == "tiny:math"
         missing = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:nope"}, timeout=30)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
