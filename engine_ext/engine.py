@@ -174,8 +174,8 @@ class LLMEngine:
         `publish=False` keeps this request's blocks out of the prefix cache; `adapter`
         names a served LoRA adapter (engine_ext/adapters)."""
         served = self.adapters.get(adapter) if adapter is not None else None
-        if served is not None:
-            segments = None  # placed segments carry the base model's plain prefill, not an adapter's
+        if served is not None and not served.is_icarus:
+            segments = None  # cached segments hold the base model's K/V, not this adapter's
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")

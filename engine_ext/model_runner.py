@@ -66,6 +66,7 @@ class ModelRunner:
                 batch.append(chunk)
         for group in groups.values():
             rows += self._run_group(group)
+        rows = self._decode_first_tokens(rows)
         if batch:
             rows += self._run_batch(batch)
         if not rows:
@@ -125,6 +126,28 @@ class ModelRunner:
         except Exception:
             logger.exception("storing round %s failed; its requests go on without it", plan.round_id)
 
+    def _decode_first_tokens(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
+        """A prompt assembled around reused segments ends in the base model's hidden state.
+        An ICaRus sequence samples its first token from its decoder instead: one decode
+        pass over the finished prompt, whose base row rewrites its last token's own K/V
+        (the value a plain prefill would have written) and whose decoder row reads them."""
+        pending = [i for i, (seq, _) in enumerate(rows) if _samples_from_decoder(seq, first=True)]
+        if not pending:
+            return rows
+        seqs = [rows[i][0] for i in pending]
+        contexts = [self.kv.slots(seq, seq.num_tokens) for seq in seqs]  # (T,) each
+        num = len(seqs)
+        tokens = [seq.token_ids[-1] for seq in seqs]
+        positions = torch.tensor([seq.num_tokens - 1 for seq in seqs] * 2)  # (2 * num,)
+        spans = [AdapterSpan(num + i, num + i + 1, seq.adapter.lora) for i, seq in enumerate(seqs)]
+        meta = AttentionMetadata.build(torch.cat([c[-1:] for c in contexts]), [], contexts, list(range(num)))
+        hidden = self.model(torch.tensor(tokens * 2, dtype=torch.long), positions, self.kv_cache.layers, meta,
+                            AdapterRows(spans))  # (2 * num, hidden): base rows, then decoder rows
+        rows = list(rows)
+        for j, i in enumerate(pending):
+            rows[i] = (seqs[j], hidden[num + j : num + j + 1])
+        return rows
+
     def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
         """One forward for every plain chunk. A multi-LoRA sequence's rows get its
         adapter's updates; an ICaRus sequence about to sample adds a decoder row (its
@@ -156,8 +179,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
-                first = end == seq.num_prompt_tokens
-                if adapter is not None and adapter.is_icarus and not (first and adapter.spec.first_token == "base"):
+                if _samples_from_decoder(seq, first=end == seq.num_prompt_tokens):
                     entry = len(decode_contexts) - 1 if num_tokens == 1 else None
                     span = len(prefill_chunks) - 1 if num_tokens > 1 else None
                     decoders.append(DecoderRow(adapter.lora, len(sample_rows) - 1, entry, span,
@@ -184,6 +206,13 @@ class ModelRunner:
             AdapterRows(spans) if spans else None,
         )  # (N, hidden)
         return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]
+
+
+def _samples_from_decoder(seq: Sequence, first: bool) -> bool:
+    """An ICaRus sequence samples from its adapter's decoder query, except a first token
+    its adapter asks of the base (the paper's variant)."""
+    adapter = seq.adapter
+    return adapter is not None and adapter.is_icarus and not (first and adapter.spec.first_token == "base")
 
 
 def _limit_exact(seq: Sequence, assembly: Assembly) -> None:

@@ -136,3 +136,27 @@ def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_se
         missing = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:nope"}, timeout=30)
         assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
+
+
+def test_icarus_adapters_share_the_segment_index_and_multi_lora_ones_do_not(tiny_model_dir, tmp_path):
+    """A document cached by one ICaRus adapter's request is reused by another adapter's,
+    and the answer equals a dense run (the first token comes from the decoder after the
+    reused prefill); a multi-LoRA request neither stores nor reads segments."""
+    from engine_ext.reuse.segments import TokenSegment
+
+    model_dir = tiny_model_dir("llama", num_hidden_layers=4)
+    cfg = ModelConfig.from_dir(model_dir)
+    specs = [AdapterSpec(name, str(write_adapter_for(cfg, tmp_path / name, seed=i)), mode)
+             for i, (name, mode) in enumerate([("plan", "icarus"), ("act", "icarus"), ("l1", "multi_lora")])]
+    reuse = ReuseConfig(check_layers=(0,), min_segment_tokens=4)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(96), reuse=reuse, adapters=tuple(specs)))
+    prefix, doc = PROMPT[:11], [(7 * i + 3) % 190 + 5 for i in range(37)]
+    segment = TokenSegment(len(prefix), len(prefix) + len(doc), "shared_block", None, "shift", 0)
+    engine.generate(prefix + doc + [9, 9, 9], GREEDY, segments=[segment], publish=False, adapter="plan")
+    prompt = prefix + doc + [4, 8, 15, 16, 23]
+    reused = engine.generate(prompt, GREEDY, segments=[segment], publish=False, adapter="act")
+    (outcome,) = reused.reuse_outcomes
+    assert outcome.method == "shift" and outcome.num_reused == len(doc)
+    assert reused.output_token_ids == engine.generate(prompt, GREEDY, publish=False, adapter="act").output_token_ids
+    lora = engine.generate(prompt, GREEDY, segments=[segment], publish=False, adapter="l1")
+    assert not lora.reuse_outcomes and lora.num_cached_tokens == 0
