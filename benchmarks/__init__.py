@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, str] = {
     "collective": "benchmarks.collective",
     "engine": "benchmarks.engine",
     "gateway": "benchmarks.gateway",
+    "icarus": "benchmarks.icarus",
     "inference": "benchmarks.inference",
     "kvcomm": "benchmarks.kvcomm",
     "kvflow": "benchmarks.kvflow",

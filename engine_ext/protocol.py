@@ -18,6 +18,10 @@ Offsets are Python string indices into the message's `content` (for /v1/completi
 prompt is message 0). `content_hash` is the sha256 of the segment's text, so the engine
 can check that what it holds is what the plan claims. A plan is advice: an engine that
 cannot reuse a segment as planned computes it densely.
+
+`adapter` names the base model and the LoRA adapter the request runs on, apart, so an
+engine (and the gateway's routing) can tell that `base:a` and `base:b` share the base's
+KV cache (ICaRus mode) without parsing model names.
 """
 
 from __future__ import annotations
@@ -71,6 +75,18 @@ class WorkflowInfo(_Frozen):
     next: list[str]  # the agents predicted to run next
 
 
+class AdapterRef(_Frozen):
+    """A base model and the adapter on it; `name` None is the base model itself."""
+
+    base: Annotated[str, Field(min_length=1)]
+    name: Annotated[str, Field(min_length=1)] | None = None
+
+    @property
+    def model(self) -> str:
+        """The model name a client sends and an engine lists: `base` or `base:name`."""
+        return self.base if self.name is None else f"{self.base}:{self.name}"
+
+
 class SegmentPlan(_Frozen):
     version: Literal[1] = PLAN_VERSION
     session_id: str
@@ -79,7 +95,7 @@ class SegmentPlan(_Frozen):
     segments: list[Segment]
     round: RoundInfo | None = None
     workflow: WorkflowInfo | None = None
-    adapter: str | None = None
+    adapter: AdapterRef | None = None
     app_id: str | None = None  # whose workflow this is: KVCOMM anchors are learned per app
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from gateway.adapters import AdapterRouter
 from gateway.admin import install_admin
 from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
@@ -52,7 +53,10 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
-        inference = Inference(settings.inference)
+        router = AdapterRouter.from_settings(settings.adapters)
+        if router.num_rules:
+            logger.info("adapter routing: %d rules", router.num_rules)
+        inference = Inference(settings.inference, router)
         store, saver = await start_store(settings, db, inference)
         hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
         app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access,

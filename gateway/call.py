@@ -153,12 +153,18 @@ class ProxiedCall:
         return body
 
     def _infer(self, body: dict[str, Any], ident: Identity) -> dict[str, Any]:
-        """Session, agent and the SegmentPlan; the plan rides along unless reuse is off."""
-        result = self.state.inference.plan(ident, body, self.record.id, self.record.model or "")
+        """Session, agent and the SegmentPlan; the plan rides along unless reuse is off.
+        The adapter the plan routes to is applied either way: routing is not reuse."""
+        model = self.record.model or ""
+        result = self.state.inference.plan(ident, body, self.record.id, model)
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
         describe_plan(self.span, result.plan, result.session_inferred)
+        adapter = result.plan.adapter
+        if adapter is not None and adapter.model != model:
+            body = {**body, "model": adapter.model}
+            self.record.model = adapter.model[:256]  # what ran, and what dispatch picks an upstream for
         reuse = self.request.headers.get(REUSE_HEADER, "on").strip().lower() not in ("off", "0", "false")
         if self.state.settings.inference.reuse and reuse:
             return attach_plan(body, result.plan)

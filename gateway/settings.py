@@ -8,11 +8,13 @@ KVRELAY_UPSTREAMS='["http://127.0.0.1:8000"]'. KVRELAY_CONFIG names the YAML fil
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, ValidationError, field_validator,
+                      model_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -54,6 +56,77 @@ class InferenceSettings(BaseModel):
         return markers
 
 
+class AdapterRule(BaseModel):
+    """Requests of matching agents run on `adapter` of the model the client named. Every
+    condition given must hold: `agent` an fnmatch glob on the agent id (explicit or
+    inferred), `system` a regex searched in the system/developer message, `base` the
+    client's model (None: any)."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt condition must not match everything
+
+    adapter: Annotated[str, Field(min_length=1, pattern=r"^[^:]+$")]
+    agent: Annotated[str, Field(min_length=1)] | None = None
+    system: Annotated[str, Field(min_length=1)] | None = None
+    base: Annotated[str, Field(min_length=1, pattern=r"^[^:]+$")] | None = None  # a base names no adapter
+
+    @field_validator("system")
+    @classmethod
+    def _regex(cls, pattern: str | None) -> str | None:
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"{pattern!r} is not a valid regular expression ({exc})") from exc
+        return pattern
+
+    @model_validator(mode="after")
+    def _a_condition(self) -> AdapterRule:
+        if self.agent is None and self.system is None:
+            raise ValueError(f"the rule for adapter {self.adapter!r} needs `agent` or `system` (or both)")
+        return self
+
+
+class _AdapterFile(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rules: list[AdapterRule] = []
+
+
+class AdapterSettings(BaseModel):
+    """Which LoRA adapter an agent's requests run on: `rules` here, then those of the YAML
+    `file` (`{rules: [...]}`), first match wins. The file is read once, when the settings
+    are built, so a missing or invalid one stops the gateway at startup."""
+
+    rules: list[AdapterRule] = []
+    file: Path | None = None
+    _file_rules: list[AdapterRule] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _load_file(self) -> AdapterSettings:
+        if self.file is not None:
+            self._file_rules = load_adapter_rules(self.file)
+        return self
+
+    @property
+    def all_rules(self) -> list[AdapterRule]:
+        return [*self.rules, *self._file_rules]
+
+
+def load_adapter_rules(path: Path) -> list[AdapterRule]:
+    """The rules of an adapters file; ValueError naming the file and the problem."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read the adapters file {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"the adapters file {path} must hold a mapping with `rules`")
+    try:
+        return _AdapterFile.model_validate(data).rules
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"invalid adapters file {path}: {problems}") from exc
+
+
 class GatewaySettings(BaseSettings):
     # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
     model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
@@ -69,6 +142,7 @@ class GatewaySettings(BaseSettings):
     timeouts: Timeouts = Timeouts()
     breaker: Breaker = Breaker()
     inference: InferenceSettings = InferenceSettings()
+    adapters: AdapterSettings = AdapterSettings()  # agent -> LoRA adapter routing
     health_interval_s: PositiveFloat = 5.0
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 from engine_ext.protocol import Segment, SegmentPlan, WorkflowInfo
+from gateway.adapters import AdapterRouter
 from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
 from gateway.inference.blocks import split_blocks
@@ -67,8 +68,10 @@ def sha256(text: str) -> str:
 
 
 class Inference:
-    def __init__(self, settings: InferenceSettings) -> None:
+    def __init__(self, settings: InferenceSettings, router: AdapterRouter | None = None) -> None:
         self.settings = settings
+        # No router: no rules, so every request runs on the model it names.
+        self.router = router if router is not None else AdapterRouter()
         self.apps: dict[str, AppState] = {}
         self.changes = Changes()  # for the StateStore, which saves them to SQL
 
@@ -98,10 +101,10 @@ class Inference:
         builder.add_question(messages, self.settings.anchor_chars)
         round_info = session.rounds.assign(frozenset(builder.responses_read))
         workflow = self._step(app, session, agent.id, builder.responses_read)
+        adapter = self.router.route(model, agent.id, system.content if system else None) if model else None
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
                            segments=builder.segments(), round=round_info, workflow=workflow,
-                           adapter=body.get("model") if isinstance(body.get("model"), str) else None,
-                           app_id=ident.app_id)
+                           adapter=adapter, app_id=ident.app_id)
         self.changes.sessions.add((ident.app_id, session_id))
         self.changes.agents.add((ident.app_id, agent.id))
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 from engine_ext.protocol import (
     PLAN_KEY,
     PLAN_VERSION,
+    AdapterRef,
     RoundInfo,
     Segment,
     SegmentPlan,
@@ -57,7 +58,7 @@ def test_plan_defaults():
 def test_plan_round_trips_through_attach_and_read_via_json():
     p = plan(round=RoundInfo(id="r1", size=3, index=2),
              workflow=WorkflowInfo(steps_to_execution={"coder": 1, "planner": 0}, next=["coder"]),
-             adapter="lora-a")
+             adapter=AdapterRef(base="m", name="lora-a"))
     body = {"model": "m", "messages": [{"role": "system", "content": SYSTEM}]}
     wire = json.loads(json.dumps(attach_plan(body, p)))
     assert read_plan(wire) == p
@@ -90,10 +91,22 @@ def test_attach_plan_replaces_a_non_dict_kv_transfer_params():
 
 
 def test_attach_plan_replaces_an_existing_plan():
-    first = attach_plan({"model": "m"}, plan(adapter="old"))
-    second = attach_plan(first, plan(adapter="new"))
-    assert read_plan(second).adapter == "new"
-    assert read_plan(first).adapter == "old"
+    first = attach_plan({"model": "m"}, plan(adapter=AdapterRef(base="m", name="old")))
+    second = attach_plan(first, plan(adapter=AdapterRef(base="m")))
+    assert read_plan(second).adapter == AdapterRef(base="m")
+    assert read_plan(first).adapter == AdapterRef(base="m", name="old")
+
+
+def test_adapter_ref_names_the_model_and_travels_as_base_and_name():
+    assert AdapterRef(base="smollm2-135m").model == "smollm2-135m"
+    assert AdapterRef(base="smollm2-135m", name="math").model == "smollm2-135m:math"
+    wire = json.loads(json.dumps(attach_plan({}, plan(adapter=AdapterRef(base="b", name="a")))))
+    assert wire["kv_transfer_params"][PLAN_KEY]["adapter"] == {"base": "b", "name": "a"}
+    for bad in ({"base": ""}, {"base": "b", "name": ""}, {"base": "b", "extra": 1}):
+        with pytest.raises(ValidationError):
+            AdapterRef.model_validate(bad)
+    with pytest.raises(ValidationError):
+        SegmentPlan.model_validate(plan_dict(adapter="lora-a"))  # a bare string is the old form
 
 
 def test_read_plan_returns_none_when_absent():
