@@ -44,7 +44,7 @@ def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_
         raise _fail(f"invalid KV tier settings: {exc}") from exc
 
 
-def _adapter_specs(adapters: list[str] | None, mode: str) -> tuple:
+def _adapter_specs(adapters: list[str] | None, mode: str, first_token: str) -> tuple:
     from engine_ext.config import AdapterSpec
 
     specs = []
@@ -53,7 +53,7 @@ def _adapter_specs(adapters: list[str] | None, mode: str) -> tuple:
         if not sep or not path:
             raise _fail(f"--adapter {item!r}: expected NAME=PATH")
         try:
-            specs.append(AdapterSpec(name, path, mode))  # type: ignore[arg-type]
+            specs.append(AdapterSpec(name, path, mode, first_token))  # type: ignore[arg-type]
         except ValueError as exc:
             raise _fail(f"--adapter {item!r}: {exc}") from exc
     return tuple(specs)
@@ -136,6 +136,7 @@ DiskKvOpt = Annotated[int, typer.Option(min=0, help="disk KV tier size in MiB (w
 LoadAheadOpt = Annotated[int, typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow and a lower tier; 0: off)")]
 AdapterOpt = Annotated[Optional[list[str]], typer.Option(help="serve a PEFT LoRA adapter as NAME=PATH (repeat); clients ask for model 'BASE:NAME'")]
 AdapterModeOpt = Annotated[str, typer.Option(help="adapters: icarus (one shared KV cache, needs ICaRus-trained adapters) | multi_lora")]
+FirstTokenOpt = Annotated[str, typer.Option(help="icarus: sample the first token from the adapter or from the base (the paper's variant)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -170,6 +171,7 @@ def engine(
     load_ahead: LoadAheadOpt = 0,
     adapter: AdapterOpt = None,
     adapter_mode: AdapterModeOpt = "icarus",
+    adapter_first_token: FirstTokenOpt = "adapter",
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -185,7 +187,7 @@ def engine(
     tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
-                        _adapter_specs(adapter, adapter_mode))
+                        _adapter_specs(adapter, adapter_mode, adapter_first_token))
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
 
@@ -237,6 +239,7 @@ def up(
     load_ahead: LoadAheadOpt = 0,
     adapter: AdapterOpt = None,
     adapter_mode: AdapterModeOpt = "icarus",
+    adapter_first_token: FirstTokenOpt = "adapter",
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -253,7 +256,7 @@ def up(
                           diff_store)
     tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
     llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse, tiers,
-                        _adapter_specs(adapter, adapter_mode))
+                        _adapter_specs(adapter, adapter_mode, adapter_first_token))
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
     engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),

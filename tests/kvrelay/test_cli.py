@@ -38,6 +38,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("train", "magic", "--data", "x.jsonl", "--out", "out"), "unknown training mode 'magic'"),
         (("engine", "--adapter", "no-equals-sign"), "expected NAME=PATH"),
         (("up", "--adapter", "a:b=/tmp/x"), "without ':' or '/'"),
+        (("engine", "--adapter", "a=/tmp/x", "--adapter-first-token", "middle"), "unknown first_token 'middle'"),
+        (("up", "--adapter", "a=/tmp/x", "--adapter-mode", "dense"), "unknown adapter mode 'dense'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):
