@@ -391,7 +391,7 @@ def prepare_model() -> None:
 @app.command()
 def train(
     mode: Annotated[str, typer.Argument(help="icarus (a logical decoder over the frozen base's KV) | lora")],
-    data: Annotated[Path, typer.Option(help="JSONL: one {\"prompt\", \"completion\"} object per line")],
+    data: Annotated[Path, typer.Option(help="JSONL: one {\"prompt\", \"completion\"} or {\"messages\"} object per line")],
     out: Annotated[Path, typer.Option(help="directory for the PEFT adapter")],
     model: ModelOpt = None,
     rank: Annotated[int, typer.Option(min=1, max=256, help="LoRA rank")] = 8,
