@@ -26,7 +26,7 @@ KV cache (ICaRus mode) without parsing model names.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -85,6 +85,15 @@ class AdapterRef(_Frozen):
     def model(self) -> str:
         """The model name a client sends and an engine lists: `base` or `base:name`."""
         return self.base if self.name is None else f"{self.base}:{self.name}"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_model_name(cls, value: Any) -> Any:
+        """Plans from gateways before AdapterRef carried the model name as a string."""
+        if isinstance(value, str):
+            base, sep, name = value.rpartition(":")
+            return {"base": base, "name": name} if sep and base and name else {"base": value}
+        return value
 
 
 class SegmentPlan(_Frozen):

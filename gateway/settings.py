@@ -64,7 +64,7 @@ class AdapterRule(BaseModel):
 
     model_config = ConfigDict(extra="forbid")  # a misspelt condition must not match everything
 
-    adapter: Annotated[str, Field(min_length=1, pattern=r"^[^:]+$")]
+    adapter: Annotated[str, Field(min_length=1, pattern=r"^[^:/]+$")]  # as the engine names adapters
     agent: Annotated[str, Field(min_length=1)] | None = None
     system: Annotated[str, Field(min_length=1)] | None = None
     base: Annotated[str, Field(min_length=1, pattern=r"^[^:]+$")] | None = None  # a base names no adapter
@@ -96,6 +96,8 @@ class AdapterSettings(BaseModel):
     """Which LoRA adapter an agent's requests run on: `rules` here, then those of the YAML
     `file` (`{rules: [...]}`), first match wins. The file is read once, when the settings
     are built, so a missing or invalid one stops the gateway at startup."""
+
+    model_config = ConfigDict(extra="forbid")
 
     rules: list[AdapterRule] = []
     file: Path | None = None

@@ -5,9 +5,12 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:  # the engine's modules load only in the commands that need them
+    from engine_ext.config import AdapterSpec
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -44,7 +47,8 @@ def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_
         raise _fail(f"invalid KV tier settings: {exc}") from exc
 
 
-def _adapter_specs(adapters: list[str] | None, mode: str, first_token: str) -> tuple:
+def _adapter_specs(adapters: list[str] | None, mode: str, first_token: str) -> tuple[AdapterSpec, ...]:
+    """The --adapter NAME=PATH options as AdapterSpecs; a malformed one fails the command."""
     from engine_ext.config import AdapterSpec
 
     specs = []

@@ -32,10 +32,10 @@ def read_examples(path: Path, tokenizer: Tokenizer, limit: int | None = None) ->
         if isinstance(row, dict) and "messages" in row:
             examples.append(_chat_example(row["messages"], tokenizer, f"{path}:{number}"))
         elif isinstance(row, dict) and isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str) \
-                and row["completion"]:
+                and row["prompt"] and row["completion"]:
             examples.append((tokenizer.encode(row["prompt"]), tokenizer.encode(row["completion"])))
         else:
-            raise InvalidRequestError(f"{path}:{number}: needs a string prompt and a non-empty string completion, "
+            raise InvalidRequestError(f"{path}:{number}: needs a non-empty string prompt and completion, "
                                       "or messages")
         if limit is not None and len(examples) >= limit:
             break

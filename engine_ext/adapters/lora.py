@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from engine_ext.config import ModelConfig
@@ -34,7 +35,7 @@ MODULES: dict[str, tuple[str, int]] = {
     "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", 0),
 }
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+PEFT_PARENTS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
@@ -67,7 +68,7 @@ class LoraAdapter:
         return out
 
 
-def _rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+def module_rows(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     """Where each PEFT module's output lands inside its fused projection."""
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     return {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv), "o_proj": (0, cfg.hidden_size),
@@ -86,16 +87,17 @@ def load_lora(adapter_dir: Path, cfg: ModelConfig, name: str, dtype: torch.dtype
     """Read and check a PEFT LoRA adapter for a base model with config `cfg`."""
     adapter_dir = Path(adapter_dir)
     settings = _read_settings(adapter_dir)
-    rank = int(settings.get("r", 0))
-    if rank < 1:
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise ModelLoadError(f"adapter {name!r}: r must be a positive integer")
-    alpha = float(settings.get("lora_alpha", rank))
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ModelLoadError(f"adapter {name!r}: lora_alpha must be a number")
     scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
     try:
         tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:
         raise ModelLoadError(f"adapter {name!r}: cannot read adapter_model.safetensors: {exc}") from exc
-    rows = _rows(cfg)
+    rows = module_rows(cfg)
     grouped: dict[tuple[int, str], list[LoraPart]] = {}
     for key in sorted(k for k in tensors if k.endswith("lora_A.weight")):
         layer, module = _parse_key(key, name, cfg.num_layers)
@@ -124,14 +126,21 @@ def _read_settings(adapter_dir: Path) -> dict:
         settings = json.loads(path.read_text())
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{adapter_dir} has no adapter_config.json") from exc
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(settings, dict):
+        raise ModelLoadError(f"{path} must hold a JSON object")
     refusals = {
         "peft_type": (settings.get("peft_type", "LORA") != "LORA", "only LoRA adapters are supported"),
         "bias": (settings.get("bias", "none") != "none", "LoRA bias terms are not supported"),
         "use_dora": (bool(settings.get("use_dora")), "DoRA is not supported"),
         "fan_in_fan_out": (bool(settings.get("fan_in_fan_out")), "fan_in_fan_out layouts are not supported"),
         "modules_to_save": (bool(settings.get("modules_to_save")), "fully trained modules are not supported"),
+        # Per-module ranks or alphas would scale some modules wrongly: refuse, never approximate.
+        "rank_pattern": (bool(settings.get("rank_pattern")), "per-module ranks are not supported"),
+        "alpha_pattern": (bool(settings.get("alpha_pattern")), "per-module alphas are not supported"),
     }
     for field, (refused, reason) in refusals.items():
         if refused:
@@ -147,6 +156,6 @@ def _parse_key(key: str, name: str, num_layers: int) -> tuple[int, str]:
         layer, parent, module = int(parts[at + 1]), parts[at + 2], parts[at + 3]
     except (ValueError, IndexError) as exc:
         raise ModelLoadError(f"adapter {name!r}: unexpected tensor name {key!r}") from exc
-    if module not in MODULES or _PARENT[module] != parent or not 0 <= layer < num_layers:
+    if module not in MODULES or PEFT_PARENTS[module] != parent or not 0 <= layer < num_layers:
         raise ModelLoadError(f"adapter {name!r}: {key!r} names no projection of the base model")
     return layer, module

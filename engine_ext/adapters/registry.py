@@ -31,6 +31,10 @@ class AdapterRegistry:
             root = None if spec.mode == "icarus" else namespace_root(f"{model_name}:lora:{spec.name}")
             self.adapters[spec.name] = ServedAdapter(spec, lora, root)
 
+    @property
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
     def get(self, name: str) -> ServedAdapter:
         adapter = self.adapters.get(name)
         if adapter is None:

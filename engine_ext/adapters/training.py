@@ -19,13 +19,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from engine_ext.adapters.lora import MODULES, _rows
+from engine_ext.adapters.lora import MODULES, PEFT_PARENTS, module_rows
 from engine_ext.model import CausalLM
 from kernels.rope import apply_rotary, rope_cos_sin
 
 TrainMode = Literal["lora", "icarus"]
-_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
 class LoraFactors(torch.nn.Module):
@@ -36,7 +34,7 @@ class LoraFactors(torch.nn.Module):
         cfg = model.config
         self.rank, self.alpha, self.modules_ = rank, alpha, modules
         self.scaling = alpha / rank
-        rows = _rows(cfg)
+        rows = module_rows(cfg)
         gen = torch.Generator().manual_seed(seed)
         self.a = torch.nn.ParameterDict()
         self.b = torch.nn.ParameterDict()
@@ -54,7 +52,7 @@ class LoraFactors(torch.nn.Module):
         fused = model.layers[layer].get_submodule(fused_name)
         out = F.linear(x, fused.weight, fused.bias)  # (T, out)
         parts = []
-        rows = _rows(model.config)
+        rows = module_rows(model.config)
         for module in self.modules_:
             if MODULES[module][0] == fused_name:
                 start, end = rows[module]
@@ -76,7 +74,7 @@ class LoraFactors(torch.nn.Module):
         tensors = {}
         for key in self.a:
             layer, module = key.split("_", 1)
-            name = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+            name = f"base_model.model.model.layers.{layer}.{PEFT_PARENTS[module]}.{module}"
             tensors[f"{name}.lora_A.weight"] = self.a[key].detach().contiguous()
             tensors[f"{name}.lora_B.weight"] = self.b[key].detach().contiguous()
         save_file(tensors, str(path / "adapter_model.safetensors"))

@@ -50,7 +50,9 @@ class KVCollector:
     def holds(self, seq: Sequence, waiting: Iterable[Sequence], now: float | None = None) -> bool:
         """Whether the round's first waiting request should wait for its siblings a little longer."""
         rid = round_id(seq)
-        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions or rid in self._formed:
+        # A request without segments (a multi-LoRA adapter's) never joins a group: no waiting.
+        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions or not seq.segments \
+                or rid in self._formed:
             return False
         now = time.monotonic() if now is None else now
         if (now - seq.arrival_time) * 1e3 >= self.config.window_ms:

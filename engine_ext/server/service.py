@@ -35,17 +35,20 @@ class CompletionService:
 
     def models(self) -> dict[str, Any]:
         """The base model, then each adapter as `base:adapter`."""
-        ids = [self.model_name] + [f"{self.model_name}:{name}" for name in self.engine.engine.adapters.adapters]
+        ids = [self.model_name] + [f"{self.model_name}:{name}" for name in self.engine.engine.adapters.names]
         cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": "kvrelay",
                   "max_model_len": self.engine.engine.max_model_len} for model_id in ids]
         return {"object": "list", "data": cards}
 
     def _adapter(self, model: str) -> str | None:
-        """The adapter a request's `model` names (`base:adapter`), None for the base."""
-        base, _, adapter = model.partition(":")
-        if base != self.model_name or (adapter and adapter not in self.engine.engine.adapters.adapters):
+        """The adapter a request's `model` names (`base:adapter`), None for the base.
+        The last `:` splits, since adapter names have none and a base name may."""
+        if model == self.model_name:
+            return None
+        base, _, adapter = model.rpartition(":")
+        if base != self.model_name or adapter not in self.engine.engine.adapters.names:
             raise ModelNotFoundError(model)
-        return adapter or None
+        return adapter
 
     # -- prompt ----------------------------------------------------------------------
     def _prompt(self, req: Request) -> AlignedPrompt:

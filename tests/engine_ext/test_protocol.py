@@ -105,8 +105,10 @@ def test_adapter_ref_names_the_model_and_travels_as_base_and_name():
     for bad in ({"base": ""}, {"base": "b", "name": ""}, {"base": "b", "extra": 1}):
         with pytest.raises(ValidationError):
             AdapterRef.model_validate(bad)
-    with pytest.raises(ValidationError):
-        SegmentPlan.model_validate(plan_dict(adapter="lora-a"))  # a bare string is the old form
+    # Plans from older gateways carried the model name as a string.
+    assert SegmentPlan.model_validate(plan_dict(adapter="m")).adapter == AdapterRef(base="m")
+    assert SegmentPlan.model_validate(plan_dict(adapter="llama3:8b:math")).adapter == AdapterRef(base="llama3:8b",
+                                                                                                name="math")
 
 
 def test_read_plan_returns_none_when_absent():

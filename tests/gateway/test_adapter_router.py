@@ -33,7 +33,7 @@ def ref(name: str | None, base: str = BASE) -> AdapterRef:
 def test_the_clients_adapter_wins_over_every_rule():
     r = router({"agent": "*", "adapter": "critic"})
     assert r.route(f"{BASE}:math", "critic-1", CRITIC_SYSTEM) == ref("math")
-    assert r.route("m:a:b", "x", None) == AdapterRef(base="m", name="a:b")  # split at the first ':'
+    assert r.route("m:v1:b", "x", None) == AdapterRef(base="m:v1", name="b")  # adapter names have no ":"
     for odd in ("m:", ":a"):  # not an adapter reference: passes through as named, no rule applies
         assert r.route(odd, "critic", None) == AdapterRef(base=odd)
         assert r.route(odd, "critic", None).model == odd
@@ -93,12 +93,18 @@ def test_the_first_matching_rule_wins_and_settings_rules_come_before_the_files(t
     ({"base": BASE, "adapter": "critic"}, "needs `agent` or `system`"),
     ({"agent": "critic*", "adapter": "base:critic"}, "adapter"),
     ({"agent": "critic*", "adapter": ""}, "adapter"),
+    ({"agent": "critic*", "adapter": "team/critic"}, "adapter"),  # the engine refuses '/' in names
     ({"agent": "critic*", "base": f"{BASE}:math", "adapter": "critic"}, "base"),
     ({"agnet": "critic*", "system": "x", "adapter": "critic"}, "agnet"),  # a typo is an error, not a no-op
 ])
 def test_invalid_rules(rule, message):
     with pytest.raises(ValidationError, match=message):
         AdapterRule(**rule)
+
+
+def test_a_misspelt_adapters_setting_is_an_error():
+    with pytest.raises(ValidationError, match="flie"):
+        AdapterSettings(flie="adapters.yaml")
 
 
 def test_adapters_file_from_the_environment(clean_env, tmp_path):

@@ -24,10 +24,10 @@ def _write(tmp_path, rows: list) -> object:
 
 def test_raw_rows_are_tokenized_as_they_are(tmp_path, tokenizer):
     path = _write(tmp_path, [{"prompt": "Question: 2 plus 2?", "completion": " 4."}, "",
-                             {"prompt": "", "completion": " five"}])
+                             {"prompt": "3 plus 2?", "completion": " five"}])
     examples = read_examples(path, tokenizer)
     assert examples == [(tokenizer.encode("Question: 2 plus 2?"), tokenizer.encode(" 4.")),
-                        ([], tokenizer.encode(" five"))]
+                        (tokenizer.encode("3 plus 2?"), tokenizer.encode(" five"))]
     assert len(read_examples(path, tokenizer, limit=1)) == 1
 
 
@@ -41,8 +41,9 @@ def test_chat_rows_go_through_the_template_and_end_with_eos(tmp_path, tokenizer)
 
 @pytest.mark.parametrize("row, message", [
     ("{not json", "data.jsonl:1: not JSON"),
-    ({"prompt": "p"}, "data.jsonl:1: needs a string prompt"),
-    ({"prompt": "p", "completion": ""}, "data.jsonl:1: needs a string prompt"),
+    ({"prompt": "p"}, "data.jsonl:1: needs a non-empty string prompt"),
+    ({"prompt": "p", "completion": ""}, "data.jsonl:1: needs a non-empty string prompt"),
+    ({"prompt": "", "completion": "c"}, "data.jsonl:1: needs a non-empty string prompt"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "at least two"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]}, "assistant's"),
     ({"messages": "hi"}, "at least two"),

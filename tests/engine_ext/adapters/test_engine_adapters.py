@@ -133,8 +133,9 @@ def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_se
         reply = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:math"}, timeout=30).json()
         assert reply["choices"][0]["text"] == engine.tokenizer.decode(expected)
         assert reply["model"] == "tiny:math"
-        missing = httpx.post(f"{srv.v1}/completions", json={**body, "model": "tiny:nope"}, timeout=30)
-        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        for wrong in ("tiny:nope", "tiny:", "other:math"):
+            missing = httpx.post(f"{srv.v1}/completions", json={**body, "model": wrong}, timeout=30)
+            assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found", wrong
     assert reply["usage"]["completion_tokens"] == GREEDY.max_tokens
 
 
@@ -160,3 +161,37 @@ def test_icarus_adapters_share_the_segment_index_and_multi_lora_ones_do_not(tiny
     assert reused.output_token_ids == engine.generate(prompt, GREEDY, publish=False, adapter="act").output_token_ids
     lora = engine.generate(prompt, GREEDY, segments=[segment], publish=False, adapter="l1")
     assert not lora.reuse_outcomes and lora.num_cached_tokens == 0
+
+
+def test_a_base_name_with_a_colon_still_serves_itself_and_its_adapters(model_dir, tmp_path, run_server):
+    import httpx
+
+    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1)
+    engine = _engine(model_dir, AdapterSpec("math", str(adapter_dir), "icarus"))
+    body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    with run_server(engine, "llama3:8b") as srv:
+        for model in ("llama3:8b", "llama3:8b:math"):
+            reply = httpx.post(f"{srv.v1}/completions", json={**body, "model": model}, timeout=30)
+            assert reply.status_code == 200 and reply.json()["model"] == model
+
+
+def test_mixed_batches_chunked_prefills_and_preemption_change_no_answer(model_dir, tmp_path):
+    """Base, ICaRus (both first-token variants) and multi-LoRA requests run together on
+    an engine whose prefills are chunked and whose KV pool is too small for all of them
+    (so some are preempted and recomputed): each answer equals that request run alone."""
+    cfg = ModelConfig.from_dir(model_dir)
+    specs = (AdapterSpec("plan", str(write_adapter_for(cfg, tmp_path / "plan", seed=1)), "icarus"),
+             AdapterSpec("act", str(write_adapter_for(cfg, tmp_path / "act", seed=2)), "icarus", "base"),
+             AdapterSpec("code", str(write_adapter_for(cfg, tmp_path / "code", seed=3)), "multi_lora"))
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + k) % 300 + 5 for k in range(40 + 9 * i)] for i in range(6)]
+    adapters = ["plan", "act", None, "code", "plan", "act"]
+    alone = _engine(model_dir, *specs)
+    expected = [alone.generate(p, sampling, adapter=a).output_token_ids for p, a in zip(prompts, adapters)]
+    tight = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=kv_bytes(16), max_num_batched_tokens=32,
+                                              reuse=ReuseConfig(enabled=False), adapters=specs))
+    seqs = [tight.add_request(f"r{i}", p, sampling, adapter=a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+    while tight.has_work:
+        tight.step()
+    assert sum(s.num_preemptions for s in seqs) > 0
+    assert [s.output_token_ids for s in seqs] == expected

@@ -77,6 +77,10 @@ def test_an_adapter_on_some_modules_leaves_the_others_alone(tmp_path):
     ({"fan_in_fan_out": True}, "fan_in_fan_out"),
     ({"modules_to_save": ["lm_head"]}, "fully trained modules"),
     ({"r": 0}, "r must be a positive integer"),
+    ({"r": None}, "r must be a positive integer"),
+    ({"lora_alpha": "8"}, "lora_alpha must be a number"),
+    ({"rank_pattern": {"q_proj": 8}}, "per-module ranks"),
+    ({"alpha_pattern": {"q_proj": 2.0}}, "per-module alphas"),
 ])
 def test_settings_the_engine_cannot_apply_exactly_are_refused(tmp_path, settings, message):
     write_adapter(tmp_path / "a", **settings)  # the settings override the written adapter_config.json
@@ -111,3 +115,16 @@ def test_missing_files_are_refused(tmp_path):
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     with pytest.raises(ModelLoadError, match="cannot read adapter_model.safetensors"):
         load_lora(tmp_path, CFG, "none")
+
+
+def test_unreadable_files_are_refused(tmp_path):
+    write_adapter(tmp_path / "a")
+    (tmp_path / "a" / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{trunc")
+    with pytest.raises(ModelLoadError, match="cannot read adapter_model.safetensors"):
+        load_lora(tmp_path / "a", CFG, "bad")
+    (tmp_path / "a" / "adapter_config.json").write_text("[1, 2]")
+    with pytest.raises(ModelLoadError, match="must hold a JSON object"):
+        load_lora(tmp_path / "a", CFG, "bad")
+    (tmp_path / "b" / "adapter_config.json").mkdir(parents=True)  # a directory where the file should be
+    with pytest.raises(ModelLoadError, match="cannot read"):
+        load_lora(tmp_path / "b", CFG, "bad")
