@@ -23,7 +23,7 @@ def test_icarus_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch, cap
         # One copy of the history against n; the reflections' partial blocks are never cached.
         assert 0 < metrics[f"kv_bytes_ratio_{n}"] <= 1 / n + 0.05
         assert metrics[f"p95_latency_speedup_{n}"] > 0 and metrics[f"throughput_ratio_{n}"] > 0
-    computed = [row for row in result.rows if "prompt tokens computed" in row[0]]
+    computed = [row for row in result.rows if "prompt tokens not cached" in row[0]]
     assert len(computed) == 4 and all(int(row[1]) < int(row[2]) for row in computed)
     assert "N=4: KV MB of one session" in capsys.readouterr().out
 
