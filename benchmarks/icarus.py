@@ -178,7 +178,7 @@ def session_tokens(load: Workload, num_adapters: int) -> int:
 
 def make_engine(model_dir: Path, adapters: list[Path], mode: str, num_tokens: int) -> LLMEngine:
     cfg = ModelConfig.from_dir(model_dir)
-    bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # fp32
+    bytes_per_token = cfg.kv_bytes_per_token(4)  # fp32
     specs = tuple(AdapterSpec(str(i), str(path), mode) for i, path in enumerate(adapters))
     config = EngineConfig(kv_cache_bytes=num_tokens * bytes_per_token, block_size=BLOCK_SIZE,
                           reuse=ReuseConfig(enabled=False), adapters=specs)

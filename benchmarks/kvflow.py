@@ -177,7 +177,7 @@ class PolicyBench:
 
     def __init__(self, model_dir: Path, load: Workload, policy: str, lower: str) -> None:
         model_cfg = ModelConfig.from_dir(model_dir)
-        bytes_per_token = 2 * model_cfg.num_layers * model_cfg.num_kv_heads * model_cfg.head_dim * 4
+        bytes_per_token = model_cfg.kv_bytes_per_token(4)  # fp32
         lo, hi = load.fixed_tokens
         fixed_tokens = load.num_workflows * load.num_agents * (lo + hi) // 2
         running = load.num_workflows * (load.dynamic_tokens + load.output_tokens + 2 * BLOCK_SIZE)

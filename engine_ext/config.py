@@ -104,6 +104,10 @@ class ModelConfig:
             if getattr(self, name) <= 0:
                 raise ModelLoadError(f"{name} must be positive")
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """K and V of every layer for one token, at `itemsize` bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)

@@ -86,14 +86,23 @@ class AdapterRef(_Frozen):
         """The model name a client sends and an engine lists: `base` or `base:name`."""
         return self.base if self.name is None else f"{self.base}:{self.name}"
 
+    @classmethod
+    def of(cls, model: str) -> AdapterRef:
+        """Parse a model name (`base` or `base:name`)."""
+        return cls(**_model_parts(model))
+
     @model_validator(mode="before")
     @classmethod
     def _from_model_name(cls, value: Any) -> Any:
         """Plans from gateways before AdapterRef carried the model name as a string."""
-        if isinstance(value, str):
-            base, sep, name = value.rpartition(":")
-            return {"base": base, "name": name} if sep and base and name else {"base": value}
-        return value
+        return _model_parts(value) if isinstance(value, str) else value
+
+
+def _model_parts(model: str) -> dict[str, str]:
+    """`base:name` splits at the last ':' (adapter names have none, a base name may); a
+    name with an empty part is a base of its own."""
+    base, sep, name = model.rpartition(":")
+    return {"base": base, "name": name} if sep and base and name else {"base": model}
 
 
 class SegmentPlan(_Frozen):

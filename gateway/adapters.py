@@ -67,9 +67,8 @@ class AdapterRouter:
         """`base:name` from the client wins; else the first matching rule's adapter on
         the client's model; else the model itself. A name with an empty part (`m:`,
         `:a`) passes through untouched, as a base of its own: the engine judges it."""
-        base, sep, name = model.rpartition(":")  # adapter names have no ':', a base name may
-        if sep:
-            return AdapterRef(base=base, name=name) if base and name else AdapterRef(base=model)
+        if ":" in model:
+            return AdapterRef.of(model)
         for rule in self._rules:
             if rule.matches(model, agent_id, system_text):
                 return AdapterRef(base=model, name=rule.adapter)

@@ -13,10 +13,7 @@ class KVCache:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
         dtype = TORCH_DTYPES[engine_cfg.dtype]
         self.block_size = engine_cfg.block_size
-        self.bytes_per_block = (
-            2 * model_cfg.num_layers * self.block_size * model_cfg.num_kv_heads
-            * model_cfg.head_dim * dtype.itemsize
-        )
+        self.bytes_per_block = self.block_size * model_cfg.kv_bytes_per_token(dtype.itemsize)
         self.num_blocks = engine_cfg.kv_cache_bytes // self.bytes_per_block
         if self.num_blocks < 2:
             raise ModelLoadError(

@@ -99,29 +99,31 @@ def paged_attention(
     out = torch.empty_like(q)
     for index, span in enumerate(meta.prefills):
         end = span.start + span.num_tokens
-        decoder_row = meta.prefill_decoders.get(index) if meta.prefill_decoders else None
-        if decoder_row is not None:  # a second query at the last position, seeing what it sees
-            _prefill_with_decoder(q, k_new, v_new, k_cache, v_cache, span, decoder_row, scale, out)
-            continue
-        q_seq = q[span.start : end].transpose(0, 1)[None]  # (1, heads, T, D)
+        queries, mask = q[span.start : end], span.mask  # (T, heads, D), (T, L) or None: causal
         if span.mask is None:  # nothing cached: the new keys are the whole context
             k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]
         else:
             # index_select, not k_cache[idx]: advanced indexing is ~40x slower on CPU.
             k_seq = k_cache.index_select(0, span.context_slots)  # (L, kv_heads, D)
             v_seq = v_cache.index_select(0, span.context_slots)
-        k_seq = k_seq.transpose(0, 1)[None]  # (1, kv_heads, L, D)
-        v_seq = v_seq.transpose(0, 1)[None]
+        decoder_row = meta.prefill_decoders.get(index) if meta.prefill_decoders else None
+        if decoder_row is not None:  # a second query at the last position, seeing what it sees
+            queries = torch.cat([queries, q[decoder_row : decoder_row + 1]])  # (T + 1, heads, D)
+            if mask is None:
+                mask = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool).tril()  # (T, T)
+            mask = torch.cat([mask, mask[-1:]])  # (T + 1, L)
         o = F.scaled_dot_product_attention(
-            q_seq,
-            k_seq,
-            v_seq,
-            attn_mask=span.mask,
-            is_causal=span.mask is None,
+            queries.transpose(0, 1)[None],  # (1, heads, T', D)
+            k_seq.transpose(0, 1)[None],  # (1, kv_heads, L, D)
+            v_seq.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
-        )  # (1, heads, T, D)
-        out[span.start : end] = o[0].transpose(0, 1)
+        )[0].transpose(0, 1)  # (T', heads, D)
+        out[span.start : end] = o[: span.num_tokens]
+        if decoder_row is not None:
+            out[decoder_row] = o[-1]
     if meta.decode_slots is not None:
         num_kv = meta.num_kv_rows
         q_dec = q[meta.decode_start : num_kv, :, None, :]  # (B, heads, 1, D)
@@ -143,24 +145,3 @@ def paged_attention(
             out[num_kv : num_kv + num_decoders] = o[meta.decoder_entries, :, 1, :]
     return out
 
-
-def _prefill_with_decoder(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, span: PrefillSpan, decoder_row: int, scale: float,
-                          out: torch.Tensor) -> None:
-    """A prefill span plus an ICaRus decoder query at its last position, in one pass."""
-    end = span.start + span.num_tokens
-    queries = torch.cat([q[span.start : end], q[decoder_row : decoder_row + 1]])  # (T + 1, heads, D)
-    if span.mask is None:
-        k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]  # (T, kv_heads, D)
-        mask = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool).tril()  # (T, T)
-    else:
-        k_seq = k_cache.index_select(0, span.context_slots)  # (L, kv_heads, D)
-        v_seq = v_cache.index_select(0, span.context_slots)
-        mask = span.mask  # (T, L)
-    mask = torch.cat([mask, mask[-1:]])  # (T + 1, L): the decoder query sees what the last token sees
-    o = F.scaled_dot_product_attention(
-        queries.transpose(0, 1)[None], k_seq.transpose(0, 1)[None], v_seq.transpose(0, 1)[None],
-        attn_mask=mask, scale=scale, enable_gqa=True,
-    )[0].transpose(0, 1)  # (T + 1, heads, D)
-    out[span.start : end] = o[:-1]
-    out[decoder_row] = o[-1]

@@ -16,7 +16,7 @@ from typing import Any
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
-from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
@@ -45,10 +45,10 @@ class CompletionService:
         The last `:` splits, since adapter names have none and a base name may."""
         if model == self.model_name:
             return None
-        base, _, adapter = model.rpartition(":")
-        if base != self.model_name or adapter not in self.engine.engine.adapters.names:
+        ref = AdapterRef.of(model)
+        if ref.base != self.model_name or ref.name not in self.engine.engine.adapters.names:
             raise ModelNotFoundError(model)
-        return adapter
+        return ref.name
 
     # -- prompt ----------------------------------------------------------------------
     def _prompt(self, req: Request) -> AlignedPrompt:
