@@ -1,0 +1,56 @@
+"""ConnectorConfig: the connector's settings, from kv_connector_extra_config."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """`host_dir` should be on tmpfs (it stands for pinned host memory), `disk_dir` on a
+    disk; both default under the replica's engine id, so two replicas never share one.
+    A zero budget turns a tier off; at least one must be on."""
+
+    host_dir: str
+    disk_dir: str
+    host_mb: float = 1024.0
+    disk_mb: float = 4096.0
+    load_ahead: int = 2  # KVFlow: prefetch the prefixes of agents at most this many steps away
+    max_promotions_per_step: int = 8  # disk -> host moves started per scheduler step
+    workflow_idle_s: float = 600.0  # an app silent this long stops holding its prefixes
+
+    def __post_init__(self) -> None:
+        if self.host_mb < 0 or self.disk_mb < 0:
+            raise ValueError("kvrelay connector: host_mb and disk_mb must be >= 0")
+        if self.host_mb == 0 and self.disk_mb == 0:
+            raise ValueError("kvrelay connector: host_mb and disk_mb are both 0: no tier to keep KV in")
+        if self.load_ahead < 0 or self.max_promotions_per_step < 0:
+            raise ValueError("kvrelay connector: load_ahead and max_promotions_per_step must be >= 0")
+        if self.workflow_idle_s <= 0:
+            raise ValueError("kvrelay connector: workflow_idle_s must be > 0")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
+        """Settings from kv_connector_extra_config; unknown keys and wrong types are errors."""
+        extra = dict(extra or {})
+        known = {f.name: f.type for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"kvrelay connector: unknown kv_connector_extra_config keys {unknown}; "
+                             f"known: {sorted(known)}")
+        values: dict[str, Any] = {
+            "host_dir": os.path.join("/dev/shm", f"kvrelay-{engine_id}"),
+            "disk_dir": os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvrelay-kv-{engine_id}"),
+        }
+        for key, value in extra.items():
+            values[key] = _coerce(key, known[key], value)
+        return cls(**values)
+
+
+def _coerce(key: str, annotation: str, value: Any) -> Any:
+    kinds = {"str": str, "float": (int, float), "int": int}
+    if isinstance(value, bool) or not isinstance(value, kinds[annotation]):
+        raise ValueError(f"kvrelay connector: {key} must be a {annotation}, got {value!r}")
+    return float(value) if annotation == "float" else value

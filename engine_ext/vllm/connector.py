@@ -1,0 +1,173 @@
+"""KvrelayConnector: the KVConnectorBase_V1 subclass vLLM loads (imports vLLM).
+
+vLLM builds one instance per role: in the scheduler process it delegates to a
+ConnectorPlanner, in each worker process to a BlockCopier; the StepPlan travels
+between them as the step's connector metadata. This module only translates vLLM's
+objects into the planner's and copier's terms, so both stay testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AutoTokenizer
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from engine_ext.kv.hashing import namespace_root
+from engine_ext.vllm.config import ConnectorConfig
+from engine_ext.vllm.copier import BlockCopier
+from engine_ext.vllm.files import BlockFiles
+from engine_ext.vllm.locator import PrefixLocator
+from engine_ext.vllm.planner import ConnectorPlanner, ScheduledBlocks, StepPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvrelay")  # under vLLM's logger, so its handlers print our lines
+
+
+@dataclass
+class KvrelayMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=lambda: StepPlan([], []))
+
+
+class KvrelayConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError('kvrelay connector: set "kv_load_failure_policy": "recompute" in --kv-transfer-config, '
+                             "so a block that cannot be loaded is recomputed instead of failing its request")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("kvrelay connector: models with more than one KV cache group (hybrid attention) "
+                             "are not supported")
+        self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, str(transfer.engine_id))
+        group = kv_cache_config.kv_cache_groups[0]
+        block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # all layers of one block
+        model = vllm_config.model_config
+        self.block_size = group.kv_cache_spec.block_size
+        root = namespace_root(f"vllm|{model.model}|{model.dtype}|{self.block_size}|{block_bytes}|"
+                              f"{len(group.layer_names)}")
+        self.files = {"host": BlockFiles(self.config.host_dir), "disk": BlockFiles(self.config.disk_dir)}
+        self.planner: ConnectorPlanner | None = None
+        self.copier: BlockCopier | None = None
+        self._failed_blocks: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+            self.planner = ConnectorPlanner(
+                self.config, self.block_size, root, PrefixLocator(tokenizer),
+                num_host_blocks=int(self.config.host_mb * 2**20 // block_bytes),
+                num_disk_blocks=int(self.config.disk_mb * 2**20 // block_bytes))
+            self._adopt_files()
+        else:
+            self.copier = BlockCopier(self.files)
+        log.info("kvrelay connector (%s): host %s (%.0f MB), disk %s (%.0f MB), block %d tokens, %d bytes",
+                 role.name, self.config.host_dir, self.config.host_mb, self.config.disk_dir, self.config.disk_mb,
+                 self.block_size, block_bytes)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is only a later miss
+
+    # Scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        num = self._planner.num_matched_tokens(request.request_id, request.prompt_token_ids or [],
+                                               request.kv_transfer_params, num_computed_tokens)
+        return num, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        scheduled = [ScheduledBlocks(new.req_id, list(new.block_ids[0]), True, new.num_computed_tokens,
+                                     num_scheduled[new.req_id])
+                     for new in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_block_ids = cached.new_block_ids[i]
+            scheduled.append(ScheduledBlocks(req_id, list(new_block_ids[0]) if new_block_ids else None,
+                                             req_id in cached.resumed_req_ids, cached.num_computed_tokens[i],
+                                             num_scheduled[req_id]))
+        return KvrelayMetadata(self._planner.step(scheduled))
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.invalid_block_ids:
+            self._planner.load_failed(set(connector_output.invalid_block_ids))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._planner.finished(request.request_id)
+        return False, None
+
+    # Worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._copier.register(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KvrelayMetadata) and metadata.plan.loads:
+            self._failed_blocks |= self._copier.load(metadata.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: start_load_kv loaded every layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata,
+                      **kwargs: Any) -> None:
+        """Nothing per layer: wait_for_save copies whole blocks of every layer at once."""
+
+    def wait_for_save(self) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, KvrelayMetadata) and metadata.plan.ops:
+            self._copier.save_and_move(metadata.plan.ops)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def shutdown(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+
+    # Helpers
+
+    @property
+    def _planner(self) -> ConnectorPlanner:
+        if self.planner is None:
+            raise RuntimeError("kvrelay connector: a scheduler-side call on a worker-side connector")
+        return self.planner
+
+    @property
+    def _copier(self) -> BlockCopier:
+        if self.copier is None:
+            raise RuntimeError("kvrelay connector: a worker-side call on a scheduler-side connector")
+        return self.copier
+
+    def _adopt_files(self) -> None:
+        """Start-up: blocks already in the tiers' directories (a restarted replica with
+        fixed directories) are kept, newest first, up to each tier's budget; the rest
+        are deleted. Their sizes are checked when they are loaded."""
+        for tier, files in self.files.items():
+            found = files.hashes()  # oldest first
+            num_drop = max(0, len(found) - self._planner.index.capacity[tier])
+            for block_hash in found[:num_drop]:
+                files.delete(block_hash)
+            for block_hash in found[num_drop:]:
+                self._planner.index.adopt(block_hash, tier)
+            if found[num_drop:]:
+                log.info("kvrelay connector: kept %d %s blocks from an earlier run", len(found) - num_drop, tier)

@@ -1,0 +1,112 @@
+"""BlockCopier: the worker-side half of the connector (vLLM's Worker process).
+
+It carries out a StepPlan against vLLM's paged KV cache. Loads run before the forward
+and are waited for (vLLM reads those blocks in the same step). Saves copy the blocks
+out of vLLM's cache at once (the blocks may be reused by the next step) and leave the
+file writes to one background thread, which also runs the moves between tiers; that one
+thread runs everything in the order the scheduler issued it, and loads go through it
+too, so a load never overtakes the write or the move of the block it reads.
+
+A load that fails (file gone, unreadable, wrong size) reports its vLLM block id, and
+vLLM recomputes that block: a missing cache costs time, never a wrong answer. A write
+or move that fails is logged; the scheduler learns of it when a later load of that
+block fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine_ext.vllm.files import BlockFileError, BlockFiles
+from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave, FileOp, TierName
+
+log = logging.getLogger(__name__)
+
+
+class BlockCopier:
+    def __init__(self, tiers: dict[TierName, BlockFiles]) -> None:
+        self.tiers = tiers
+        self._layers: list[torch.Tensor] = []
+        self._block_dim = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-kv-files")
+        self.num_loaded = 0
+        self.num_saved = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor], num_blocks: int) -> None:
+        """vLLM's per-layer caches. The block index is dim 0 in the CPU layout
+        (num_blocks, kv_heads, block_size, 2 * head_dim) and dim 1 in the GPU one
+        (2, num_blocks, block_size, kv_heads, head_dim)."""
+        self._layers = list(kv_caches.values())
+        shape = self._layers[0].shape
+        if shape[0] == num_blocks:
+            self._block_dim = 0
+        elif len(shape) > 1 and shape[1] == num_blocks:
+            self._block_dim = 1
+        else:
+            raise ValueError(f"kvrelay connector: no block dimension of size {num_blocks} in KV cache {tuple(shape)}")
+
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block of every layer: (num_layers, *one layer's block)."""
+        one = self._layers[0].select(self._block_dim, 0).shape
+        return (len(self._layers), *one)
+
+    def load(self, loads: list[BlockLoad]) -> set[int]:
+        """Copy blocks from the tiers into vLLM's cache; the vLLM block ids that failed."""
+        reads = [(load, self._executor.submit(self._read, load)) for load in loads]
+        failed: set[int] = set()
+        for load, future in reads:
+            try:
+                data = future.result()  # (L, *block)
+            except BlockFileError as exc:
+                log.warning("kvrelay connector: recomputing a block: %s", exc)
+                failed.add(load.block_id)
+                continue
+            for layer, block in zip(self._layers, data, strict=True):
+                layer.select(self._block_dim, load.block_id).copy_(block)
+            self.num_loaded += 1
+        return failed
+
+    def save_and_move(self, ops: list[FileOp]) -> None:
+        """Copy the saved blocks out now; write them and run the moves in the background."""
+        for op in ops:
+            if isinstance(op, BlockSave):
+                data = torch.stack([layer.select(self._block_dim, op.block_id) for layer in self._layers]).cpu()
+                self._submit(self._write, op, data)
+            else:
+                self._submit(self._move, op)
+
+    def drain(self) -> None:
+        """Wait for every write and move issued so far."""
+        self._executor.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def _submit(self, fn, *args) -> Future:
+        future = self._executor.submit(fn, *args)
+        future.add_done_callback(_log_failure)
+        return future
+
+    def _read(self, load: BlockLoad) -> torch.Tensor:
+        return self.tiers[load.tier].read(load.block_hash, self.block_shape, self._layers[0].dtype)
+
+    def _write(self, op: BlockSave, data: torch.Tensor) -> None:
+        self.tiers[op.tier].write(op.block_hash, data)
+        self.num_saved += 1
+
+    def _move(self, op: BlockMove) -> None:
+        source = self.tiers[op.source]
+        if op.target is None:
+            source.delete(op.block_hash)
+        else:
+            source.move(op.block_hash, self.tiers[op.target])
+
+
+def _log_failure(future: Future) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.warning("kvrelay connector: a KV file operation failed (later loads of the block recompute it): %s", exc)

@@ -1,0 +1,208 @@
+"""ConnectorPlanner: the scheduler-side half of the connector (vLLM's EngineCore process).
+
+For each request that carries a kvrelay plan it learns the agent's fixed prefix (the
+full vLLM blocks inside the plan's fixed_prefix segment) and the workflow's
+steps-to-execution; it answers vLLM's "how many more prompt tokens can you supply?"
+from the tiers' index, turns vLLM's block allocation into loads, saves each prefix block
+once vLLM has computed it, and moves the prefixes of the agents due next from disk to
+host. Requests without a plan are left to vLLM alone: the connector changes nothing
+for a client that does not go through the gateway.
+
+The planner never touches KV: every decision comes out as a StepPlan that the
+connector ships to the worker inside vLLM's connector metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from pydantic import ValidationError
+
+from engine_ext.kv.hashing import block_hashes
+from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from engine_ext.tiers.policy import WorkflowPolicy
+from engine_ext.tiers.workflow import AgentKey, WorkflowTable
+from engine_ext.vllm.config import ConnectorConfig
+from engine_ext.vllm.index import BlockLoad, FileOp, TierIndex
+from engine_ext.vllm.locator import PrefixLocator
+
+log = logging.getLogger(__name__)
+
+
+class StepPlan(NamedTuple):
+    loads: list[BlockLoad]  # before the forward
+    ops: list[FileOp]  # saves and moves, in order, after the forward
+
+
+class ScheduledBlocks(NamedTuple):
+    """One scheduled request in a step, as vLLM's SchedulerOutput describes it."""
+
+    request_id: str
+    block_ids: list[int] | None  # new blocks (all of them when `replace`); None: no change
+    replace: bool  # a new or resumed request: block_ids is its whole block table
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+
+
+@dataclass
+class PlannedRequest:
+    agent: AgentKey | None
+    hashes: list[bytes]  # every full block of the prompt but its last token
+    prefix: tuple[bytes, ...]  # the fixed prefix's full blocks (a prefix of `hashes`)
+    block_ids: list[int] = field(default_factory=list)
+    num_hit_blocks: int = 0  # leading blocks vLLM or the tiers hold, at the last lookup
+    num_settled: int = 0  # prefix blocks kept or saved so far
+
+
+@dataclass
+class PlannerStats:
+    num_requests: int = 0  # with a plan
+    num_loaded_blocks: int = 0
+    num_saved_blocks: int = 0
+    num_promoted_blocks: int = 0
+    num_failed_loads: int = 0
+
+
+class ConnectorPlanner:
+    def __init__(self, config: ConnectorConfig, block_size: int, root: bytes, locator: PrefixLocator,
+                 num_host_blocks: int, num_disk_blocks: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.root = root
+        self.locator = locator
+        self.table = WorkflowTable(config.workflow_idle_s)
+        self.policy = WorkflowPolicy(self.table)
+        self.index = TierIndex(num_host_blocks, num_disk_blocks, self.policy)
+        self.stats = PlannerStats()
+        self._requests: dict[str, PlannedRequest] = {}
+        self._loads: list[BlockLoad] = []  # allocated since the last step
+        self._recent_loads: deque[dict[int, bytes]] = deque(maxlen=2)  # block id -> hash, per step
+
+    def num_matched_tokens(self, request_id: str, token_ids: Sequence[int], params: dict[str, Any] | None,
+                           num_computed_tokens: int) -> int:
+        """Prompt tokens past `num_computed_tokens` (vLLM's own hits, block-aligned) whose
+        KV the tiers hold, in whole blocks, never the last prompt token."""
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._admit(request_id, list(token_ids), params)
+        if state is None:
+            return 0
+        num_hits = 0
+        for block_hash in state.hashes:
+            if self.index.where(block_hash) is None:
+                break
+            num_hits += 1
+        state.num_hit_blocks = num_hits
+        return max(0, num_hits * self.block_size - num_computed_tokens)
+
+    def allocated(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
+        """vLLM gave the request its blocks; the last `num_external_tokens` of its hit
+        come from the tiers."""
+        state = self._requests.get(request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        last = state.num_hit_blocks
+        first = last - num_external_tokens // self.block_size
+        for i in range(first, last):
+            block_hash = state.hashes[i]
+            # The index only changes in step(), after every allocation of the pass, so the
+            # block is still there; were it not, the worker finds no file and vLLM recomputes.
+            tier = self.index.where(block_hash) or "disk"
+            self._loads.append(BlockLoad(block_hash, tier, block_ids[i]))
+            self.index.touch(block_hash)
+
+    def step(self, scheduled: list[ScheduledBlocks]) -> StepPlan:
+        """This step's loads, then the saves of prefix blocks computed by its end, then
+        the prefetch of the agents due next."""
+        ops: list[FileOp] = []
+        for item in scheduled:
+            state = self._requests.get(item.request_id)
+            if state is None:
+                continue
+            if item.block_ids is not None:
+                state.block_ids = list(item.block_ids) if item.replace else state.block_ids + list(item.block_ids)
+            ops += self._settle(state, item.num_computed_tokens + item.num_scheduled_tokens)
+        ops += self._prefetch()
+        loads, self._loads = self._loads, []
+        self._recent_loads.append({load.block_id: load.block_hash for load in loads})
+        self.stats.num_loaded_blocks += len(loads)
+        return StepPlan(loads, ops)
+
+    def finished(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is not None and state.agent is not None:
+            self.table.finished(state.agent)
+
+    def load_failed(self, block_ids: set[int]) -> None:
+        """The worker could not read these blocks (vLLM recomputes them): forget their files."""
+        for recent in self._recent_loads:
+            for block_id in block_ids & recent.keys():
+                self.index.drop(recent[block_id])
+                self.stats.num_failed_loads += 1
+
+    def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None) -> PlannedRequest | None:
+        plan = _read_plan(request_id, params)
+        if plan is None:
+            return None
+        hashes = block_hashes(self.root, token_ids[:-1], self.block_size)
+        fixed = next((s for s in plan.segments if s.kind == "fixed_prefix"), None)
+        num_prefix_tokens = self.locator.num_prefix_tokens(token_ids, fixed) if fixed is not None else None
+        prefix = tuple(hashes[:(num_prefix_tokens or 0) // self.block_size])
+        agent = AgentKey(plan.app_id or plan.session_id, plan.agent_id) if plan.agent_id else None
+        if agent is not None:
+            steps = plan.workflow.steps_to_execution if plan.workflow is not None else None
+            self.table.observe(agent, prefix or None, steps)
+        state = PlannedRequest(agent, hashes, prefix)
+        self._requests[request_id] = state
+        self.stats.num_requests += 1
+        return state
+
+    def _settle(self, state: PlannedRequest, num_done_tokens: int) -> list[FileOp]:
+        """Save the prefix blocks that are computed by the end of this step."""
+        ops: list[FileOp] = []
+        while state.num_settled < len(state.prefix):
+            i = state.num_settled
+            if (i + 1) * self.block_size > num_done_tokens or i >= len(state.block_ids):
+                break
+            saved = self.index.add(state.prefix[i], state.block_ids[i])
+            self.stats.num_saved_blocks += bool(saved)
+            ops += saved
+            state.num_settled += 1
+        return ops
+
+    def _prefetch(self) -> list[FileOp]:
+        """KVFlow's prefetch, one tier up: the disk blocks of agents due within
+        `load_ahead` steps move to host, soonest agent first, only into room the
+        workflow policy would give up for that agent."""
+        ops: list[FileOp] = []
+        budget = self.config.max_promotions_per_step
+        for upcoming in self.table.upcoming(self.config.load_ahead):
+            for block_hash in upcoming.prefix:
+                if budget <= 0:
+                    return ops
+                if self.index.where(block_hash) != "disk":
+                    continue
+                moved = self.index.promote(block_hash, lambda h, s=upcoming.steps: self.policy.spares(h, s))
+                if not moved:
+                    break  # no room for this agent; a later agent has even less claim
+                ops += moved
+                budget -= 1
+                self.stats.num_promoted_blocks += 1
+        return ops
+
+
+def _read_plan(request_id: str, params: dict[str, Any] | None) -> SegmentPlan | None:
+    """The request's plan; a malformed one is ignored (vLLM then runs it as it would)."""
+    raw = params.get(PLAN_KEY) if isinstance(params, dict) else None
+    if raw is None:
+        return None
+    try:
+        return SegmentPlan.model_validate(raw)
+    except ValidationError as exc:
+        log.warning("kvrelay connector: ignoring the malformed plan of %s: %s", request_id,
+                    str(exc).splitlines()[0])
+        return None

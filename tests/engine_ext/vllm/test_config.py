@@ -1,0 +1,27 @@
+"""ConnectorConfig from kv_connector_extra_config: defaults per engine id, strict keys and types."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_ext.vllm.config import ConnectorConfig
+
+
+def test_defaults_are_per_engine_and_values_are_coerced():
+    config = ConnectorConfig.from_extra(None, "e1")
+    assert config.host_dir == "/dev/shm/kvrelay-e1" and config.disk_dir.endswith("kvrelay-kv-e1")
+    assert ConnectorConfig.from_extra({"host_mb": 64, "load_ahead": 1}, "e1").host_mb == 64.0
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"hots_mb": 1}, "unknown kv_connector_extra_config keys ['hots_mb']"),
+    ({"host_mb": "big"}, "host_mb must be a float"),
+    ({"load_ahead": 1.5}, "load_ahead must be a int"),
+    ({"load_ahead": True}, "load_ahead must be a int"),
+    ({"host_mb": 0, "disk_mb": 0}, "no tier"),
+    ({"disk_mb": -1}, "must be >= 0"),
+    ({"load_ahead": -1}, "must be >= 0"),
+])
+def test_bad_settings_say_what_is_wrong(extra, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ConnectorConfig.from_extra(extra, "e1")

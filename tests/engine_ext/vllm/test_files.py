@@ -1,0 +1,84 @@
+"""BlockFiles and BlockCopier: blocks round-trip between a paged cache and the tiers in
+either cache layout; a missing or wrong-sized file is a failed load, never wrong KV."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine_ext.vllm.copier import BlockCopier
+from engine_ext.vllm.files import BlockFileError, BlockFiles
+from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave
+
+NUM_BLOCKS = 6
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+@pytest.fixture
+def tiers(tmp_path):
+    return {"host": BlockFiles(tmp_path / "host"), "disk": BlockFiles(tmp_path / "disk")}
+
+
+def caches(layout: str, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shape = (NUM_BLOCKS, 2, 4, 16) if layout == "cpu" else (2, NUM_BLOCKS, 4, 2, 8)
+    return {f"layer{i}": torch.randn(shape, generator=gen) for i in range(3)}
+
+
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+def test_saved_blocks_load_into_other_blocks_bit_for_bit(tiers, layout):
+    source, target = caches(layout, 0), caches(layout, 1)
+    saver, loader = BlockCopier(tiers), BlockCopier(tiers)
+    saver.register(source, NUM_BLOCKS)
+    loader.register(target, NUM_BLOCKS)
+    saver.save_and_move([BlockSave(h(1), "host", 2), BlockSave(h(2), "host", 4), BlockMove(h(2), "host", "disk")])
+    saver.drain()
+    assert loader.load([BlockLoad(h(1), "host", 0), BlockLoad(h(2), "disk", 5)]) == set()
+    dim = 0 if layout == "cpu" else 1
+    for name in source:
+        assert torch.equal(target[name].select(dim, 0), source[name].select(dim, 2))
+        assert torch.equal(target[name].select(dim, 5), source[name].select(dim, 4))
+    assert not tiers["host"].path(h(2)).exists()
+    saver.close()
+    loader.close()
+
+
+def test_missing_or_cut_files_fail_their_blocks_only(tiers, caplog):
+    cache = caches("cpu", 0)
+    copier = BlockCopier(tiers)
+    copier.register(cache, NUM_BLOCKS)
+    copier.save_and_move([BlockSave(h(1), "host", 1), BlockSave(h(2), "host", 2)])
+    copier.drain()
+    tiers["host"].path(h(2)).write_bytes(b"short")
+    before = cache["layer0"].clone()
+    with caplog.at_level(logging.WARNING):
+        failed = copier.load([BlockLoad(h(1), "host", 3), BlockLoad(h(2), "host", 4), BlockLoad(h(3), "disk", 5)])
+    assert failed == {4, 5}
+    assert torch.equal(cache["layer0"][4], before[4]) and torch.equal(cache["layer0"][3], before[1])
+    assert "recomputing a block" in caplog.text
+    copier.close()
+
+
+def test_a_failed_move_is_logged_not_raised(tiers, caplog):
+    copier = BlockCopier(tiers)
+    copier.register(caches("cpu", 0), NUM_BLOCKS)
+    with caplog.at_level(logging.WARNING):
+        copier.save_and_move([BlockMove(h(9), "host", "disk")])
+        copier.drain()
+    assert "KV file operation failed" in caplog.text
+    copier.close()
+
+
+def test_files_listing_and_wrong_layouts(tiers):
+    tiers["disk"].write(h(1), torch.zeros(4))
+    (tiers["disk"].directory / "notes.txt").write_text("not a block")
+    assert tiers["disk"].hashes() == [h(1)]
+    with pytest.raises(BlockFileError, match="has 16 bytes, expected 32"):
+        tiers["disk"].read(h(1), (8,), torch.float32)
+    with pytest.raises(ValueError, match="no block dimension of size 7"):
+        BlockCopier(tiers).register(caches("cpu", 0), 7)

@@ -1,0 +1,149 @@
+"""ConnectorPlanner with SmolLM2's tokenizer and a plan as the gateway writes it: prefix
+blocks are saved once computed, later requests load what vLLM lost, requests without a
+plan are left alone, failed loads are forgotten, and the agents due next are prefetched."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine_ext.kv.hashing import namespace_root
+from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
+from engine_ext.vllm.config import ConnectorConfig
+from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave
+from engine_ext.vllm.locator import PrefixLocator
+from engine_ext.vllm.planner import ConnectorPlanner, ScheduledBlocks
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def system(agent: str) -> str:
+    return f"You are the {agent}. " + "Keep every ledger in order and answer briefly. " * 6
+
+
+def request(tokenizer, agent: str, question: str, steps: dict[str, int] | None = None):
+    """Token ids and kv_transfer_params of a chat request whose system prompt is fixed."""
+    messages = [{"role": "system", "content": system(agent)}, {"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # as vLLM renders a chat request
+    plan = SegmentPlan(
+        session_id="s", agent_id=agent, request_id=f"{agent}-{question}", app_id="app",
+        workflow=WorkflowInfo(steps_to_execution=steps, next=[]) if steps else None,
+        segments=[Segment(message_index=0, char_start=0, char_end=len(system(agent)), kind="fixed_prefix",
+                          name=agent, content_hash=sha(system(agent))),
+                  Segment(message_index=1, char_start=0, char_end=len(question), kind="private",
+                          content_hash=sha(question))])
+    return list(ids), {PLAN_KEY: plan.model_dump(mode="json")}
+
+
+def planner(tokenizer, num_host: int = 64, num_disk: int = 64, **config) -> ConnectorPlanner:
+    cfg = ConnectorConfig(host_dir="/unused", disk_dir="/unused", **config)
+    return ConnectorPlanner(cfg, BLOCK, namespace_root("test"), PrefixLocator(tokenizer), num_host, num_disk)
+
+
+def run(p: ConnectorPlanner, rid: str, ids, params, num_local: int, first_block: int = 0):
+    """One request through lookup, allocation and a step that computes all of it."""
+    num_ext = p.num_matched_tokens(rid, ids, params, num_local)
+    block_ids = list(range(first_block, first_block + len(ids) // BLOCK + 1))
+    p.allocated(rid, block_ids, num_ext)
+    plan = p.step([ScheduledBlocks(rid, block_ids, True, num_local + num_ext, len(ids) - num_local - num_ext)])
+    p.finished(rid)
+    return num_ext, plan
+
+
+def test_locator_finds_the_fixed_prefix_in_the_chat_template(tokenizer):
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    segment = SegmentPlan.model_validate(params[PLAN_KEY]).segments[0]
+    num = PrefixLocator(tokenizer).num_prefix_tokens(ids, segment)
+    text = tokenizer.decode(ids[:num])
+    assert text.endswith(system("archivist").rstrip()) or text.endswith(system("archivist"))
+    assert PrefixLocator(tokenizer).num_prefix_tokens(ids, segment.model_copy(update={"content_hash": "0" * 64})) is None
+
+
+def test_prefix_blocks_are_saved_then_loaded_when_vllm_lost_them(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    num_ext, first = run(p, "r1", ids, params, 0)
+    num_prefix = PrefixLocator(tokenizer).num_prefix_tokens(
+        ids, SegmentPlan.model_validate(params[PLAN_KEY]).segments[0]) // BLOCK
+    assert num_ext == 0 and first.loads == []
+    assert first.ops == [BlockSave(p.table._prefixes[("app", "archivist")][i], "host", i) for i in range(num_prefix)]
+    # A new question: vLLM kept one block itself; the tiers supply the rest of the prefix.
+    ids2, params2 = request(tokenizer, "archivist", "And the iron ledger?")
+    num_ext, second = run(p, "r2", ids2, params2, BLOCK, first_block=100)
+    assert num_ext == (num_prefix - 1) * BLOCK
+    assert [(load.tier, load.block_id) for load in second.loads] == [("host", 100 + i) for i in range(1, num_prefix)]
+    assert second.ops == []  # nothing new to save
+    assert p.stats.num_loaded_blocks == num_prefix - 1
+
+
+def test_requests_without_a_plan_are_left_to_vllm(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    run(p, "r1", ids, params, 0)
+    assert run(p, "r2", ids, None, 0)[0] == 0
+    assert run(p, "r3", ids, {PLAN_KEY: {"version": 1, "nonsense": True}}, 0)[0] == 0
+    assert p.stats.num_requests == 1
+
+
+def test_the_last_prompt_token_is_never_supplied(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    run(p, "r1", ids, params, 0)
+    short = ids[:3 * BLOCK]  # ends exactly on a block boundary, inside the prefix
+    assert p.num_matched_tokens("r2", short, params, 0) == 2 * BLOCK
+
+
+def test_failed_loads_are_forgotten(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    run(p, "r1", ids, params, 0)
+    _, plan = run(p, "r2", ids, params, 0, first_block=50)
+    p.load_failed({plan.loads[0].block_id})
+    assert p.index.where(plan.loads[0].block_hash) is None and p.stats.num_failed_loads == 1
+    assert p.num_matched_tokens("r3", ids, params, 0) == 0  # the chain breaks at block 0
+
+
+def test_chunked_prefill_saves_each_block_when_it_is_computed(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    p.num_matched_tokens("r1", ids, params, 0)
+    p.allocated("r1", [0, 1], 0)
+    first = p.step([ScheduledBlocks("r1", [0, 1], True, 0, 2 * BLOCK + 3)])
+    assert [op.block_id for op in first.ops] == [0, 1]
+    rest = list(range(2, len(ids) // BLOCK + 1))
+    second = p.step([ScheduledBlocks("r1", rest, False, 2 * BLOCK + 3, len(ids) - 2 * BLOCK - 3)])
+    assert [op.block_id for op in second.ops] == rest[:len(p.table._prefixes[("app", "archivist")]) - 2]
+
+
+def test_agents_due_next_move_from_disk_to_host(tokenizer):
+    """A three-agent loop; the host holds 4 blocks, each prefix has 3. Once the scribe
+    has run, the archivist is next (1 step): its prefix comes back from disk, displacing
+    blocks of agents further away, and nothing of the clerk's moves up."""
+    p = planner(tokenizer, num_host=5, num_disk=64, load_ahead=1)
+    order = ["archivist", "clerk", "scribe"]
+    for k, agent in enumerate(order):
+        steps = {order[(k + j) % 3]: j for j in range(3)}
+        ids, params = request(tokenizer, agent, "Begin.", steps)
+        run(p, agent, ids, params, 0, first_block=20 * k)
+    archivist = p.table._prefixes[("app", "archivist")]
+    clerk = p.table._prefixes[("app", "clerk")]
+    assert len(archivist) == 4 and any(p.index.where(b) == "disk" for b in archivist)
+    plan = p.step([])
+    promoted = [op.block_hash for op in plan.ops if isinstance(op, BlockMove) and op.target == "host"]
+    assert promoted and set(promoted) <= set(archivist)
+    assert all(p.index.where(b) == "host" for b in archivist)
+    assert p.stats.num_promoted_blocks == len(promoted)
+    assert p.step([]).ops == []  # settled: nothing more to move
+    assert not set(clerk) & set(promoted)
