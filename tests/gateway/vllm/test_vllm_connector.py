@@ -1,0 +1,123 @@
+"""The kvrelay connector inside real vLLM replicas: a fixed prefix that vLLM's own cache
+lost is loaded from the connector's tiers (cached tokens prove it, the answer matches a
+recomputed one), a damaged block file is recomputed, and the gateway's own plans drive
+it end to end. Each replica's KV cache holds 24 blocks; two long prompts push older
+blocks out."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import openai
+import pytest
+
+from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan
+from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
+
+# About 430 tokens with the chat template: 3 whole vLLM blocks inside the system prompt.
+SYSTEM = "You are the archivist of a merchant guild. File each ledger under its year and trade. " * 22
+GEN = {"max_tokens": 12, "temperature": 0}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _plan(system: str, question: str, agent: str = "archivist") -> dict:
+    """The plan the gateway sends once it has learned the agent's fixed prefix."""
+    plan = SegmentPlan(session_id="direct", agent_id=agent, request_id=f"r{time.monotonic_ns()}", app_id="tests",
+                       segments=[Segment(message_index=0, char_start=0, char_end=len(system), kind="fixed_prefix",
+                                         name=agent, content_hash=_sha(system)),
+                                 Segment(message_index=1, char_start=0, char_end=len(question), kind="private",
+                                         content_hash=_sha(question))])
+    return {PLAN_KEY: plan.model_dump(mode="json")}
+
+
+def _ask(client: openai.OpenAI, system: str | None, question: str, plan: bool):
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    extra = {"kv_transfer_params": _plan(system, question)} if plan and system else {}
+    return client.chat.completions.create(model=MODEL, messages=messages, extra_body=extra, **GEN)
+
+
+def _push_out(client: openai.OpenAI, tag: str) -> None:
+    """Two ~1650-token prompts (28 blocks, more than the cache's 24): vLLM evicts the older blocks."""
+    for k in range(2):
+        filler = " ".join(f"Note {i} of batch {tag}{k}: the {tag} market of town {i} sold grain." for i in range(75))
+        _ask(client, None, filler, plan=False)
+
+
+def _cached(response) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+def _block_files(directory) -> set:
+    return {p for p in directory.iterdir() if not p.name.startswith(".")} if directory.exists() else set()
+
+
+def _wait_for_new_files(directory, before: set, num: int, timeout_s: float = 10.0) -> set:
+    """The block files that appeared since `before`, once there are `num` (saves are written in the background)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        new = _block_files(directory) - before
+        if len(new) >= num:
+            return new
+        time.sleep(0.1)
+    raise AssertionError(f"{directory} gained fewer than {num} block files")
+
+
+@pytest.fixture
+def replica(vllm_replicas):
+    return vllm_replicas[0]
+
+
+@pytest.fixture
+def client(replica):
+    with openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def test_a_prefix_vllm_evicted_is_loaded_from_the_host_tier(client, replica):
+    before = _block_files(replica.host_dir)
+    first = _ask(client, SYSTEM, "Where does the salt ledger go?", plan=True)
+    assert _cached(first) == 0
+    time.sleep(0.5)
+    assert len(_wait_for_new_files(replica.host_dir, before, 3)) == 3  # the prefix's 3 whole blocks, nothing else
+    _push_out(client, "a")
+    loaded = _ask(client, SYSTEM, "And the iron ledger?", plan=True)
+    assert _cached(loaded) == 3 * VLLM_BLOCK
+    _push_out(client, "b")
+    recomputed = _ask(client, SYSTEM, "And the iron ledger?", plan=False)
+    assert _cached(recomputed) == 0  # vLLM itself had lost the prefix: the hit above was the connector's
+    assert loaded.choices[0].message.content == recomputed.choices[0].message.content
+
+
+def test_a_damaged_block_file_is_recomputed_not_trusted(client, replica):
+    system = SYSTEM.replace("archivist", "treasurer")
+    before = _block_files(replica.host_dir)
+    reference = _ask(client, system, "Which ledger is oldest?", plan=True)
+    for path in _wait_for_new_files(replica.host_dir, before, 3):
+        path.write_bytes(path.read_bytes()[:1000])  # cut short: every block of this prefix
+    _push_out(client, "c")
+    again = _ask(client, system, "Which ledger is oldest?", plan=True)
+    assert again.choices[0].message.content == reference.choices[0].message.content
+    assert "recomputing a block" in replica.log_tail(20_000)
+
+
+def test_the_gateway_s_plans_drive_the_connector(vllm_replicas, start_gateway):
+    gw = start_gateway([r.url for r in vllm_replicas])
+    system = SYSTEM.replace("archivist", "auditor")
+    headers = {"x-kvrelay-session-id": "audit"}
+    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120, default_headers=headers) as c:
+        for question in ("First audit?", "Second audit?", "Third audit?"):  # the gateway learns the fixed prefix
+            c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                             {"role": "user", "content": question}], **GEN)
+        rows = gw.rows(3)
+        home = next(r for r in vllm_replicas if r.url == rows[0].upstream)
+        assert '"fixed_prefix"' in rows[-1].plan
+        with openai.OpenAI(base_url=f"{home.url}/v1", api_key="unused", max_retries=0, timeout=120) as direct:
+            _push_out(direct, "d")
+        last = c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                                {"role": "user", "content": "Fourth audit?"}], **GEN)
+    assert _cached(last) >= 3 * VLLM_BLOCK
+    assert gw.rows(4)[-1].upstream == home.url and gw.rows(4)[-1].cached_tokens == _cached(last)
