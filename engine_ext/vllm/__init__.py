@@ -3,7 +3,8 @@
 vLLM loads it with
 `--kv-transfer-config '{"kv_connector": "KvrelayConnector",
 "kv_connector_module_path": "engine_ext.vllm.connector", "kv_role": "kv_both",
-"kv_connector_extra_config": {...}}'` (see `ConnectorConfig` for the extra keys).
+"kv_load_failure_policy": "recompute", "kv_connector_extra_config": {...}}'`
+(see `ConnectorConfig` for the extra keys, `server.connector_transfer_config`).
 
 What runs inside vLLM: the gateway's plan (kv_transfer_params["kvrelay"]) names each
 agent's fixed prefix and the workflow's steps-to-execution. The connector keeps the full

@@ -10,8 +10,9 @@ from typing import Any
 @dataclass(frozen=True)
 class ConnectorConfig:
     """`host_dir` should be on tmpfs (it stands for pinned host memory), `disk_dir` on a
-    disk; both default under the replica's engine id, so two replicas never share one.
-    A zero budget turns a tier off; at least one must be on."""
+    disk. Both default to directories named by the replica's engine id, so two replicas
+    never share one; set them (one pair per replica) to keep the disk tier across
+    restarts. A zero budget turns a tier off; at least one must be on."""
 
     host_dir: str
     disk_dir: str
@@ -20,6 +21,7 @@ class ConnectorConfig:
     load_ahead: int = 2  # KVFlow: prefetch the prefixes of agents at most this many steps away
     max_promotions_per_step: int = 8  # disk -> host moves started per scheduler step
     workflow_idle_s: float = 600.0  # an app silent this long stops holding its prefixes
+    private_host_dir: bool = False  # host_dir is this engine's own (the default): removed at shutdown
 
     def __post_init__(self) -> None:
         if self.host_mb < 0 or self.disk_mb < 0:
@@ -35,7 +37,7 @@ class ConnectorConfig:
     def from_extra(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
         """Settings from kv_connector_extra_config; unknown keys and wrong types are errors."""
         extra = dict(extra or {})
-        known = {f.name: f.type for f in fields(cls)}
+        known = {f.name: f.type for f in fields(cls) if f.name != "private_host_dir"}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kvrelay connector: unknown kv_connector_extra_config keys {unknown}; "
@@ -46,7 +48,7 @@ class ConnectorConfig:
         }
         for key, value in extra.items():
             values[key] = _coerce(key, known[key], value)
-        return cls(**values)
+        return cls(**values, private_host_dir="host_dir" not in extra)
 
 
 def _coerce(key: str, annotation: str, value: Any) -> Any:

@@ -9,6 +9,7 @@ objects into the planner's and copier's terms, so both stay testable without vLL
 from __future__ import annotations
 
 import logging
+import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_ext.kv.hashing import namespace_root
 from engine_ext.vllm.config import ConnectorConfig
@@ -52,16 +55,15 @@ class KvrelayConnector(KVConnectorBase_V1):
         if transfer.kv_load_failure_policy != "recompute":
             raise ValueError('kvrelay connector: set "kv_load_failure_policy": "recompute" in --kv-transfer-config, '
                              "so a block that cannot be loaded is recomputed instead of failing its request")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("kvrelay connector: models with more than one KV cache group (hybrid attention) "
-                             "are not supported")
+        _check_supported(vllm_config, kv_cache_config)
         self.config = ConnectorConfig.from_extra(transfer.kv_connector_extra_config, str(transfer.engine_id))
         group = kv_cache_config.kv_cache_groups[0]
         block_bytes = group.kv_cache_spec.page_size_bytes * len(group.layer_names)  # all layers of one block
-        model = vllm_config.model_config
+        model, cache = vllm_config.model_config, vllm_config.cache_config
         self.block_size = group.kv_cache_spec.block_size
-        root = namespace_root(f"vllm|{model.model}|{model.dtype}|{self.block_size}|{block_bytes}|"
-                              f"{len(group.layer_names)}")
+        # Everything that changes a block's bytes for the same tokens is in its hash.
+        root = namespace_root(f"vllm|{model.model}|{model.revision}|{model.dtype}|{model.quantization}|"
+                              f"{cache.cache_dtype}|{self.block_size}|{block_bytes}|{len(group.layer_names)}")
         self.files = {"host": BlockFiles(self.config.host_dir), "disk": BlockFiles(self.config.disk_dir)}
         self.planner: ConnectorPlanner | None = None
         self.copier: BlockCopier | None = None
@@ -86,9 +88,15 @@ class KvrelayConnector(KVConnectorBase_V1):
     # Scheduler side
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not _tokens_alone_decide_kv(request):
+            return 0, False
         num = self._planner.num_matched_tokens(request.request_id, request.prompt_token_ids or [],
                                                request.kv_transfer_params, num_computed_tokens)
         return num, False
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        sources = self._planner.hit_sources(request.request_id)
+        return {CacheHitSource.HOST if tier == "host" else CacheHitSource.DISK: n for tier, n in sources.items()}
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
@@ -143,6 +151,8 @@ class KvrelayConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.copier is not None:
             self.copier.close()
+            if self.config.private_host_dir:  # tmpfs is memory: an engine's own tier goes with it
+                shutil.rmtree(self.config.host_dir, ignore_errors=True)
 
     # Helpers
 
@@ -163,11 +173,31 @@ class KvrelayConnector(KVConnectorBase_V1):
         fixed directories) are kept, newest first, up to each tier's budget; the rest
         are deleted. Their sizes are checked when they are loaded."""
         for tier, files in self.files.items():
+            files.clear_partial()
             found = files.hashes()  # oldest first
             num_drop = max(0, len(found) - self._planner.index.capacity[tier])
             for block_hash in found[:num_drop]:
                 files.delete(block_hash)
             for block_hash in found[num_drop:]:
-                self._planner.index.adopt(block_hash, tier)
+                if not self._planner.index.adopt(block_hash, tier):
+                    files.delete(block_hash)  # a move cut short left it in both tiers
             if found[num_drop:]:
                 log.info("kvrelay connector: kept %d %s blocks from an earlier run", len(found) - num_drop, tier)
+
+
+def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
+    """Refuse what the connector would get wrong rather than serve wrong KV."""
+    if vllm_config.parallel_config.world_size > 1:
+        raise ValueError("kvrelay connector: tensor or pipeline parallelism is not supported yet "
+                         "(each worker would write its own shard under one block name)")
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        raise ValueError("kvrelay connector: only models with one full-attention KV cache group are supported "
+                         "(no sliding window, no hybrid attention)")
+
+
+def _tokens_alone_decide_kv(request: Request) -> bool:
+    """Whether a block's KV is a function of its tokens (and the model) alone: not with a
+    LoRA adapter, multimodal inputs, prompt embeddings or a cache salt."""
+    return not (request.lora_request or request.mm_features or request.cache_salt or
+                request.prompt_embeds is not None)

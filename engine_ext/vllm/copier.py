@@ -8,14 +8,18 @@ thread runs everything in the order the scheduler issued it, and loads go throug
 too, so a load never overtakes the write or the move of the block it reads.
 
 A load that fails (file gone, unreadable, wrong size) reports its vLLM block id, and
-vLLM recomputes that block: a missing cache costs time, never a wrong answer. A write
-or move that fails is logged; the scheduler learns of it when a later load of that
-block fails.
+vLLM recomputes that block: a missing cache costs time, never a wrong answer. The
+forward of that step (and, with async scheduling, of the next) still reads the block
+before vLLM reschedules, so nothing that request computes is saved from then on. A
+write or move that fails is logged; the scheduler learns of it when a later load of
+that block fails.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -24,6 +28,7 @@ from engine_ext.vllm.files import BlockFileError, BlockFiles
 from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave, FileOp, TierName
 
 log = logging.getLogger(__name__)
+MAX_FAILED_REQUESTS = 4096
 
 
 class BlockCopier:
@@ -32,6 +37,7 @@ class BlockCopier:
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-kv-files")
+        self._failed_requests: OrderedDict[str, None] = OrderedDict()  # bounded: the newest failures
         self.num_loaded = 0
         self.num_saved = 0
 
@@ -64,6 +70,9 @@ class BlockCopier:
             except BlockFileError as exc:
                 log.warning("kvrelay connector: recomputing a block: %s", exc)
                 failed.add(load.block_id)
+                self._failed_requests[load.request_id] = None
+                if len(self._failed_requests) > MAX_FAILED_REQUESTS:
+                    self._failed_requests.popitem(last=False)
                 continue
             for layer, block in zip(self._layers, data, strict=True):
                 layer.select(self._block_dim, load.block_id).copy_(block)
@@ -74,6 +83,8 @@ class BlockCopier:
         """Copy the saved blocks out now; write them and run the moves in the background."""
         for op in ops:
             if isinstance(op, BlockSave):
+                if op.request_id in self._failed_requests:
+                    continue  # computed over a block that failed to load; the scheduler drops it too
                 data = torch.stack([layer.select(self._block_dim, op.block_id) for layer in self._layers]).cpu()
                 self._submit(self._write, op, data)
             else:
@@ -86,7 +97,7 @@ class BlockCopier:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def _submit(self, fn, *args) -> Future:
+    def _submit(self, fn: Callable[..., None], *args: object) -> Future:
         future = self._executor.submit(fn, *args)
         future.add_done_callback(_log_failure)
         return future

@@ -40,10 +40,10 @@ class BlockFiles:
                     continue  # not a block file: leave it alone
         return [block_hash for _, block_hash in sorted(found)]
 
-    def clear(self) -> None:
-        for path in self.directory.iterdir():
-            if path.is_file():
-                path.unlink(missing_ok=True)
+    def clear_partial(self) -> None:
+        """Remove the temporary files of writes a crash cut short."""
+        for path in self.directory.glob(".part-*"):
+            path.unlink(missing_ok=True)
 
     def write(self, block_hash: bytes, data: torch.Tensor) -> None:
         """Write a contiguous CPU tensor as the block's file."""

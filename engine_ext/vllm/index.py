@@ -28,12 +28,14 @@ class BlockSave(NamedTuple):
     block_hash: bytes
     tier: TierName
     block_id: int  # vLLM's block to copy from
+    request_id: str  # whose computation it is: not saved once that request's load failed
 
 
 class BlockLoad(NamedTuple):
     block_hash: bytes
     tier: TierName
     block_id: int  # vLLM's block to copy into
+    request_id: str
 
 
 class BlockMove(NamedTuple):
@@ -68,38 +70,52 @@ class TierIndex:
         if tier is not None:
             self._blocks[tier].move_to_end(block_hash)
 
-    def adopt(self, block_hash: bytes, tier: TierName) -> None:
-        """A block already in the tier's files (found at start-up); ignored when another
-        tier has it already (tiers are exclusive)."""
-        if self.where(block_hash) is None:
-            self._blocks[tier][block_hash] = None
+    def touch_chain(self, chain: tuple[bytes, ...] | list[bytes]) -> None:
+        """A prefix was just used: its blocks become the most recently used, the first
+        block last. Among blocks of equal priority a prefix then loses its tail first,
+        never its head, which would make the blocks after it unreachable (hits are
+        counted from the start of the chain)."""
+        for block_hash in reversed(chain):
+            self.touch(block_hash)
 
-    def add(self, block_hash: bytes, block_id: int) -> list[FileOp]:
-        """Save a new block from vLLM's `block_id`: the ops that make room, then the save.
-        Nothing when the block is already kept."""
+    def adopt(self, block_hash: bytes, tier: TierName) -> bool:
+        """A block already in the tier's files (found at start-up). False when another
+        tier has it already (tiers are exclusive; that file is a duplicate)."""
+        if self.where(block_hash) is not None:
+            return False
+        self._blocks[tier][block_hash] = None
+        return True
+
+    def add(self, block_hash: bytes, block_id: int, request_id: str) -> list[FileOp]:
+        """Save a new block from vLLM's `block_id`, computed for `request_id`: the ops
+        that make room, then the save. Nothing when the block is already kept."""
         if self.where(block_hash) is not None:
             return []
         tier: TierName = "host" if self.capacity["host"] else "disk"
         ops = self._make_room(tier, lambda h: True) or []
         self._blocks[tier][block_hash] = None
-        return [*ops, BlockSave(block_hash, tier, block_id)]
+        return [*ops, BlockSave(block_hash, tier, block_id, request_id)]
 
     def promote(self, block_hash: bytes, spares: Callable[[bytes], bool]) -> list[FileOp]:
         """Move a disk block to host, demoting a host block only if `spares` allows;
         nothing when there is no such room."""
         if self.where(block_hash) != "disk" or not self.capacity["host"]:
             return []
+        del self._blocks["disk"][block_hash]  # out first, so a demotion to disk cannot pick it
         room = self._make_room("host", spares)
         if room is None:
+            self._blocks["disk"][block_hash] = None
             return []
-        del self._blocks["disk"][block_hash]
         self._blocks["host"][block_hash] = None
         return [*room, BlockMove(block_hash, "disk", "host")]
 
-    def drop(self, block_hash: bytes) -> None:
-        """Forget a block whose file could not be read (the worker already gave up on it)."""
-        for blocks in self._blocks.values():
-            blocks.pop(block_hash, None)
+    def drop(self, block_hash: bytes) -> list[FileOp]:
+        """Forget a block that must not be loaded again: the op that deletes its file."""
+        tier = self.where(block_hash)
+        if tier is None:
+            return []
+        del self._blocks[tier][block_hash]
+        return [BlockMove(block_hash, tier, None)]
 
     def _make_room(self, tier: TierName, spares: Callable[[bytes], bool]) -> list[FileOp] | None:
         """Ops that leave one free block in `tier` (cascading host -> disk -> deleted)."""

@@ -15,7 +15,7 @@ connector ships to the worker inside vLLM's connector metadata.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -27,7 +27,7 @@ from engine_ext.protocol import PLAN_KEY, SegmentPlan
 from engine_ext.tiers.policy import WorkflowPolicy
 from engine_ext.tiers.workflow import AgentKey, WorkflowTable
 from engine_ext.vllm.config import ConnectorConfig
-from engine_ext.vllm.index import BlockLoad, FileOp, TierIndex
+from engine_ext.vllm.index import BlockLoad, FileOp, TierIndex, TierName
 from engine_ext.vllm.locator import PrefixLocator
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,9 @@ class PlannedRequest:
     block_ids: list[int] = field(default_factory=list)
     num_hit_blocks: int = 0  # leading blocks vLLM or the tiers hold, at the last lookup
     num_settled: int = 0  # prefix blocks kept or saved so far
+    saved: list[bytes] = field(default_factory=list)  # blocks this request's computation was saved as
+    loaded: Counter[TierName] = field(default_factory=Counter)  # blocks loaded, per tier
+    failed: bool = False  # a load failed: its KV from then on is not trusted, nothing more is saved
 
 
 @dataclass
@@ -80,7 +83,10 @@ class ConnectorPlanner:
         self.stats = PlannerStats()
         self._requests: dict[str, PlannedRequest] = {}
         self._loads: list[BlockLoad] = []  # allocated since the last step
-        self._recent_loads: deque[dict[int, bytes]] = deque(maxlen=2)  # block id -> hash, per step
+        self._deletes: list[FileOp] = []  # files of dropped blocks, deleted with the next step
+        # Per step, vLLM block id -> load: a failure comes back one or two steps later
+        # (async scheduling); more in flight only loses a chance to clean up early.
+        self._recent_loads: deque[dict[int, BlockLoad]] = deque(maxlen=4)
 
     def num_matched_tokens(self, request_id: str, token_ids: Sequence[int], params: dict[str, Any] | None,
                            num_computed_tokens: int) -> int:
@@ -89,12 +95,10 @@ class ConnectorPlanner:
         state = self._requests.get(request_id)
         if state is None:
             state = self._admit(request_id, list(token_ids), params)
-        if state is None:
+        if state is None or state.failed:
             return 0
-        num_hits = 0
-        for block_hash in state.hashes:
-            if self.index.where(block_hash) is None:
-                break
+        num_hits = num_computed_tokens // self.block_size  # vLLM holds these itself
+        while num_hits < len(state.hashes) and self.index.where(state.hashes[num_hits]) is not None:
             num_hits += 1
         state.num_hit_blocks = num_hits
         return max(0, num_hits * self.block_size - num_computed_tokens)
@@ -107,28 +111,35 @@ class ConnectorPlanner:
             return
         last = state.num_hit_blocks
         first = last - num_external_tokens // self.block_size
+        state.loaded = Counter()  # this admission's loads (a preempted request is admitted again)
         for i in range(first, last):
             block_hash = state.hashes[i]
             # The index only changes in step(), after every allocation of the pass, so the
             # block is still there; were it not, the worker finds no file and vLLM recomputes.
             tier = self.index.where(block_hash) or "disk"
-            self._loads.append(BlockLoad(block_hash, tier, block_ids[i]))
-            self.index.touch(block_hash)
+            self._loads.append(BlockLoad(block_hash, tier, block_ids[i], request_id))
+            state.loaded[tier] += 1
+        self.index.touch_chain(state.hashes[first:last])
+
+    def hit_sources(self, request_id: str) -> dict[TierName, int]:
+        """Tokens the tiers supplied to the request, per tier."""
+        state = self._requests.get(request_id)
+        return {} if state is None else {tier: n * self.block_size for tier, n in state.loaded.items() if n}
 
     def step(self, scheduled: list[ScheduledBlocks]) -> StepPlan:
         """This step's loads, then the saves of prefix blocks computed by its end, then
         the prefetch of the agents due next."""
-        ops: list[FileOp] = []
+        ops, self._deletes = self._deletes, []
         for item in scheduled:
             state = self._requests.get(item.request_id)
             if state is None:
                 continue
             if item.block_ids is not None:
                 state.block_ids = list(item.block_ids) if item.replace else state.block_ids + list(item.block_ids)
-            ops += self._settle(state, item.num_computed_tokens + item.num_scheduled_tokens)
+            ops += self._settle(item.request_id, state, item.num_computed_tokens + item.num_scheduled_tokens)
         ops += self._prefetch()
         loads, self._loads = self._loads, []
-        self._recent_loads.append({load.block_id: load.block_hash for load in loads})
+        self._recent_loads.append({load.block_id: load for load in loads})
         self.stats.num_loaded_blocks += len(loads)
         return StepPlan(loads, ops)
 
@@ -138,11 +149,21 @@ class ConnectorPlanner:
             self.table.finished(state.agent)
 
     def load_failed(self, block_ids: set[int]) -> None:
-        """The worker could not read these blocks (vLLM recomputes them): forget their files."""
+        """The worker could not read these blocks and vLLM recomputes them. Their files go,
+        and so does every block the requests concerned saved: the worker stopped saving
+        them (what they computed after the failure read a bad block), and one they did
+        save is cheaper to recompute later than to tell apart. A block id found in
+        several recent steps drops each candidate: a good block lost is only a miss."""
         for recent in self._recent_loads:
             for block_id in block_ids & recent.keys():
-                self.index.drop(recent[block_id])
+                load = recent[block_id]
+                self._deletes += self.index.drop(load.block_hash)
                 self.stats.num_failed_loads += 1
+                state = self._requests.get(load.request_id)
+                if state is not None and not state.failed:
+                    state.failed = True
+                    for block_hash in state.saved:
+                        self._deletes += self.index.drop(block_hash)
 
     def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None) -> PlannedRequest | None:
         plan = _read_plan(request_id, params)
@@ -161,17 +182,24 @@ class ConnectorPlanner:
         self.stats.num_requests += 1
         return state
 
-    def _settle(self, state: PlannedRequest, num_done_tokens: int) -> list[FileOp]:
+    def _settle(self, request_id: str, state: PlannedRequest, num_done_tokens: int) -> list[FileOp]:
         """Save the prefix blocks that are computed by the end of this step."""
         ops: list[FileOp] = []
+        if state.failed:
+            return ops
+        first = state.num_settled
         while state.num_settled < len(state.prefix):
             i = state.num_settled
             if (i + 1) * self.block_size > num_done_tokens or i >= len(state.block_ids):
                 break
-            saved = self.index.add(state.prefix[i], state.block_ids[i])
-            self.stats.num_saved_blocks += bool(saved)
+            saved = self.index.add(state.prefix[i], state.block_ids[i], request_id)
+            if saved:
+                state.saved.append(state.prefix[i])
+                self.stats.num_saved_blocks += 1
             ops += saved
             state.num_settled += 1
+        if state.num_settled > first:
+            self.index.touch_chain(state.prefix[:state.num_settled])
         return ops
 
     def _prefetch(self) -> list[FileOp]:
@@ -184,11 +212,14 @@ class ConnectorPlanner:
             for block_hash in upcoming.prefix:
                 if budget <= 0:
                     return ops
-                if self.index.where(block_hash) != "disk":
+                tier = self.index.where(block_hash)
+                if tier is None:
+                    break  # the chain is broken here: the blocks after it cannot be hits
+                if tier == "host":
                     continue
                 moved = self.index.promote(block_hash, lambda h, s=upcoming.steps: self.policy.spares(h, s))
                 if not moved:
-                    break  # no room for this agent; a later agent has even less claim
+                    return ops  # no room for this agent; a later agent has even less claim
                 ops += moved
                 budget -= 1
                 self.stats.num_promoted_blocks += 1

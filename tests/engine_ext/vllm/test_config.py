@@ -10,11 +10,14 @@ from engine_ext.vllm.config import ConnectorConfig
 def test_defaults_are_per_engine_and_values_are_coerced():
     config = ConnectorConfig.from_extra(None, "e1")
     assert config.host_dir == "/dev/shm/kvrelay-e1" and config.disk_dir.endswith("kvrelay-kv-e1")
-    assert ConnectorConfig.from_extra({"host_mb": 64, "load_ahead": 1}, "e1").host_mb == 64.0
+    assert config.private_host_dir
+    chosen = ConnectorConfig.from_extra({"host_mb": 64, "load_ahead": 1, "host_dir": "/dev/shm/mine"}, "e1")
+    assert chosen.host_mb == 64.0 and not chosen.private_host_dir
 
 
 @pytest.mark.parametrize(("extra", "message"), [
     ({"hots_mb": 1}, "unknown kv_connector_extra_config keys ['hots_mb']"),
+    ({"private_host_dir": True}, "unknown kv_connector_extra_config keys ['private_host_dir']"),
     ({"host_mb": "big"}, "host_mb must be a float"),
     ({"load_ahead": 1.5}, "load_ahead must be a int"),
     ({"load_ahead": True}, "load_ahead must be a int"),

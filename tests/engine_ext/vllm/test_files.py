@@ -36,9 +36,9 @@ def test_saved_blocks_load_into_other_blocks_bit_for_bit(tiers, layout):
     saver, loader = BlockCopier(tiers), BlockCopier(tiers)
     saver.register(source, NUM_BLOCKS)
     loader.register(target, NUM_BLOCKS)
-    saver.save_and_move([BlockSave(h(1), "host", 2), BlockSave(h(2), "host", 4), BlockMove(h(2), "host", "disk")])
+    saver.save_and_move([BlockSave(h(1), "host", 2, "r"), BlockSave(h(2), "host", 4, "r"), BlockMove(h(2), "host", "disk")])
     saver.drain()
-    assert loader.load([BlockLoad(h(1), "host", 0), BlockLoad(h(2), "disk", 5)]) == set()
+    assert loader.load([BlockLoad(h(1), "host", 0, "r"), BlockLoad(h(2), "disk", 5, "r")]) == set()
     dim = 0 if layout == "cpu" else 1
     for name in source:
         assert torch.equal(target[name].select(dim, 0), source[name].select(dim, 2))
@@ -52,12 +52,12 @@ def test_missing_or_cut_files_fail_their_blocks_only(tiers, caplog):
     cache = caches("cpu", 0)
     copier = BlockCopier(tiers)
     copier.register(cache, NUM_BLOCKS)
-    copier.save_and_move([BlockSave(h(1), "host", 1), BlockSave(h(2), "host", 2)])
+    copier.save_and_move([BlockSave(h(1), "host", 1, "r"), BlockSave(h(2), "host", 2, "r")])
     copier.drain()
     tiers["host"].path(h(2)).write_bytes(b"short")
     before = cache["layer0"].clone()
     with caplog.at_level(logging.WARNING):
-        failed = copier.load([BlockLoad(h(1), "host", 3), BlockLoad(h(2), "host", 4), BlockLoad(h(3), "disk", 5)])
+        failed = copier.load([BlockLoad(h(1), "host", 3, "r"), BlockLoad(h(2), "host", 4, "r"), BlockLoad(h(3), "disk", 5, "r")])
     assert failed == {4, 5}
     assert torch.equal(cache["layer0"][4], before[4]) and torch.equal(cache["layer0"][3], before[1])
     assert "recomputing a block" in caplog.text
@@ -82,3 +82,13 @@ def test_files_listing_and_wrong_layouts(tiers):
         tiers["disk"].read(h(1), (8,), torch.float32)
     with pytest.raises(ValueError, match="no block dimension of size 7"):
         BlockCopier(tiers).register(caches("cpu", 0), 7)
+
+
+def test_a_request_whose_load_failed_saves_nothing_more(tiers):
+    copier = BlockCopier(tiers)
+    copier.register(caches("cpu", 0), NUM_BLOCKS)
+    assert copier.load([BlockLoad(h(1), "host", 0, "bad")]) == {0}
+    copier.save_and_move([BlockSave(h(2), "host", 1, "bad"), BlockSave(h(3), "host", 2, "good")])
+    copier.drain()
+    assert not tiers["host"].path(h(2)).exists() and tiers["host"].path(h(3)).exists()
+    copier.close()

@@ -85,7 +85,8 @@ def test_prefix_blocks_are_saved_then_loaded_when_vllm_lost_them(tokenizer):
     num_prefix = PrefixLocator(tokenizer).num_prefix_blocks(
         ids, SegmentPlan.model_validate(params[PLAN_KEY]).segments[0], BLOCK)
     assert num_ext == 0 and first.loads == []
-    assert first.ops == [BlockSave(p.table._prefixes[("app", "archivist")][i], "host", i) for i in range(num_prefix)]
+    assert first.ops == [BlockSave(p.table._prefixes[("app", "archivist")][i], "host", i, "r1")
+                         for i in range(num_prefix)]
     # A new question: vLLM kept one block itself; the tiers supply the rest of the prefix.
     ids2, params2 = request(tokenizer, "archivist", "And the iron ledger?")
     num_ext, second = run(p, "r2", ids2, params2, BLOCK, first_block=100)
@@ -93,6 +94,11 @@ def test_prefix_blocks_are_saved_then_loaded_when_vllm_lost_them(tokenizer):
     assert [(load.tier, load.block_id) for load in second.loads] == [("host", 100 + i) for i in range(1, num_prefix)]
     assert second.ops == []  # nothing new to save
     assert p.stats.num_loaded_blocks == num_prefix - 1
+    # vLLM still holds block 0 but the tiers lost it: blocks 1.. load all the same.
+    p.index.drop(p.table._prefixes[("app", "archivist")][0])
+    ids3, params3 = request(tokenizer, "archivist", "The wool ledger?")
+    assert p.num_matched_tokens("r3", ids3, params3, BLOCK) == (num_prefix - 1) * BLOCK
+    assert p.num_matched_tokens("r4", ids3, params3, 0) == 0
 
 
 def test_requests_without_a_plan_are_left_to_vllm(tokenizer):
@@ -112,14 +118,26 @@ def test_the_last_prompt_token_is_never_supplied(tokenizer):
     assert p.num_matched_tokens("r2", short, params, 0) == 2 * BLOCK
 
 
-def test_failed_loads_are_forgotten(tokenizer):
+def test_a_failed_load_drops_the_block_and_what_its_request_saved(tokenizer):
     p = planner(tokenizer)
     ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
     run(p, "r1", ids, params, 0)
-    _, plan = run(p, "r2", ids, params, 0, first_block=50)
+    prefix = p.table._prefixes[("app", "archivist")]
+    p.index.drop(prefix[-1])  # the last prefix block is gone: r2 loads the rest and computes it
+    num_ext = p.num_matched_tokens("r2", ids, params, 0)
+    block_ids = list(range(50, 50 + len(ids) // BLOCK + 1))
+    p.allocated("r2", block_ids, num_ext)
+    assert p.hit_sources("r2") == {"host": num_ext}
+    plan = p.step([ScheduledBlocks("r2", block_ids, True, num_ext, len(ids) - num_ext)])
+    assert [op.block_hash for op in plan.ops] == [prefix[-1]]  # recomputed, saved again
     p.load_failed({plan.loads[0].block_id})
-    assert p.index.where(plan.loads[0].block_hash) is None and p.stats.num_failed_loads == 1
-    assert p.num_matched_tokens("r3", ids, params, 0) == 0  # the chain breaks at block 0
+    assert p.stats.num_failed_loads == 1
+    assert p.index.where(prefix[0]) is None and p.index.where(prefix[-1]) is None
+    deletes = p.step([]).ops
+    assert {op.block_hash for op in deletes} == {prefix[0], prefix[-1]}
+    assert all(isinstance(op, BlockMove) and op.target is None for op in deletes)
+    assert p.num_matched_tokens("r2", ids, params, 0) == 0  # it saves and loads nothing more
+    assert p.step([ScheduledBlocks("r2", None, False, len(ids), 1)]).ops == []
 
 
 def test_chunked_prefill_saves_each_block_when_it_is_computed(tokenizer):
