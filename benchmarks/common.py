@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +20,13 @@ class BenchResult:
     config: dict[str, Any]
     rows: list[tuple[str, str, str, str]] = field(default_factory=list)  # measure, kvrelay, baseline, ratio
     headers: tuple[str, str, str, str] = ("measure", "kvrelay", "baseline", "kvrelay/baseline")
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (bound, then released), for a server a bench starts."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def machine_info() -> dict[str, Any]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -23,18 +22,12 @@ from contextlib import contextmanager
 import aiohttp
 import httpx
 
-from benchmarks.common import BenchResult
+from benchmarks.common import BenchResult, free_port
 
 _ROUNDS = 4
 BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello"}], "stream": True}
 _BODY_BYTES = json.dumps(BODY).encode()
 _JSON = {"content-type": "application/json"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -92,7 +85,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
     del model  # the fake upstream serves no real model
     num_requests = {1: 100 if quick else 400, 64: 640 if quick else 3200}
     num_chunks = 16
-    up_port, gw_port = _free_port(), _free_port()
+    up_port, gw_port = free_port(), free_port()
     db = tempfile.mkdtemp(prefix="kvrelay-bench-")
     gw_env = {"KVRELAY_UPSTREAMS": f'["http://127.0.0.1:{up_port}"]',
               "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{db}/records.db"}

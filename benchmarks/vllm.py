@@ -28,9 +28,8 @@ import dataclasses
 import hashlib
 import json
 import shutil
-import socket
-import sys
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import BenchResult
+from benchmarks.common import BenchResult, free_port
 from benchmarks.kvcomm import Sizes, Workflow, first_token, kvcomm_engine, register_answer
 from engine_ext.engine import LLMEngine
 from engine_ext.model_store import resolve_model
@@ -123,12 +122,6 @@ def _ttft(client: httpx.Client, server: VllmServer, request: Request) -> tuple[f
     return took, cached
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _servers(model_dir: Path, quick: bool, workdir: Path) -> dict[str, VllmServer]:
     """Full: the ample-cache APC server and the tight-cache connector server. Quick
     (under a minute): the tight one only, whose plan-less stream stands in for APC."""
@@ -138,10 +131,10 @@ def _servers(model_dir: Path, quick: bool, workdir: Path) -> dict[str, VllmServe
     num_blocks = 16 if quick else 32  # two or three of the trace's prompts
     tiers = {"host_dir": str(Path("/dev/shm") / f"kvrelay-bench-{workdir.name}"), "disk_dir": str(workdir / "disk"),
              "host_mb": 256, "disk_mb": 1024}
-    servers = {"tight": VllmServer(python, model_dir, _free_port(), workdir / "tight.log", cpus="0-1",
+    servers = {"tight": VllmServer(python, model_dir, free_port(), workdir / "tight.log", cpus="0-1",
                                    num_blocks=num_blocks, max_model_len=(num_blocks - 1) * VLLM_BLOCK, connector=tiers)}
     if not quick:
-        servers["ample"] = VllmServer(python, model_dir, _free_port(), workdir / "ample.log", cpus="0-1",
+        servers["ample"] = VllmServer(python, model_dir, free_port(), workdir / "ample.log", cpus="0-1",
                                       kv_cache_gib=2, max_model_len=4096)
     return servers
 

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from engine_ext.kv.hashing import block_hashes
-from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from engine_ext.protocol import SegmentPlan, read_plan
 from engine_ext.tiers.policy import WorkflowPolicy
 from engine_ext.tiers.workflow import AgentKey, WorkflowTable
 from engine_ext.vllm.config import ConnectorConfig
@@ -228,11 +228,8 @@ class ConnectorPlanner:
 
 def _read_plan(request_id: str, params: dict[str, Any] | None) -> SegmentPlan | None:
     """The request's plan; a malformed one is ignored (vLLM then runs it as it would)."""
-    raw = params.get(PLAN_KEY) if isinstance(params, dict) else None
-    if raw is None:
-        return None
     try:
-        return SegmentPlan.model_validate(raw)
+        return read_plan({"kv_transfer_params": params})
     except ValidationError as exc:
         log.warning("kvrelay connector: ignoring the malformed plan of %s: %s", request_id,
                     str(exc).splitlines()[0])

@@ -12,7 +12,6 @@ NUM_VLLM_BLOCKS blocks, so a test can push a prefix out of vLLM's cache with two
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine_ext.vllm.server import VllmServer, find_vllm_python
+from tests.gateway.support import free_port
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 300.0
@@ -30,17 +30,12 @@ NUM_VLLM_BLOCKS = 24
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     skip = pytest.mark.skip(reason="no vLLM venv: run `make vllm-venv` (or set KVRELAY_VLLM_PYTHON)")
+    missing = find_vllm_python() is None
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
-            if find_vllm_python() is None:
+            if missing:
                 item.add_marker(skip)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _host_root(fallback: Path) -> Path:
@@ -59,7 +54,7 @@ def vllm_replicas(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     host_root = _host_root(logs)
     replicas = []
     for core in range(2):
-        port = _free_port()
+        port = free_port()
         tiers = {"host_dir": str(host_root / f"kvrelay-test-{port}"), "disk_dir": str(logs / f"disk{core}"),
                  "host_mb": 64, "disk_mb": 256}
         replicas.append(VllmServer(python, smollm2_dir, port, logs / f"replica{core}.log", served_model_name=MODEL,

@@ -67,11 +67,7 @@ def test_sessions_stay_on_their_replica_and_spread_across_both(gw):
                 answers[session].append(_ask(client, f"Turn {turn} of {session}?", stream=True))
                 list(answers[session][-1])
 
-    threads = [threading.Thread(target=run, args=(s,)) for s in answers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    _all_at_once(run, list(answers))
     rows = gw.rows(6)
     homes = {s: {r.upstream for r in rows if r.session_id == s} for s in answers}
     assert all(len(home) == 1 for home in homes.values()), homes
