@@ -4,6 +4,7 @@ single-threaded by design; `AsyncEngine` drives it from a background thread."""
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,7 @@ class LLMEngine:
         self.workflows.observe(agent, prefix, workflow.steps_to_execution if workflow is not None else None)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.timeline.finished = time.monotonic()
         self.scheduler.finish(seq, reason)
         agent = self._workflow_agent(seq)
         if agent is not None:
@@ -264,8 +266,13 @@ class LLMEngine:
                 self.tiers.poll(timeout=0.005)  # wake as soon as a load lands, without spinning
             return []
         sampled = self.runner.run(step)
+        computed = time.monotonic()
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
+            if seq.timeline.prefilled is None:
+                seq.timeline.num_prefill_steps += 1
+                if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    seq.timeline.prefilled = computed
             published = self.kv.publish(seq)
             if self.tiers is not None:
                 self.tiers.backup(published)
@@ -320,6 +327,8 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
+        if seq.timeline.first_token is None:
+            seq.timeline.first_token = time.monotonic()
         params = seq.sampling
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:

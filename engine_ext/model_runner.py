@@ -85,7 +85,7 @@ class ModelRunner:
         assembly = seq.assembly
         try:
             slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
-            return self.reuse.run(assembly, seq.token_ids, slots)
+            return self.reuse.run(assembly, seq.token_ids, slots, seq.timeline)
         finally:
             self.assembler.release(assembly)
             _limit_exact(seq, assembly)

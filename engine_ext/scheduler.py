@@ -125,6 +125,7 @@ class Scheduler:
         """Move a waiting sequence to running with its first chunk; None (nothing
         changed) when the pool cannot hold it now. A prefill around placed segments runs
         whole, in one step: its blend selection needs every placed token at once."""
+        started = time.monotonic()
         prefix = self.kv.match_prefix(seq)
         restore = self.restorer.find(seq, prefix.num_cached_tokens) if self.restorer is not None else None
         fetch = self._lower_tier_blocks(seq, len(prefix.blocks)) if restore is None else []
@@ -164,6 +165,7 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        seq.timeline.admit(started)
         return Admission(ScheduledChunk(seq, num_tokens), cost)
 
     def num_blocks_to_finish(self) -> int:

@@ -18,6 +18,7 @@ sequence's blocks from the first placed token on are published to the prefix cac
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.model.attention import PrefillSpan
 from engine_ext.reuse.assembler import Assembly
+from engine_ext.timeline import Interval, Timeline
 from kernels.rope import rope_cos_sin
 
 
@@ -39,10 +41,12 @@ class ReusePrefill:
         self.last_check = max(config.check_layers)
 
     @torch.inference_mode()
-    def run(self, assembly: Assembly, token_ids: list[int], slots: torch.Tensor) -> torch.Tensor:
+    def run(self, assembly: Assembly, token_ids: list[int], slots: torch.Tensor,
+            timeline: Timeline | None = None) -> torch.Tensor:
         """Fill and compute the sequence's KV for positions [num_prefix, len(token_ids));
-        slots (T,) are its cache slots. Returns the final hidden state of the last token (1, hidden)."""
-        self._place(assembly, slots)
+        slots (T,) are its cache slots; `timeline` gets when each method placed its KV.
+        Returns the final hidden state of the last token (1, hidden)."""
+        self._place(assembly, slots, timeline)
         full = assembly.full_positions()  # (R,)
         blend = assembly.blend_positions()  # per placed segment, (n_i,)
         candidates = torch.cat(blend) if blend else torch.empty(0, dtype=torch.long)  # (C,)
@@ -78,13 +82,16 @@ class ReusePrefill:
         cos, sin = rope_cos_sin(self.model.inv_freq, rows)  # each (Q, rotary_dim)
         return cos, sin, _metadata(rows, slots, context)
 
-    def _place(self, assembly: Assembly, slots: torch.Tensor) -> None:
+    def _place(self, assembly: Assembly, slots: torch.Tensor, timeline: Timeline | None) -> None:
         for placed in assembly.placed:
+            started = time.monotonic()
             seg = placed.segment
             dst = slots[seg.start : seg.end]
             self.index.copy_shifted(self.index.slots(placed.entry), dst, seg.start)
             if placed.correction is not None:
                 placed.correction.apply(self.kv_cache, self.index.shifter, dst, seg.start)
+            if timeline is not None:
+                timeline.placed(placed.method, Interval(started, time.monotonic()))
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
         """Keep the top blend_ratio of each blend segment's tokens by key deviation.

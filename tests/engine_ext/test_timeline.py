@@ -1,0 +1,61 @@
+"""The engine stamps each request's timeline: contiguous stages that add up to its TTFT,
+a queue stage while it waits for room, and the KV assembly of each reuse method inside
+its prefill."""
+
+from __future__ import annotations
+
+import random
+
+from engine_ext.config import EngineConfig, ReuseConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.reuse.segments import TokenSegment
+from engine_ext.sampling import SamplingParams
+from tests.helpers import kv_bytes, make_engine
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 200) for _ in range(n)]
+
+
+def test_stages_are_contiguous_and_add_up_to_the_ttft(llama_dir):
+    eng = make_engine(llama_dir, 64)
+    seq = eng.generate(tokens(40, 1), SamplingParams(max_tokens=4, temperature=0.0))
+    line = seq.timeline
+    stages = line.stages()
+    assert list(stages) == ["queue", "plan", "prefill", "first", "decode"]
+    edges = [(s.start, s.end) for s in stages.values()]
+    assert all(a_end == b_start for (_, a_end), (b_start, _) in zip(edges, edges[1:]))
+    assert all(s.seconds >= 0 for s in stages.values())
+    assert sum(stages[n].seconds for n in ("queue", "plan", "prefill", "first")) == line.ttft
+    assert line.num_prefill_steps == 1 and line.finished >= line.first_token
+
+
+def test_a_request_that_waits_for_room_shows_it_as_queue(llama_dir):
+    eng = make_engine(llama_dir, 64, max_num_seqs=1)
+    first = eng.add_request("a", tokens(30, 1), SamplingParams(max_tokens=3, temperature=0.0))
+    second = eng.add_request("b", tokens(30, 2), SamplingParams(max_tokens=3, temperature=0.0))
+    while eng.has_work:
+        eng.step()
+    assert second.timeline.admitted >= first.timeline.finished
+    assert second.timeline.stages()["queue"].seconds >= first.timeline.stages()["decode"].seconds
+
+
+def test_chunked_prefill_counts_its_steps(llama_dir):
+    eng = make_engine(llama_dir, 64, max_num_batched_tokens=16)
+    seq = eng.generate(tokens(40, 3), SamplingParams(max_tokens=1, temperature=0.0))
+    assert seq.timeline.num_prefill_steps == 3
+
+
+def test_kv_assembly_of_each_method_lies_inside_the_prefill(llama_dir):
+    eng = LLMEngine(llama_dir, EngineConfig(kv_cache_bytes=kv_bytes(96),
+                                            reuse=ReuseConfig(min_segment_tokens=4, check_layers=(0,))))
+    doc, prefix = tokens(40, 4), tokens(20, 5)
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, None, 0)], publish=False)
+    seq = eng.generate(prefix + doc + tokens(6, 6), greedy, publish=False,
+                       segments=[TokenSegment(20, 60, "shared_block", None, "shift", 0)])
+    line = seq.timeline
+    (interval,) = line.assembly["shift"]
+    prefill = line.stages()["prefill"]
+    assert prefill.start <= interval.start <= interval.end <= prefill.end
