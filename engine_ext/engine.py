@@ -41,6 +41,7 @@ from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
 from engine_ext.sequence import Sequence
 from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable
+from engine_ext.timeline import Timeline
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class RequestOutput:
     num_cached_tokens: int
     num_output_tokens: int
     reuse_outcomes: list[SegmentOutcome] | None = None  # per plan segment, once the prompt is computed
+    timeline: Timeline | None = None  # when the request passed each stage; on its last output only
 
 
 class ScoreResult(NamedTuple):
@@ -353,6 +355,7 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
             reuse_outcomes=seq.reuse_outcomes,
+            timeline=seq.timeline if reason is not None else None,
         )
 
     # -- convenience for tests and benchmarks ----------------------------------------

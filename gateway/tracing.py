@@ -3,29 +3,23 @@
 The tracer provider belongs to the app (never the process-global one), so two gateways
 in one process, or a test with an in-memory exporter, do not share spans. Exporters:
 
-- OTEL_TRACES_EXPORTER: comma list of `otlp`, `console`, `none`. Unset means `otlp` when
-  an OTLP endpoint is configured (OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT) and `none`
-  otherwise, so a gateway without a collector does not log export failures forever.
-- OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL: `http/protobuf` (default) or `grpc`.
-- OTEL_SERVICE_NAME / OTEL_RESOURCE_ATTRIBUTES name the resource; the OTLP exporters
-  read their endpoint, headers and timeout from the standard variables themselves.
+exporters come from the OTEL_* variables, read the same way for the engine
+(engine_ext/otel.py).
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
-from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from engine_ext.otel import TracingConfigError, build_provider
 from engine_ext.protocol import SegmentPlan
 from gateway.storage.writer import RequestRecord
 
@@ -40,49 +34,9 @@ _REQUEST_PARAMS = {  # body field -> GenAI attribute
 }
 
 
-class TracingConfigError(ValueError):
-    """An OTEL_* variable names something the gateway cannot export to."""
-
-
-def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
-    protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
-        return HttpExporter()
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
-        return GrpcExporter()
-    raise TracingConfigError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: use http/protobuf or grpc")
-
-
-_EXPORTERS: dict[str, Callable[[Mapping[str, str]], SpanExporter]] = {
-    "otlp": _otlp_exporter,
-    "console": lambda env: ConsoleSpanExporter(),
-}
-
-
 def build_tracer_provider(env: Mapping[str, str] | None = None) -> TracerProvider | None:
-    """The provider the OTEL_* variables ask for, or None when nothing is exported."""
-    env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return None
-    names = env.get("OTEL_TRACES_EXPORTER")
-    if names is None:
-        has_endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
-        names = "otlp" if has_endpoint else "none"
-    exporters = []
-    for name in (n.strip() for n in names.split(",")):
-        if name in ("", "none"):
-            continue
-        if name not in _EXPORTERS:
-            raise TracingConfigError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (use otlp, console or none)")
-        exporters.append(_EXPORTERS[name](env))
-    if not exporters:
-        return None
-    provider = TracerProvider(resource=Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvrelay-gateway")}))
-    for exporter in exporters:
-        provider.add_span_processor(BatchSpanProcessor(exporter))
-    return provider
+    """The gateway's provider from the OTEL_* variables (engine_ext.otel), or None."""
+    return build_provider(env, default_service="kvrelay-gateway")
 
 
 def tracer_from(provider: TracerProvider | None) -> Tracer:

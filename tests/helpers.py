@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
+from opentelemetry.sdk.trace import TracerProvider
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import EngineConfig
@@ -79,10 +80,10 @@ class RunningServer:
 
 
 @contextmanager
-def serve(llm: LLMEngine, model_name: str) -> Iterator[RunningServer]:
+def serve(llm: LLMEngine, model_name: str, tracer_provider: TracerProvider | None = None) -> Iterator[RunningServer]:
     """Run the OpenAI server for `llm` in a background thread on a free loopback port."""
     async_engine = AsyncEngine(llm)
-    app = create_app(async_engine, model_name)
+    app = create_app(async_engine, model_name, tracer_provider)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

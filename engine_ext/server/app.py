@@ -9,11 +9,14 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry.sdk.trace import TracerProvider
 
 from engine_ext.async_engine import AsyncEngine
+from engine_ext.otel import build_provider
 from engine_ext.server.errors import error_response, install_error_handlers
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
+from engine_ext.server.tracing import engine_tracer
 
 _DISCONNECT_POLL_S = 0.2
 
@@ -25,8 +28,12 @@ def get_service(request: Request) -> CompletionService:
 Service = Annotated[CompletionService, Depends(get_service)]
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
-    """Build the app around a constructed engine; the engine thread runs for the app's lifespan."""
+def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProvider | None = None) -> FastAPI:
+    """Build the app around a constructed engine; the engine thread runs for the app's
+    lifespan. Spans go to `tracer_provider`, else to the exporters the OTEL_* variables
+    name (engine_ext/otel.py), else nowhere."""
+    owned_provider = build_provider(default_service="kvrelay-engine") if tracer_provider is None else None
+    provider = tracer_provider or owned_provider
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -34,9 +41,11 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
             engine.start()
         yield
         await asyncio.to_thread(engine.stop)
+        if owned_provider is not None:
+            owned_provider.shutdown()  # flushes the spans still batched
 
     app = FastAPI(title="kvrelay engine", lifespan=lifespan)
-    app.state.service = CompletionService(engine, model_name)
+    app.state.service = CompletionService(engine, model_name, engine_tracer(provider))
     install_error_handlers(app)
 
     @app.get("/health")
@@ -63,10 +72,10 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
 async def _respond(service: CompletionService, body: ChatCompletionRequest | CompletionRequest,
                    request: Request) -> Response:
     if body.stream:
-        lines = await service.stream(body)
+        lines = await service.stream(body, request.headers)
         return StreamingResponse(lines, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    task = asyncio.ensure_future(service.complete(body))
+    task = asyncio.ensure_future(service.complete(body, request.headers))
     # Starlette only notices a vanished client when it reads the socket: poll for it so
     # an abandoned non-streaming request stops computing and frees its KV blocks.
     while True:

@@ -10,8 +10,10 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
+
+from opentelemetry.trace import NoOpTracer, Tracer
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
@@ -21,15 +23,17 @@ from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
+from engine_ext.server.tracing import emit_request_spans
 
 Request = ChatCompletionRequest | CompletionRequest
 logger = logging.getLogger(__name__)
 
 
 class CompletionService:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tracer: Tracer | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.tracer = tracer if tracer is not None else NoOpTracer()
         self.tokenizer = engine.engine.tokenizer
         self.aligner = PromptAligner(self.tokenizer)
 
@@ -79,7 +83,7 @@ class CompletionService:
         return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------
-    async def complete(self, req: Request) -> dict[str, Any]:
+    async def complete(self, req: Request, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         text, last = [], None
@@ -89,6 +93,7 @@ class CompletionService:
             last = out
         if last is None:
             raise EngineError(f"request {request_id} ended without output")
+        emit_request_spans(self.tracer, headers or {}, _operation(is_chat), req.model, last)
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if is_chat:
@@ -104,17 +109,18 @@ class CompletionService:
         return body
 
     # -- streaming ---------------------------------------------------------------------
-    async def stream(self, req: Request) -> AsyncIterator[str]:
+    async def stream(self, req: Request, headers: Mapping[str, str] | None = None) -> AsyncIterator[str]:
         """SSE lines. Validation errors surface before the first yield so the route can
         still answer with a proper error status."""
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         outputs, note = self._outputs(req, request_id)
         first = await anext(outputs)  # raises validation errors here, before any byte is sent
-        return self._sse(req, request_id, is_chat, first, outputs, note)
+        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {})
 
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
-                   rest: AsyncIterator[RequestOutput], note: str | None) -> AsyncIterator[str]:
+                   rest: AsyncIterator[RequestOutput], note: str | None,
+                   headers: Mapping[str, str]) -> AsyncIterator[str]:
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
         def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
@@ -141,6 +147,7 @@ class CompletionService:
                 last = out
                 out = None if out.finished else await anext(rest, None)
             yield chunk(None, last.finish_reason)
+            emit_request_spans(self.tracer, headers, _operation(is_chat), req.model, last)
             if req.include_usage:
                 yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
         except EngineError as exc:
@@ -156,6 +163,10 @@ class CompletionService:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
         # The model the client asked for: the base, or `base:adapter` (validated in _prompt).
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
+
+
+def _operation(is_chat: bool) -> str:
+    return "chat" if is_chat else "text_completion"
 
 
 def _new_id(is_chat: bool) -> str:

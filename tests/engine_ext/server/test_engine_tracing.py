@@ -1,0 +1,84 @@
+"""The engine continues the caller's W3C trace: one server span per request with a
+child per stage (queue, plan, prefill with its KV assembly, first token, decode). The
+stages up to the first token are contiguous and add up to the engine's TTFT, which the
+client, one loopback hop away, sees as its own TTFT plus a few milliseconds."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+
+from engine_ext.config import EngineConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.server.tracing import TTFT_STAGES
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+MODEL = "smollm2"
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def srv(smollm2_dir, run_server, spans):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20), model_name=MODEL)
+    with run_server(llm, MODEL, provider) as server:
+        yield server
+
+
+def _engine_spans(spans: InMemorySpanExporter, root: str = f"chat {MODEL}",
+                  timeout: float = 5.0) -> dict[str, ReadableSpan]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        finished = {s.name: s for s in spans.get_finished_spans()}
+        if root in finished:
+            return finished
+        time.sleep(0.02)
+    raise AssertionError(f"no request span: {[s.name for s in spans.get_finished_spans()]}")
+
+
+def test_the_stages_add_up_to_the_ttft_the_client_sees(srv, spans):
+    prompt = "Tell me about the markets of the old town. " * 40  # ~400 tokens: a TTFT worth measuring
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        start = time.perf_counter()
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=0, stream=True,
+            extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+        client_ttft = None
+        for chunk in stream:
+            if client_ttft is None and chunk.choices and chunk.choices[0].delta.content:
+                client_ttft = time.perf_counter() - start
+    found = _engine_spans(spans)
+    root = found[f"chat {MODEL}"]
+    assert root.kind is SpanKind.SERVER
+    assert format(root.context.trace_id, "032x") == TRACE_ID and format(root.parent.span_id, "016x") == PARENT_ID
+    stages = [found[f"kvrelay.{name}"] for name in ("queue", "plan", "prefill", "first_token", "decode")]
+    assert all(s.parent.span_id == root.context.span_id for s in stages)
+    assert all(a.end_time == b.start_time for a, b in zip(stages, stages[1:]))  # contiguous
+    assert stages[0].start_time == root.start_time and stages[-1].end_time == root.end_time
+    engine_ttft = (stages[3].end_time - stages[0].start_time) / 1e9
+    attrs = root.attributes
+    assert attrs["kvrelay.ttft_s"] == pytest.approx(engine_ttft, abs=1e-6)
+    assert sum(attrs[f"kvrelay.ttft.{name}_s"] for name in TTFT_STAGES) == pytest.approx(engine_ttft, abs=1e-6)
+    assert attrs["gen_ai.usage.input_tokens"] > 300 and attrs["gen_ai.usage.output_tokens"] == 6
+    # The client's TTFT is the engine's plus the HTTP hop and the first SSE write.
+    assert engine_ttft <= client_ttft < engine_ttft + 0.15, (engine_ttft, client_ttft)
+    assert stages[2].end_time - stages[2].start_time > 0.5 * (engine_ttft * 1e9)  # the prefill dominates
+
+
+def test_without_a_traceparent_the_request_starts_a_trace(srv, spans):
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    root = _engine_spans(spans, f"text_completion {MODEL}")[f"text_completion {MODEL}"]
+    assert root.parent is None and root.attributes["gen_ai.operation.name"] == "text_completion"
