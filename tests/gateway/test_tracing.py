@@ -229,3 +229,31 @@ def test_spans_reach_an_otlp_http_receiver(fake_upstream, tmp_path, clean_env, _
     [(name, attributes, resource)] = receiver.spans()
     assert name == "chat fake" and resource["service.name"] == "kvrelay-test"
     assert attributes["gen_ai.conversation.id"] == "s-9" and attributes["gen_ai.usage.input_tokens"] == 7
+
+
+def test_the_gateway_s_call_and_the_engine_s_request_are_one_trace(llama_dir, run_server, start_gateway,
+                                                                   provider, spans):
+    from tests.helpers import make_engine
+
+    engine_spans = InMemorySpanExporter()
+    engine_provider = TracerProvider()
+    engine_provider.add_span_processor(SimpleSpanProcessor(engine_spans))
+    llm = make_engine(llama_dir, 64, name="tiny")
+    with run_server(llm, "tiny", engine_provider) as srv:
+        gw = start_gateway([srv.base_url], tracer_provider=provider)
+        with gw.client() as c:
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": "Hi there."}]},
+                       headers={"traceparent": CLIENT_PARENT})
+        assert r.status_code == 200
+        call = _one_span(spans)
+        deadline = time.monotonic() + 5
+        while not any(s.name == "chat tiny" for s in engine_spans.get_finished_spans()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+    engine_root = next(s for s in engine_spans.get_finished_spans() if s.name == "chat tiny")
+    assert format(engine_root.context.trace_id, "032x") == CLIENT_TRACE_ID == format(call.context.trace_id, "032x")
+    assert engine_root.parent.span_id == call.context.span_id
+    assert call.start_time <= engine_root.start_time and engine_root.end_time <= call.end_time
+    children = {s.name for s in engine_spans.get_finished_spans()
+                if s.parent is not None and s.parent.span_id == engine_root.context.span_id}
+    assert {"kvrelay.queue", "kvrelay.plan", "kvrelay.prefill", "kvrelay.first_token", "kvrelay.decode"} <= children

@@ -82,3 +82,4 @@ def test_without_a_traceparent_the_request_starts_a_trace(srv, spans):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
     root = _engine_spans(spans, f"text_completion {MODEL}")[f"text_completion {MODEL}"]
     assert root.parent is None and root.attributes["gen_ai.operation.name"] == "text_completion"
+
