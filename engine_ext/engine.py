@@ -41,7 +41,7 @@ from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
 from engine_ext.sequence import Sequence
 from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable
-from engine_ext.timeline import Timeline
+from engine_ext.timeline import PrefillRate, Timeline
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class LLMEngine:
                  if self.segment_index else None)
         self.collector, collective, self.diff_store, restorer = self._collective()
         self.last_step_empty = False
+        self.prefill_rate = PrefillRate()  # prices the tokens reuse saved (TTFT breakdowns)
         self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
                                   collective, self.diff_store)
@@ -267,8 +268,13 @@ class LLMEngine:
             if self.tiers is not None:
                 self.tiers.poll(timeout=0.005)  # wake as soon as a load lands, without spinning
             return []
+        started = time.monotonic()
         sampled = self.runner.run(step)
         computed = time.monotonic()
+        if not any(seq.group is not None or (seq.assembly is not None and seq.assembly.placed)
+                   for seq, _ in step.chunks):  # a reused prefill computes fewer tokens than its chunk
+            self.prefill_rate.observe(sum(n for seq, n in step.chunks if seq.timeline.prefilled is None),
+                                      computed - started)
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
             if seq.timeline.prefilled is None:

@@ -60,3 +60,41 @@ class Timeline:
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrived
+
+
+TTFT_KEY = "kvrelay_ttft"  # the key of the breakdown under the response's kv_transfer_params
+
+
+class PrefillRate:
+    """The engine's own prefill speed, tokens per second: an exponential average over the
+    steps that computed prompt tokens. It prices the tokens reuse did not compute, so
+    a TTFT breakdown can say what a dense prefill would have cost."""
+
+    def __init__(self, smoothing: float = 0.2) -> None:
+        self.smoothing = smoothing
+        self.tokens_per_s: float | None = None
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        sample = num_tokens / seconds
+        current = self.tokens_per_s
+        self.tokens_per_s = sample if current is None else current + self.smoothing * (sample - current)
+
+
+def breakdown(line: Timeline, num_prompt_tokens: int, tokens_per_s: float | None) -> dict[str, object]:
+    """The TTFT breakdown reported to the caller (the gateway keeps it per request):
+    each stage's seconds, KV assembly per method, and the dense TTFT the engine's own
+    prefill rate predicts for the whole prompt, so what reuse saved is dense - actual."""
+    stages = line.stages()
+    out: dict[str, object] = {f"{name}_s": stages[name].seconds for name in ("queue", "plan", "prefill", "first")
+                              if name in stages}
+    out["ttft_s"] = line.ttft
+    out["assembly_s"] = {method: sum(i.seconds for i in intervals) for method, intervals in line.assembly.items()}
+    out["prefill_steps"] = line.num_prefill_steps
+    out["prefill_tokens_per_s"] = tokens_per_s
+    if tokens_per_s and line.ttft is not None and "prefill" in stages:
+        dense = line.ttft - stages["prefill"].seconds + num_prompt_tokens / tokens_per_s
+        out["dense_ttft_s"] = dense
+        out["saved_s"] = dense - line.ttft
+    return out

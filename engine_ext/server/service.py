@@ -24,6 +24,7 @@ from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, repor
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.tracing import emit_request_spans
+from engine_ext.timeline import TTFT_KEY, breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
 logger = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class CompletionService:
         body = self._envelope(req, request_id, is_chat, chunk=False)
         body["choices"] = [choice]
         body["usage"] = _usage(last)
-        params = _response_params(req, last, note)
+        params = _response_params(req, last, note, self.engine.engine.prefill_rate.tokens_per_s)
         if params is not None:
             body["kv_transfer_params"] = params
         return body
@@ -131,7 +132,8 @@ class CompletionService:
             else:
                 choice["text"] = delta or ""
             body = {**envelope, "choices": [choice]}
-            params = _response_params(req, last, note) if finish_reason is not None else None
+            params = _response_params(req, last, note, self.engine.engine.prefill_rate.tokens_per_s) \
+                if finish_reason is not None else None
             if params is not None:
                 body["kv_transfer_params"] = params
             return _sse_line(body)
@@ -186,12 +188,17 @@ def _plan(req: Request) -> SegmentPlan | None:
         return None
 
 
-def _response_params(req: Request, last: RequestOutput, note: str | None) -> dict[str, Any] | None:
-    """The request's kv_transfer_params echoed back, with what reuse did per segment."""
-    params = dict(req.kv_transfer_params) if isinstance(req.kv_transfer_params, dict) else None
+def _response_params(req: Request, last: RequestOutput, note: str | None,
+                     tokens_per_s: float | None) -> dict[str, Any] | None:
+    """The request's kv_transfer_params echoed back, with what reuse did per segment and,
+    for a caller that sent kv_transfer_params (the gateway), the TTFT breakdown."""
+    sent = isinstance(req.kv_transfer_params, dict)
+    params = dict(req.kv_transfer_params) if sent else None
     if last.reuse_outcomes is not None or note:
         params = params if params is not None else {}
         params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
+    if sent and last.timeline is not None:
+        params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens, tokens_per_s)
     return params
 
 

@@ -59,3 +59,30 @@ def test_kv_assembly_of_each_method_lies_inside_the_prefill(llama_dir):
     (interval,) = line.assembly["shift"]
     prefill = line.stages()["prefill"]
     assert prefill.start <= interval.start <= interval.end <= prefill.end
+
+
+def test_prefill_rate_averages_and_ignores_empty_samples():
+    from engine_ext.timeline import PrefillRate
+
+    rate = PrefillRate(smoothing=0.5)
+    rate.observe(0, 1.0)
+    assert rate.tokens_per_s is None
+    rate.observe(100, 1.0)
+    rate.observe(300, 1.0)
+    assert rate.tokens_per_s == 200.0
+
+
+def test_the_breakdown_prices_a_dense_prefill_with_the_engine_s_rate(llama_dir):
+    from engine_ext.timeline import breakdown
+
+    eng = make_engine(llama_dir, 64)
+    eng.generate(tokens(40, 7), SamplingParams(max_tokens=1, temperature=0.0))  # measures the rate
+    seq = eng.generate(tokens(40, 8), SamplingParams(max_tokens=2, temperature=0.0))
+    rate = eng.prefill_rate.tokens_per_s
+    report = breakdown(seq.timeline, seq.num_prompt_tokens, rate)
+    assert rate > 0 and report["ttft_s"] == seq.timeline.ttft
+    parts = sum(report[f"{name}_s"] for name in ("queue", "plan", "prefill", "first"))
+    assert parts == report["ttft_s"]
+    assert report["dense_ttft_s"] == report["ttft_s"] - report["prefill_s"] + seq.num_prompt_tokens / rate
+    assert report["saved_s"] == report["dense_ttft_s"] - report["ttft_s"]
+    assert "dense_ttft_s" not in breakdown(seq.timeline, seq.num_prompt_tokens, None)

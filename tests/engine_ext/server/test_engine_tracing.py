@@ -83,3 +83,18 @@ def test_without_a_traceparent_the_request_starts_a_trace(srv, spans):
     root = _engine_spans(spans, f"text_completion {MODEL}")[f"text_completion {MODEL}"]
     assert root.parent is None and root.attributes["gen_ai.operation.name"] == "text_completion"
 
+
+
+def test_a_caller_with_kv_transfer_params_gets_the_ttft_breakdown(srv):
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0)
+        asked = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0,
+                                          extra_body={"kv_transfer_params": {}})
+        streamed = list(client.completions.create(model=MODEL, prompt="Hello again", max_tokens=2, temperature=0,
+                                                  stream=True, extra_body={"kv_transfer_params": {}}))
+    assert not (plain.model_extra or {}).get("kv_transfer_params")
+    for params in (asked.model_extra["kv_transfer_params"], streamed[-1].model_extra["kv_transfer_params"]):
+        report = params["kvrelay_ttft"]
+        assert report["ttft_s"] > 0 and report["prefill_steps"] >= 1
+        assert sum(report[f"{name}_s"] for name in TTFT_STAGES) == pytest.approx(report["ttft_s"])
+        assert report["prefill_tokens_per_s"] > 0 and report["dense_ttft_s"] > 0

@@ -243,22 +243,28 @@ def test_cached_tokens_on_repeated_long_prompt(client, ref):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n_prompt - 1) // 16 * 16
 
 
+def _client_params(echoed: dict) -> dict:
+    """The caller's own entries: the engine adds its TTFT breakdown beside them."""
+    assert echoed["kvrelay_ttft"]["ttft_s"] > 0
+    return {k: v for k, v in echoed.items() if k != "kvrelay_ttft"}
+
+
 def test_kv_transfer_params_echoed(http):
     params = {"kvrelay": {"version": 1, "segments": [{"message": 0, "start": 0, "end": 5}]}}
     body = {"model": MODEL, "messages": msgs("Hello there"), "max_tokens": 3, "temperature": 0,
             "kv_transfer_params": params}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
-    assert r.json()["kv_transfer_params"] == params
+    assert _client_params(r.json()["kv_transfer_params"]) == params
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 2,
                                           "kv_transfer_params": params})
-    assert r.json()["kv_transfer_params"] == params
+    assert _client_params(r.json()["kv_transfer_params"]) == params
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         events = sse_events(r)
     data = [e for e in events if e != "[DONE]"]
     final = [e for e in data if e["choices"] and e["choices"][0]["finish_reason"] is not None]
     assert len(final) == 1
-    assert final[0]["kv_transfer_params"] == params
+    assert _client_params(final[0]["kv_transfer_params"]) == params
     # without the field nothing is echoed
     r = http.post("/v1/chat/completions", json={k: v for k, v in body.items() if k != "kv_transfer_params"})
     assert "kv_transfer_params" not in r.json()
