@@ -31,11 +31,13 @@ from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
 from engine_ext.protocol import RoundInfo, attach_plan
+from engine_ext.timeline import TTFT_KEY
 from kvrelay.openai_errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+_MAX_REPORT_CHARS = 4096
 
 
 @dataclass
@@ -199,6 +201,7 @@ class ProxiedCall:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
             self._take_usage(parsed.get("usage"))
+            self._take_engine_reports(parsed.get("kv_transfer_params"))
             choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
             self._finish_reasons.extend(finish_reasons_of(choices))
             for choice in choices:
@@ -237,6 +240,8 @@ class ProxiedCall:
                     self._finish_reasons.extend(info.finish_reasons)
                     if info.usage is not None:
                         self._take_usage(info.usage)
+                    if info.kv_transfer_params is not None:
+                        self._take_engine_reports(info.kv_transfer_params)
                     if info.error is not None:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
                     if not (info.is_usage_only and self.strip_usage):
@@ -272,6 +277,13 @@ class ProxiedCall:
         self.record.ttft_ms = elapsed * 1e3
         self.record.first_token_at = self.started_at + timedelta(seconds=elapsed)
         self.state.metrics.ttft.labels(self.record.model or "").observe(elapsed)
+
+    def _take_engine_reports(self, params: Any) -> None:
+        """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the record."""
+        report = params.get(TTFT_KEY) if isinstance(params, dict) else None
+        if isinstance(report, dict):
+            text = json.dumps(report)
+            self.record.ttft_breakdown = text if len(text) <= _MAX_REPORT_CHARS else None  # a sane report is tiny
 
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):

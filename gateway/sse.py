@@ -20,6 +20,7 @@ class EventInfo(NamedTuple):
     is_usage_only: bool  # the include_usage chunk: no choices, just usage
     error: dict[str, Any] | None
     finish_reasons: tuple[str, ...]
+    kv_transfer_params: dict[str, Any] | None = None  # the engine's reports, on the final chunk
 
 
 _NOTHING = EventInfo(False, "", None, False, None, ())
@@ -53,7 +54,8 @@ def inspect(event: bytes) -> EventInfo:
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
     error = body.get("error") if isinstance(body.get("error"), dict) else None
     finish_reasons = finish_reasons_of(choices)
-    return EventInfo(has_content, text, usage, usage is not None and not choices, error, finish_reasons)
+    params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
+    return EventInfo(has_content, text, usage, usage is not None and not choices, error, finish_reasons, params)
 
 
 def finish_reasons_of(choices: list[Any]) -> tuple[str, ...]:

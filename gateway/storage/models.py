@@ -60,6 +60,7 @@ class RequestRow(Base):
     completion_text: Mapped[str | None] = mapped_column(Text)
     api_key_id: Mapped[str | None] = mapped_column(String(32), index=True)
     plan: Mapped[str | None] = mapped_column(Text)
+    ttft_breakdown: Mapped[str | None] = mapped_column(Text)  # the engine's kvrelay_ttft report, JSON
 
 
 class ApiKeyRow(Base):

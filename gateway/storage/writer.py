@@ -50,6 +50,7 @@ class RequestRecord:
     completion_text: str | None = None
     api_key_id: str | None = None
     plan: str | None = None  # the SegmentPlan as JSON: offsets, kinds, names and hashes, no text
+    ttft_breakdown: str | None = None  # the engine's TTFT breakdown (kv_transfer_params["kvrelay_ttft"]), JSON
 
 
 def sha256_text(text: str) -> str:

@@ -171,3 +171,16 @@ def test_client_disconnect_aborts_the_engine_request(srv, start_gateway, monkeyp
     assert (row.status, row.http_status) == ("cancelled", 499)
     assert row.completion_tokens is None  # it never reached the usage chunk
     assert srv.llm.kv.pool.num_free == srv.llm.kv.pool.num_blocks
+
+
+def test_the_engine_s_ttft_breakdown_is_kept_with_the_request(srv, start_gateway):
+    gw = start_gateway([srv.base_url])
+    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi."}], max_tokens=2)
+        list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi again."}],
+                                            max_tokens=2, stream=True))
+    for row in gw.rows(2):
+        report = json.loads(row.ttft_breakdown)
+        assert report["ttft_s"] > 0 and report["prefill_steps"] >= 1
+        seen_ms = row.ttft_ms if row.stream else row.latency_ms  # a unary call's first token comes with its last
+        assert report["ttft_s"] * 1e3 <= seen_ms  # the gateway sees the engine's TTFT plus its own hop
