@@ -19,6 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
 from gateway.inference.views import session_agents, session_detail, session_summary
+from gateway.ttft import format_report, load_requests, session_ttft
 from kvrelay.openai_errors import error_response
 
 
@@ -104,6 +105,21 @@ def admin_router() -> APIRouter:
             graph = state.inference.apps[app_id].graph
             return PlainTextResponse(graph.mermaid(set(session_agents(found))) + "\n")
         return JSONResponse(session_detail(state.inference.apps[app_id], app_id, found))
+
+    @router.get("/sessions/{session_id}/ttft", response_model=None)
+    async def session_ttft_report(session_id: str, request: Request, state: Admin,
+                                  format: Literal["json", "text"] = "json") -> Response:
+        """Per request and per round: where the time to first token went, what reuse saved."""
+        try:
+            rows = await load_requests(request.app.state.db, session_id)
+        except (SQLAlchemyError, OSError) as exc:
+            raise AdminRefused(503, f"database unavailable: {type(exc).__name__}", code="database_unavailable") from exc
+        if not rows:
+            raise AdminRefused(404, f"no requests recorded for session {session_id!r}", code="session_not_found")
+        report = session_ttft(session_id, rows)
+        if format == "text":
+            return PlainTextResponse(format_report(report) + "\n")
+        return JSONResponse(report)
 
     return router
 

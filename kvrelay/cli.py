@@ -320,6 +320,41 @@ def _run_migration(direction: str, revision: str, database_url: str | None) -> N
     typer.echo(f"database at revision {revision} ({direction})")
 
 
+@app.command()
+def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see GET /admin/sessions)")],
+         as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+         database_url: DbUrlOpt = None) -> None:
+    """Where each request's time to first token went, per request and per round, and what reuse saved."""
+    import asyncio
+    import json
+
+    from alembic.util import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from gateway.storage import migrate
+    from gateway.ttft import format_report, load_requests, session_ttft
+
+    url = _gateway_settings(None, database_url).database_url
+
+    async def run():
+        engine = create_async_engine(url)
+        try:
+            return await load_requests(engine, session_id)
+        finally:
+            await engine.dispose()
+
+    try:
+        migrate.upgrade(url)
+        rows = asyncio.run(run())
+    except (CommandError, SQLAlchemyError, OSError) as exc:
+        raise _fail(f"database {url.split('@')[-1]}: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
+    if not rows:
+        raise _fail(f"no requests recorded for session {session_id!r}")
+    report = session_ttft(session_id, rows)
+    typer.echo(json.dumps(report, indent=2) if as_json else format_report(report))
+
+
 keys_app = typer.Typer(help="Client API keys (stored hashed; the secret is shown once).")
 app.add_typer(keys_app, name="keys")
 LimitOpt = Annotated[Optional[int], typer.Option(min=1, help="per-minute limit (default: the gateway's default, if any)")]

@@ -1,0 +1,90 @@
+"""A session's TTFT analysis: per request and per round, where the time to the first
+token went (the engine's breakdown kept with each request) and what reuse saved (the
+dense TTFT the engine's own prefill rate predicts, against the actual one).
+
+Served at GET /admin/sessions/{id}/ttft and printed by `kvrelay ttft SESSION_ID`, both
+from the request records in SQL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from gateway.storage.models import RequestRow
+
+STAGES = ("queue", "plan", "prefill", "first")
+SUMMED = ("ttft_s", "dense_ttft_s", "saved_s")
+
+
+async def load_requests(db: AsyncEngine, session_id: str) -> list[RequestRow]:
+    """The session's request records, oldest first."""
+    query = select(RequestRow).where(RequestRow.session_id == session_id).order_by(RequestRow.started_at)
+    async with db.connect() as conn:
+        return list((await conn.execute(query)).all())
+
+
+def session_ttft(session_id: str, rows: list[Any]) -> dict[str, Any]:
+    """The report: each request's breakdown, then each round's (summed over its members)
+    and the session's totals. Requests without an engine breakdown (another engine, an
+    error) are listed with what the gateway measured alone."""
+    requests = [_request(row) for row in rows]
+    rounds: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for request in requests:
+        if request["round_id"] is not None:
+            rounds[request["round_id"]].append(request)
+    return {"object": "session.ttft", "session_id": session_id, "requests": requests,
+            "rounds": [{"round_id": round_id, "num_requests": len(members), **_totals(members)}
+                       for round_id, members in rounds.items()],
+            "totals": {"num_requests": len(requests), **_totals(requests)}}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a text table, milliseconds, one line per request, then the rounds."""
+    head = ("request", "agent", "round", "queue", "plan", "prefill", "first", "ttft", "dense", "saved", "gateway")
+    lines = [head]
+    for r in report["requests"]:
+        b = r["engine"] or {}
+        lines.append((r["request_id"][:12], (r["agent_id"] or "-")[:16], (r["round_id"] or "-")[-8:],
+                      *(_ms(b.get(f"{s}_s")) for s in STAGES), _ms(b.get("ttft_s")), _ms(b.get("dense_ttft_s")),
+                      _ms(b.get("saved_s")), _ms(r["gateway_ttft_ms"], scale=1)))
+    for r in report["rounds"]:
+        lines.append((f"round {r['round_id'][-8:]}", f"{r['num_requests']} requests", "", "", "", "", "",
+                      _ms(r["ttft_s"]), _ms(r["dense_ttft_s"]), _ms(r["saved_s"]), ""))
+    t = report["totals"]
+    lines.append(("total", f"{t['num_requests']} requests", "", "", "", "", "", _ms(t["ttft_s"]),
+                  _ms(t["dense_ttft_s"]), _ms(t["saved_s"]), ""))
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
+    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+
+
+def _request(row: Any) -> dict[str, Any]:
+    plan = _json(row.plan)
+    round_info = plan.get("round") if isinstance(plan, dict) else None
+    return {"request_id": row.id, "agent_id": row.agent_id, "started_at": row.started_at.isoformat(),
+            "round_id": round_info.get("id") if isinstance(round_info, dict) else None,
+            "status": row.status, "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
+            "gateway_ttft_ms": row.ttft_ms if row.stream else row.latency_ms, "engine": _json(row.ttft_breakdown)}
+
+
+def _totals(requests: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Sums over the requests the engine reported on; None when none did."""
+    reported = [r["engine"] for r in requests if r["engine"]]
+    return {key: (sum(b.get(key) or 0.0 for b in reported) if reported else None) for key in SUMMED}
+
+
+def _json(text: str | None) -> Any:
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _ms(value: float | None, scale: float = 1e3) -> str:
+    return "-" if value is None else f"{value * scale:.0f}"
