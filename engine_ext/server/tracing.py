@@ -12,17 +12,20 @@ Attribute names, beyond the GenAI conventions (gen_ai.*):
   prefill, first); kvrelay.ttft_s: their sum
 - kvrelay.prefill.num_steps: engine steps the prefill took (chunks, preemptions)
 - kvrelay.reuse.method, kvrelay.reuse.tokens_reused, kvrelay.reuse.tokens_recomputed:
-  on each KV assembly span, summed over the request's segments with that method
+  on each KV assembly span, summed over the request's segments with that method, and on
+  a `kvrelay.reuse {method}` event of the prefill span for a method with no placement of
+  its own (prefix hits, restored round caches, dense fallbacks)
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
+from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import NoOpTracer, SpanKind, Tracer, set_span_in_context
+from opentelemetry.trace import NoOpTracer, Span, SpanKind, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine_ext.engine import RequestOutput
@@ -67,17 +70,26 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
     for name, interval in stages.items():
         span = tracer.start_span(STAGE_SPANS[name], context=parent, start_time=at(interval.start))
         if name == "prefill":
-            _assembly_spans(tracer, set_span_in_context(span), line, last, at)
+            _assembly_spans(tracer, set_span_in_context(span), span, line, last, at)
         span.end(end_time=at(interval.end))
     root.end(end_time=at(line.finished))
 
 
-def _assembly_spans(tracer: Tracer, parent, line: Timeline, last: RequestOutput, at) -> None:
-    """One span per KV placement, with what its method reused and recomputed overall."""
+def _assembly_spans(tracer: Tracer, parent: Context, prefill: Span, line: Timeline, last: RequestOutput,
+                    at: Callable[[float], int]) -> None:
+    """One span per KV placement, with what its method reused and recomputed overall;
+    a method that placed nothing itself (prefix hits, restored round caches, dense
+    fallbacks) is an event on the prefill span instead."""
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     for outcome in last.reuse_outcomes or []:
         totals[outcome.method][0] += outcome.num_reused
         totals[outcome.method][1] += outcome.num_recomputed
+    for method, (reused, recomputed) in totals.items():
+        if method not in line.assembly:
+            prefill.add_event(f"kvrelay.reuse {method}", {"kvrelay.reuse.method": method,
+                                                          "kvrelay.reuse.tokens_reused": reused,
+                                                          "kvrelay.reuse.tokens_recomputed": recomputed},
+                              timestamp=at(line.planned or line.arrived))
     for method, intervals in line.assembly.items():
         reused, recomputed = totals.get(method, (0, 0))
         for interval in intervals:

@@ -5,6 +5,7 @@ client, one loopback hop away, sees as its own TTFT plus a few milliseconds."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import openai
@@ -14,8 +15,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from engine_ext.config import EngineConfig
+from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.protocol import Segment, SegmentPlan
 from engine_ext.server.tracing import TTFT_STAGES
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -98,3 +100,32 @@ def test_a_caller_with_kv_transfer_params_gets_the_ttft_breakdown(srv):
         assert report["ttft_s"] > 0 and report["prefill_steps"] >= 1
         assert sum(report[f"{name}_s"] for name in TTFT_STAGES) == pytest.approx(report["ttft_s"])
         assert report["prefill_tokens_per_s"] > 0 and report["dense_ttft_s"] > 0
+
+
+def test_reuse_methods_show_as_kv_assembly_spans_or_prefill_events(smollm2_dir, run_server, spans):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=ReuseConfig(min_segment_tokens=8)),
+                    model_name=MODEL)
+    doc = "The harbour ledger lists wool, salt and timber shipments for every month of the year. " * 4
+
+    def ask(prefix: str, method: str) -> None:
+        text = prefix + doc + "Which shipment was largest?"
+        start = len(prefix)
+        segments = [Segment(message_index=0, char_start=start, char_end=start + len(doc), kind="shared_block",
+                            content_hash=hashlib.sha256(doc.encode()).hexdigest(), method=method)]
+        plan = SegmentPlan(session_id="s", agent_id="a", request_id=f"r-{prefix[:3]}", segments=segments)
+        with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+            client.completions.create(model=MODEL, prompt=text, max_tokens=1, temperature=0,
+                                      extra_body={"kv_transfer_params": {"kvrelay": plan.model_dump(mode="json")}})
+
+    with run_server(llm, MODEL, provider) as srv:
+        ask("First, ", "shift")
+        spans.clear()
+        ask("Then again, a longer opening line: ", "shift")
+    found = _engine_spans(spans, f"text_completion {MODEL}")
+    assembly = found["kvrelay.kv_assembly shift"]
+    assert assembly.attributes["kvrelay.reuse.tokens_reused"] > 0
+    prefill = found["kvrelay.prefill"]
+    assert assembly.parent.span_id == prefill.context.span_id
+    assert prefill.start_time <= assembly.start_time <= assembly.end_time <= prefill.end_time
