@@ -4,45 +4,24 @@ in total; unknown sessions are a clear 404 or one-line error."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
-import openai
 import pytest
 
-from engine_ext.config import EngineConfig
-from engine_ext.engine import LLMEngine
+from tests.gateway.town import MODEL, NUM_REQUESTS, run_town_session, town_engine
 from tests.kvrelay.test_cli import run_cli
 
 ADMIN = "admin-" + "s3cret" * 4
-MODEL = "smollm2"
-HEADERS = {"x-kvrelay-session-id": "town"}
 
 
 @pytest.fixture(scope="module")
 def srv(smollm2_dir, run_server):
-    """SmolLM2: real text, so the gateway finds the villagers' outputs in later prompts."""
-    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20), model_name=MODEL)
-    with run_server(llm, MODEL) as server:
+    with run_server(town_engine(smollm2_dir), MODEL) as server:
         yield server
-
-
-def _ask(client: openai.OpenAI, agent: int, content: str) -> str:
-    system = f"You are villager {agent} of a small town. Reply with one sentence."
-    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=24, extra_headers=HEADERS,
-                                       messages=[{"role": "system", "content": system},
-                                                 {"role": "user", "content": content}])
-    return r.choices[0].message.content
 
 
 def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway):
     gw = start_gateway([srv.base_url], admin_key=ADMIN)
-    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
-        outputs = [_ask(client, k, f"Day starts. Your plan number {k}.") for k in range(3)]
-        heard = "What your neighbours said:\n\n" + "\n\n".join(outputs) + "\n\nWhat next?"
-        _ask(client, 0, heard)
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda k: _ask(client, k, heard), (1, 2)))
-    rows = gw.rows(6)
+    run_town_session(gw.v1)
+    rows = gw.rows(NUM_REQUESTS)
     with gw.client(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
         report = admin.get("/admin/sessions/town/ttft").json()
         text = admin.get("/admin/sessions/town/ttft", params={"format": "text"}).text

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 import pytest
 
-from engine_ext.config import EngineConfig
-from engine_ext.engine import LLMEngine
+from tests.gateway.town import MODEL, NUM_REQUESTS, SESSION, run_town_session, town_engine
 
 ADMIN = "admin-" + "s3cret" * 4
-MODEL = "smollm2"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = os.environ.get("KVRELAY_TEST_ARTIFACTS")  # read at import: the gateway fixtures clear KVRELAY_*
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (dev extra)")
@@ -27,18 +23,8 @@ pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (ap
 
 @pytest.fixture(scope="module")
 def srv(smollm2_dir, run_server):
-    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20), model_name=MODEL)
-    with run_server(llm, MODEL) as server:
+    with run_server(town_engine(smollm2_dir), MODEL) as server:
         yield server
-
-
-def _ask(client: openai.OpenAI, agent: int, content: str) -> str:
-    system = f"You are villager {agent} of a small town. Reply with one sentence."
-    r = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=24,
-                                       extra_headers={"x-kvrelay-session-id": "town"},
-                                       messages=[{"role": "system", "content": system},
-                                                 {"role": "user", "content": content}])
-    return r.choices[0].message.content
 
 
 def _artifacts(tmp_path: Path) -> Path:
@@ -49,13 +35,8 @@ def _artifacts(tmp_path: Path) -> Path:
 
 def test_the_page_shows_a_live_session_s_agents_rounds_and_requests(srv, start_gateway, tmp_path):
     gw = start_gateway([srv.base_url], admin_key=ADMIN)
-    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
-        outputs = [_ask(client, k, f"Day starts. Your plan number {k}.") for k in range(3)]
-        heard = "What your neighbours said:\n\n" + "\n\n".join(outputs) + "\n\nWhat next?"
-        _ask(client, 0, heard)
-        with ThreadPoolExecutor(2) as pool:
-            list(pool.map(lambda k: _ask(client, k, heard), (1, 2)))
-    gw.rows(6)
+    run_town_session(gw.v1)
+    gw.rows(NUM_REQUESTS)
     shot = _artifacts(tmp_path) / "ui-session.png"
     with playwright_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=[
@@ -68,13 +49,13 @@ def test_the_page_shows_a_live_session_s_agents_rounds_and_requests(srv, start_g
             page.fill("input[name=key]", ADMIN)
             page.click("button")
             page.wait_for_url(f"{gw.url}/ui")
-            assert page.locator("tr.session", has_text="town").count() == 1
-            page.click("text=town")
+            assert page.locator("tr.session", has_text=SESSION).count() == 1
+            page.click(f"text={SESSION}")
             page.wait_for_selector("#requests")
             page.wait_for_function("window.kvrelayGraph && window.kvrelayGraph.nodes().length > 0")
             assert page.evaluate("window.kvrelayGraph.nodes().length") == 3
-            assert page.locator("tr.request").count() == 6
-            assert page.locator("svg.waterfall g.request").count() == 6
+            assert page.locator("tr.request").count() == NUM_REQUESTS
+            assert page.locator("svg.waterfall g.request").count() == NUM_REQUESTS
             assert page.locator("tr.round").count() >= 1
             assert "6 requests" in page.inner_text("#totals") and "3 agents" in page.inner_text("#totals")
             page.screenshot(path=str(shot), full_page=True)
