@@ -11,6 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ class _Add:
     adapter: str | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
+    arrived: float  # monotonic: when the caller asked, so the wait for the engine thread counts as queue
 
 
 @dataclass
@@ -81,7 +83,7 @@ class AsyncEngine:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
-                                sink, loop))
+                                sink, loop, time.monotonic()))
         finished = False
         try:
             while not finished:
@@ -129,7 +131,8 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
-                                        segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter)
+                                        segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter,
+                                        arrival_time=cmd.arrived)
             except EngineError as exc:
                 _deliver(cmd, exc)
                 continue

@@ -170,13 +170,15 @@ class LLMEngine:
         publish: bool = True,
         scope: ReuseScope | None = None,
         adapter: str | None = None,
+        arrival_time: float | None = None,
     ) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
 
         `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
         prefix cache, `scope` (the plan's app and agent) KVCOMM's anchors;
         `publish=False` keeps this request's blocks out of the prefix cache; `adapter`
-        names a served LoRA adapter (engine_ext/adapters)."""
+        names a served LoRA adapter (engine_ext/adapters); `arrival_time` (monotonic) is
+        when the caller asked, if earlier than now (a server's queue to the engine thread)."""
         served = self.adapters.get(adapter) if adapter is not None else None
         if served is not None and not served.is_icarus:
             segments = None  # cached segments hold the base model's K/V, not this adapter's
@@ -215,6 +217,7 @@ class LLMEngine:
             num_exact_tokens=None if publish else 0,
             publish=publish,
             adapter=served,
+            **({"arrival_time": arrival_time} if arrival_time is not None else {}),
         )
         self._observe_workflow(seq)
         self.scheduler.add(seq)

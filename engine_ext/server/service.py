@@ -94,7 +94,7 @@ class CompletionService:
             last = out
         if last is None:
             raise EngineError(f"request {request_id} ended without output")
-        emit_request_spans(self.tracer, headers or {}, _operation(is_chat), req.model, last)
+        self._trace(headers or {}, is_chat, req.model, last)
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if is_chat:
@@ -149,7 +149,7 @@ class CompletionService:
                 last = out
                 out = None if out.finished else await anext(rest, None)
             yield chunk(None, last.finish_reason)
-            emit_request_spans(self.tracer, headers, _operation(is_chat), req.model, last)
+            self._trace(headers, is_chat, req.model, last)
             if req.include_usage:
                 yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
         except EngineError as exc:
@@ -160,6 +160,13 @@ class CompletionService:
         finally:
             await rest.aclose()  # aborts the request if the client went away mid-stream
         yield "data: [DONE]\n\n"
+
+    def _trace(self, headers: Mapping[str, str], is_chat: bool, model: str, last: RequestOutput) -> None:
+        """The request's spans; a tracing failure is logged and never reaches the response."""
+        try:
+            emit_request_spans(self.tracer, headers, _operation(is_chat), model, last)
+        except Exception:
+            logger.exception("emitting the spans of request %s failed", last.request_id)
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
