@@ -32,12 +32,12 @@ from gateway.tracing import describe_plan, describe_request, end_call_span, star
 from gateway.upstream_client import Dispatch, UpstreamClient
 from engine_ext.protocol import RoundInfo, attach_plan
 from engine_ext.timeline import TTFT_KEY
+from gateway.ttft import clean_breakdown
 from kvrelay.openai_errors import error_body, error_response
 
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
-_MAX_REPORT_CHARS = 4096
 
 
 @dataclass
@@ -280,10 +280,9 @@ class ProxiedCall:
 
     def _take_engine_reports(self, params: Any) -> None:
         """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the record."""
-        report = params.get(TTFT_KEY) if isinstance(params, dict) else None
-        if isinstance(report, dict):
-            text = json.dumps(report)
-            self.record.ttft_breakdown = text if len(text) <= _MAX_REPORT_CHARS else None  # a sane report is tiny
+        report = clean_breakdown(params.get(TTFT_KEY) if isinstance(params, dict) else None)
+        if report is not None:
+            self.record.ttft_breakdown = json.dumps(report)
 
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):

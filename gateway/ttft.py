@@ -9,6 +9,7 @@ from the request records in SQL.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from typing import Any
 
@@ -19,6 +20,27 @@ from gateway.storage.models import RequestRow
 
 STAGES = ("queue", "plan", "prefill", "first")
 SUMMED = ("ttft_s", "dense_ttft_s", "saved_s")
+
+
+NUMBERS = ("queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_tokens_per_s",
+           "dense_ttft_s", "saved_s")
+MAX_METHODS = 16
+
+
+def clean_breakdown(report: Any) -> dict[str, Any] | None:
+    """An upstream's TTFT breakdown reduced to the known keys with finite numbers (an
+    upstream is not trusted to send well-formed JSON), or None when nothing is usable."""
+    if not isinstance(report, dict):
+        return None
+    out: dict[str, Any] = {key: float(report[key]) for key in NUMBERS if _finite(report.get(key))}
+    methods = report.get("assembly_s")
+    if isinstance(methods, dict):
+        out["assembly_s"] = {str(m)[:32]: float(v) for m, v in list(methods.items())[:MAX_METHODS] if _finite(v)}
+    return out if "ttft_s" in out else None
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 async def load_requests(db: AsyncEngine, session_id: str) -> list[RequestRow]:

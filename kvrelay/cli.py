@@ -347,7 +347,7 @@ def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see G
     try:
         migrate.upgrade(url)
         rows = asyncio.run(run())
-    except (CommandError, SQLAlchemyError, OSError) as exc:
+    except (CommandError, SQLAlchemyError, OSError, ImportError) as exc:
         raise _fail(f"database {url.split('@')[-1]}: {type(exc).__name__}: {exc}".splitlines()[0]) from exc
     if not rows:
         raise _fail(f"no requests recorded for session {session_id!r}")

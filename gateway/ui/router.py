@@ -102,7 +102,7 @@ def ui_router() -> APIRouter:
         return page("session.html", title=f"Session {session_id}", session_id=session_id, agents=agents,
                     rounds=report["rounds"], requests=report["requests"], totals=report["totals"],
                     tokens_reused=sum(r["cached_tokens"] or 0 for r in report["requests"]),
-                    graph_json=json.dumps(graph).replace("</", "<\\/"), waterfall=waterfall_svg(report["requests"]),
+                    graph_json=_script_json(graph), waterfall=waterfall_svg(report["requests"]),
                     stage_colours=STAGE_COLOURS, method_colours=METHOD_COLOURS)
 
     return router
@@ -136,6 +136,11 @@ async def _session_list(request: Request, state: GatewayState) -> list[dict[str,
     out += [{"id": sid, "app": None, "num_agents": agents, "num_requests": n, "num_rounds": "-",
              "last_seen": str(last)[:19], "state": "recorded"} for sid, n, agents, last in recorded if sid not in seen]
     return out
+
+
+def _script_json(value: Any) -> str:
+    """JSON safe inside <script>: no character of it can end the element or open a comment."""
+    return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def _esc(text: str) -> str:

@@ -39,3 +39,16 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
     assert cli.stdout.splitlines()[0].startswith("request") and "6 requests" in cli.stdout
     absent = run_cli("ttft", "nobody", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
     assert absent.returncode != 0 and absent.stderr.strip().count("\n") == 0 and "no requests" in absent.stderr
+
+
+@pytest.mark.parametrize(("report", "kept"), [
+    ({"ttft_s": 0.5, "queue_s": "soon", "saved_s": float("nan"), "extra": 1, "assembly_s": {"shift": 0.1, "x": "y"}},
+     {"ttft_s": 0.5, "assembly_s": {"shift": 0.1}}),
+    ({"queue_s": 0.1}, None),  # no TTFT: nothing to show
+    ("not a dict", None),
+    ({"ttft_s": True}, None),
+])
+def test_an_upstream_s_breakdown_is_reduced_to_known_numbers(report, kept):
+    from gateway.ttft import clean_breakdown
+
+    assert clean_breakdown(report) == kept

@@ -50,3 +50,13 @@ def test_session_ids_and_agent_names_are_escaped(fake_upstream, start_gateway):
 @pytest.mark.parametrize("requests", [[], [{"engine": None}]])
 def test_a_waterfall_without_engine_reports_says_so(requests):
     assert "No request carries" in waterfall_svg(requests)
+
+
+def test_graph_json_cannot_end_its_script_element():
+    import json
+
+    from gateway.ui.router import _script_json
+
+    hostile = [{"data": {"id": "</script><!--<script>&"}}]
+    text = _script_json(hostile)
+    assert not any(c in text for c in "<>&") and json.loads(text) == hostile
