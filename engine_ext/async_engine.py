@@ -11,7 +11,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from engine_ext.engine import LLMEngine, RequestOutput
 from engine_ext.errors import EngineDeadError, EngineError
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
+from engine_ext.timeline import Timeline
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class _Add:
     adapter: str | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
-    arrived: float  # monotonic: when the caller asked, so the wait for the engine thread counts as queue
+    timeline: Timeline  # stamped from when the caller asked, so the wait for the engine thread counts as queue
 
 
 @dataclass
@@ -75,15 +75,17 @@ class AsyncEngine:
         segments: list[TokenSegment] | None = None,
         scope: ReuseScope | None = None,
         adapter: str | None = None,
+        timeline: Timeline | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
-        errors on first iteration; leaving the iteration early aborts the request."""
+        errors on first iteration; leaving the iteration early aborts the request.
+        `timeline` (arrival: now) is the caller's to read, even if the request fails."""
         if not self.is_alive:
             raise EngineDeadError("the engine is not running")
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
-                                sink, loop, time.monotonic()))
+                                sink, loop, timeline if timeline is not None else Timeline()))
         finished = False
         try:
             while not finished:
@@ -132,7 +134,7 @@ class AsyncEngine:
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
                                         segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter,
-                                        arrival_time=cmd.arrived)
+                                        timeline=cmd.timeline)
             except EngineError as exc:
                 _deliver(cmd, exc)
                 continue

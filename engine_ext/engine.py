@@ -41,7 +41,7 @@ from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import Scheduler
 from engine_ext.sequence import Sequence
 from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable
-from engine_ext.timeline import PrefillRate, Timeline
+from engine_ext.timeline import Interval, PrefillRate, Timeline
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -170,15 +170,15 @@ class LLMEngine:
         publish: bool = True,
         scope: ReuseScope | None = None,
         adapter: str | None = None,
-        arrival_time: float | None = None,
+        timeline: Timeline | None = None,
     ) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
 
         `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
         prefix cache, `scope` (the plan's app and agent) KVCOMM's anchors;
         `publish=False` keeps this request's blocks out of the prefix cache; `adapter`
-        names a served LoRA adapter (engine_ext/adapters); `arrival_time` (monotonic) is
-        when the caller asked, if earlier than now (a server's queue to the engine thread)."""
+        names a served LoRA adapter (engine_ext/adapters); `timeline` is the caller's,
+        stamped from when it asked (a server's queue to the engine thread is queue time)."""
         served = self.adapters.get(adapter) if adapter is not None else None
         if served is not None and not served.is_icarus:
             segments = None  # cached segments hold the base model's K/V, not this adapter's
@@ -217,7 +217,7 @@ class LLMEngine:
             num_exact_tokens=None if publish else 0,
             publish=publish,
             adapter=served,
-            **({"arrival_time": arrival_time} if arrival_time is not None else {}),
+            timeline=timeline,
         )
         self._observe_workflow(seq)
         self.scheduler.add(seq)
@@ -274,14 +274,15 @@ class LLMEngine:
         started = time.monotonic()
         sampled = self.runner.run(step)
         computed = time.monotonic()
-        if not any(seq.group is not None or (seq.assembly is not None and seq.assembly.placed)
-                   for seq, _ in step.chunks):  # a reused prefill computes fewer tokens than its chunk
-            self.prefill_rate.observe(sum(n for seq, n in step.chunks if seq.timeline.prefilled is None),
-                                      computed - started)
+        if all(seq.timeline.prefilled is None and seq.group is None and
+               (seq.assembly is None or not seq.assembly.placed) for seq, _ in step.chunks):
+            # Dense prefill chunks alone: a decode row or a reused prefill (which computes
+            # fewer tokens than its chunk) would skew the rate.
+            self.prefill_rate.observe(sum(n for _, n in step.chunks), computed - started)
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
             if seq.timeline.prefilled is None:
-                seq.timeline.num_prefill_steps += 1
+                seq.timeline.prefill_steps.append(Interval(started, computed))
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     seq.timeline.prefilled = computed
             published = self.kv.publish(seq)

@@ -21,6 +21,7 @@ from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
 from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
 from engine_ext.sequence import Sequence
+from engine_ext.timeline import Placement
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class ModelRunner:
             result = self.collective.run(group.round_id, members)
             for i, seq in enumerate(seqs):
                 seq.assembly.collective = result.plan.report(i)
+                num_placed = sum(p.segment.num_tokens for p in seq.assembly.placed)
+                seq.timeline.placed("collective", Placement(*result.placed, num_placed))
             self._store(seqs, members, result.plan)
         finally:
             for seq in seqs:

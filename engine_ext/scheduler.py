@@ -29,6 +29,7 @@ from engine_ext.kv.manager import KVCacheManager
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.sequence import Sequence, SequenceStatus
 from engine_ext.tiers.store import LowerMatch, TieredStore, TierEntry
+from engine_ext.timeline import Placement
 
 
 class ScheduledChunk(NamedTuple):
@@ -141,21 +142,28 @@ class Scheduler:
             if seq.assembly.placed:
                 num_tokens = seq.num_tokens - num_ready
                 cost = min(len(seq.assembly.full_positions()), budget)
+        planned = time.monotonic()
         if not self.kv.allocate(seq, num_tokens + num_ready - prefix.num_cached_tokens, prefix):
             self._drop_assembly(seq)
             if restore is not None:
                 self.restorer.cancel(restore)
             return None
+        placements: list[tuple[str, Placement]] = []  # KV put in place at admission: part of the prefill
         if fetch:
             num_hits = len(prefix.blocks)
+            fetched_at = time.monotonic()
             if not self.tiers.fetch(fetch, seq.blocks[num_hits : num_hits + len(fetch)]):
                 self._undo_admission(seq)  # the unreadable blocks are gone: next time it recomputes them
                 return None
+            placements.append(("tier_fetch", Placement(fetched_at, time.monotonic(), len(fetch) * self.kv.block_size)))
             seq.num_computed_tokens += len(fetch) * self.kv.block_size
             if seq.num_preemptions == 0:
                 seq.num_fetched_tokens = len(fetch) * self.kv.block_size
         if restore is not None:
+            restored_at = time.monotonic()
             self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
+            placements.append(("diff_restore", Placement(restored_at, time.monotonic(),
+                                                         restore.num_tokens - restore.region_start)))
             seq.restore = restore
             seq.num_computed_tokens = restore.num_tokens
             exact = seq.num_exact_tokens
@@ -165,7 +173,10 @@ class Scheduler:
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        seq.timeline.admit(started)
+        if seq.timeline.admitted is None:
+            seq.timeline.admit(started, planned)
+            for method, placement in placements:
+                seq.timeline.placed(method, placement)
         return Admission(ScheduledChunk(seq, num_tokens), cost)
 
     def num_blocks_to_finish(self) -> int:

@@ -6,8 +6,9 @@ contiguous up to the first token, so their durations add up to the engine's TTFT
 
     queue   arrived   -> admitted   waiting for room (KV blocks, a batch slot, a loading prefix)
     plan    admitted  -> planned    prefix match and reuse decisions (segment lookups, anchors)
-    prefill planned   -> prefilled  KV assembly per reuse method (its own intervals inside),
-                                    the forward passes, and the steps of other requests between chunks
+    prefill planned   -> prefilled  KV assembly per reuse method (placements, restores,
+                                    tier fetches), the forward steps that computed its
+                                    chunks, and the wait between them (other requests' steps)
     first   prefilled -> first_token sampling and emitting the first token
     decode  first_token -> finished
 
@@ -19,12 +20,27 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import NamedTuple
 
 
 class Interval(NamedTuple):
     start: float
     end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+    def holds(self, other: Interval | Placement) -> bool:
+        return self.start <= other.start and other.end <= self.end
+
+
+class Placement(NamedTuple):
+    """One KV assembly: when a reuse method put `num_tokens` of cached KV in place."""
+    start: float
+    end: float
+    num_tokens: int
 
     @property
     def seconds(self) -> float:
@@ -39,16 +55,27 @@ class Timeline:
     prefilled: float | None = None
     first_token: float | None = None
     finished: float | None = None
-    assembly: dict[str, list[Interval]] = field(default_factory=dict)  # reuse method -> when it placed KV
-    num_prefill_steps: int = 0
+    assembly: dict[str, list[Placement]] = field(default_factory=dict)  # reuse method -> its placements
+    prefill_steps: list[Interval] = field(default_factory=list)  # the engine steps that computed its chunks
 
-    def admit(self, started: float) -> None:
-        """Admission began at `started` and its reuse decisions are made now (first time only)."""
+    def admit(self, started: float, planned: float) -> None:
+        """Admission began at `started`; its reuse decisions were made at `planned`
+        (first admission only: a preempted request keeps its first)."""
         if self.admitted is None:
-            self.admitted, self.planned = started, time.monotonic()
+            self.admitted, self.planned = started, planned
 
-    def placed(self, method: str, interval: Interval) -> None:
-        self.assembly.setdefault(method, []).append(interval)
+    def placed(self, method: str, placement: Placement) -> None:
+        self.assembly.setdefault(method, []).append(placement)
+
+    @property
+    def num_prefill_steps(self) -> int:
+        return len(self.prefill_steps)
+
+    def prefill_compute_s(self) -> float:
+        """Seconds of the steps that computed the prompt, less the KV placements inside them."""
+        inside = sum(p.seconds for placements in self.assembly.values() for p in placements
+                     if any(step.holds(p) for step in self.prefill_steps))
+        return sum(step.seconds for step in self.prefill_steps) - inside
 
     def stages(self) -> dict[str, Interval]:
         """The stages reached so far, in order (see the module docstring)."""
@@ -63,6 +90,14 @@ class Timeline:
 
 
 TTFT_KEY = "kvrelay_ttft"  # the key of the breakdown under the response's kv_transfer_params
+# A caller sends this header (any value but 0/false/off) to get the breakdown back even
+# without kv_transfer_params: the gateway always does, reuse on or off.
+TTFT_HEADER = "x-kvrelay-ttft"
+
+
+def wants_breakdown(headers: Mapping[str, str]) -> bool:
+    value = headers.get(TTFT_HEADER)
+    return value is not None and value.strip().lower() not in ("0", "false", "off")
 
 
 class PrefillRate:
@@ -84,17 +119,25 @@ class PrefillRate:
 
 def breakdown(line: Timeline, num_prompt_tokens: int, tokens_per_s: float | None) -> dict[str, object]:
     """The TTFT breakdown reported to the caller (the gateway keeps it per request):
-    each stage's seconds, KV assembly per method, and the dense TTFT the engine's own
-    prefill rate predicts for the whole prompt, so what reuse saved is dense - actual."""
+    each stage's seconds, the prefill split into KV assembly per method, compute and
+    wait, and the dense TTFT the engine's own prefill rate predicts for the whole
+    prompt, so what reuse saved is dense - actual. The dense estimate keeps the queue,
+    plan, wait and first-token parts as measured and prices the prompt's compute."""
     stages = line.stages()
     out: dict[str, object] = {f"{name}_s": stages[name].seconds for name in ("queue", "plan", "prefill", "first")
                               if name in stages}
     out["ttft_s"] = line.ttft
-    out["assembly_s"] = {method: sum(i.seconds for i in intervals) for method, intervals in line.assembly.items()}
+    assembly = {method: sum(p.seconds for p in placements) for method, placements in line.assembly.items()}
+    out["assembly_s"] = assembly
     out["prefill_steps"] = line.num_prefill_steps
     out["prefill_tokens_per_s"] = tokens_per_s
-    if tokens_per_s and line.ttft is not None and "prefill" in stages:
-        dense = line.ttft - stages["prefill"].seconds + num_prompt_tokens / tokens_per_s
+    if "prefill" not in stages or line.ttft is None:
+        return out
+    compute = line.prefill_compute_s()
+    out["prefill_compute_s"] = compute
+    out["prefill_wait_s"] = max(stages["prefill"].seconds - compute - sum(assembly.values()), 0.0)
+    if tokens_per_s:
+        dense = line.ttft - compute - sum(assembly.values()) + num_prompt_tokens / tokens_per_s
         out["dense_ttft_s"] = dense
         out["saved_s"] = dense - line.ttft
     return out

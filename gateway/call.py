@@ -31,7 +31,7 @@ from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
 from engine_ext.protocol import RoundInfo, attach_plan
-from engine_ext.timeline import TTFT_KEY
+from engine_ext.timeline import TTFT_HEADER, TTFT_KEY
 from gateway.ttft import clean_breakdown
 from kvrelay.openai_errors import error_body, error_response
 
@@ -187,6 +187,7 @@ class ProxiedCall:
         """Content headers, and the trace context: the client's, continued by our span."""
         headers = {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
         headers.update(trace_headers(self.span))
+        headers[TTFT_HEADER] = "1"  # the engine's TTFT breakdown, reuse on or off (other upstreams ignore it)
         if (upstream_key := self.state.settings.upstream_api_key) is not None:
             headers["authorization"] = f"Bearer {upstream_key.get_secret_value()}"
         return headers

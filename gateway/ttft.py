@@ -22,7 +22,8 @@ STAGES = ("queue", "plan", "prefill", "first")
 SUMMED = ("ttft_s", "dense_ttft_s", "saved_s")
 
 
-NUMBERS = ("queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_tokens_per_s",
+NUMBERS = ("queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
+           "prefill_wait_s", "prefill_tokens_per_s",
            "dense_ttft_s", "saved_s")
 MAX_METHODS = 16
 

@@ -24,6 +24,7 @@ master: the one closest to the shared cached blocks.
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from typing import NamedTuple
 
@@ -38,6 +39,7 @@ from engine_ext.kv.cache import KVCache
 from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import CausalLM
 from engine_ext.reuse.assembler import Assembly
+from engine_ext.timeline import Interval
 from kernels.shift_copy import shift_copy
 
 
@@ -55,6 +57,7 @@ class GroupMember(NamedTuple):
 class CollectiveResult(NamedTuple):
     last_hidden: list[torch.Tensor]  # per member, (1, hidden)
     plan: CollectivePlan
+    placed: Interval  # when every member's segments were put in place (one batched copy)
 
 
 class CollectivePrefill:
@@ -78,7 +81,9 @@ class CollectivePrefill:
         probe; `selected` (segment key -> offsets) skips the deviation pass and
         recomputes exactly those offsets (the per-request path of the same plan); by
         default the round's earlier selection is reused when it covers every member."""
+        started = time.monotonic()
         self.place(members)
+        placed = Interval(started, time.monotonic())
         reused = False
         if selected is None:
             selected = self._remembered(round_id, members)
@@ -97,7 +102,7 @@ class CollectivePrefill:
         num_selected = sum(int(o.numel()) for o in selected.values())
         plan = CollectivePlan(round_id, [m.request_id for m in members], deviations, lowest(deviations),
                               selected, num_candidates, num_selected, ratios, reused)
-        return CollectiveResult([r.last_hidden for r in results], plan)
+        return CollectiveResult([r.last_hidden for r in results], plan, placed)
 
     def _remembered(self, round_id: str, members: list[GroupMember]) -> dict[bytes, torch.Tensor] | None:
         """The round's earlier selection, if it covers every member's segments."""

@@ -28,7 +28,7 @@ from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.model.attention import PrefillSpan
 from engine_ext.reuse.assembler import Assembly
-from engine_ext.timeline import Interval, Timeline
+from engine_ext.timeline import Placement, Timeline
 from kernels.rope import rope_cos_sin
 
 
@@ -91,7 +91,7 @@ class ReusePrefill:
             if placed.correction is not None:
                 placed.correction.apply(self.kv_cache, self.index.shifter, dst, seg.start)
             if timeline is not None:
-                timeline.placed(placed.method, Interval(started, time.monotonic()))
+                timeline.placed(placed.method, Placement(started, time.monotonic(), seg.num_tokens))
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
         """Keep the top blend_ratio of each blend segment's tokens by key deviation.

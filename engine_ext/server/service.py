@@ -24,7 +24,7 @@ from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, repor
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.tracing import emit_request_spans
-from engine_ext.timeline import TTFT_KEY, breakdown
+from engine_ext.timeline import TTFT_KEY, Timeline, breakdown, wants_breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
 logger = logging.getLogger(__name__)
@@ -75,26 +75,34 @@ class CompletionService:
             aligned = self.aligner.text(prompt, plan)
         return aligned._replace(scope=ReuseScope(plan.app_id or DEFAULT_APP, plan.agent_id, plan.round, plan.workflow))
 
-    def _outputs(self, req: Request, request_id: str) -> tuple[AsyncIterator[RequestOutput], str | None]:
+    def _outputs(self, req: Request, request_id: str,
+                 line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None]:
         prompt = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
                                        req.kv_transfer_params, prompt.segments, prompt.scope,
-                                       self._adapter(req.model))
+                                       self._adapter(req.model), line)
         return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------
     async def complete(self, req: Request, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
-        text, last = [], None
-        outputs, note = self._outputs(req, request_id)
-        async for out in outputs:
-            text.append(out.delta_text)
-            last = out
+        text: list[str] = []
+        line, last, error = Timeline(), None, "cancelled"
+        outputs, note = self._outputs(req, request_id, line)
+        try:
+            async for out in outputs:
+                text.append(out.delta_text)
+                last = out
+            error = None if last is not None else "no_output"
+        except EngineError as exc:
+            error = type(exc).__name__
+            raise
+        finally:
+            self._trace(headers or {}, is_chat, req.model, line, last, error)
         if last is None:
             raise EngineError(f"request {request_id} ended without output")
-        self._trace(headers or {}, is_chat, req.model, last)
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if is_chat:
@@ -104,7 +112,7 @@ class CompletionService:
         body = self._envelope(req, request_id, is_chat, chunk=False)
         body["choices"] = [choice]
         body["usage"] = _usage(last)
-        params = _response_params(req, last, note, self.engine.engine.prefill_rate.tokens_per_s)
+        params = self._response_params(req, last, note, headers or {})
         if params is not None:
             body["kv_transfer_params"] = params
         return body
@@ -115,13 +123,18 @@ class CompletionService:
         still answer with a proper error status."""
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
-        outputs, note = self._outputs(req, request_id)
-        first = await anext(outputs)  # raises validation errors here, before any byte is sent
-        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {})
+        line = Timeline()
+        outputs, note = self._outputs(req, request_id, line)
+        try:
+            first = await anext(outputs)  # raises validation errors here, before any byte is sent
+        except EngineError as exc:
+            self._trace(headers or {}, is_chat, req.model, line, None, type(exc).__name__)
+            raise
+        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line)
 
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
                    rest: AsyncIterator[RequestOutput], note: str | None,
-                   headers: Mapping[str, str]) -> AsyncIterator[str]:
+                   headers: Mapping[str, str], line: Timeline) -> AsyncIterator[str]:
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
         def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
@@ -132,16 +145,15 @@ class CompletionService:
             else:
                 choice["text"] = delta or ""
             body = {**envelope, "choices": [choice]}
-            params = _response_params(req, last, note, self.engine.engine.prefill_rate.tokens_per_s) \
-                if finish_reason is not None else None
+            params = self._response_params(req, last, note, headers) if finish_reason is not None else None
             if params is not None:
                 body["kv_transfer_params"] = params
             return _sse_line(body)
 
+        last, error, traced = first, "cancelled", False
         try:
             if is_chat:
                 yield chunk(None, None, role=True)
-            last = first
             out: RequestOutput | None = first
             while out is not None:
                 if out.delta_text:
@@ -149,24 +161,46 @@ class CompletionService:
                 last = out
                 out = None if out.finished else await anext(rest, None)
             yield chunk(None, last.finish_reason)
-            self._trace(headers, is_chat, req.model, last)
+            self._trace(headers, is_chat, req.model, line, last, None)
+            traced = True
             if req.include_usage:
                 yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
         except EngineError as exc:
             # The 200 is already sent: report the failure in-band, as OpenAI's API does,
             # so clients raise an APIError instead of seeing a truncated stream.
+            error = type(exc).__name__
             _, type_ = engine_error_status(exc)
             yield _sse_line(error_body(str(exc), type_, getattr(exc, "param", None), getattr(exc, "code", None)))
         finally:
             await rest.aclose()  # aborts the request if the client went away mid-stream
+            if not traced:
+                self._trace(headers, is_chat, req.model, line, last if last.finished else None, error)
         yield "data: [DONE]\n\n"
 
-    def _trace(self, headers: Mapping[str, str], is_chat: bool, model: str, last: RequestOutput) -> None:
-        """The request's spans; a tracing failure is logged and never reaches the response."""
+    def _trace(self, headers: Mapping[str, str], is_chat: bool, model: str, line: Timeline,
+               last: RequestOutput | None, error: str | None) -> None:
+        """The request's spans, failed ones included; a tracing failure is logged and
+        never reaches the response."""
         try:
-            emit_request_spans(self.tracer, headers, _operation(is_chat), model, last)
+            emit_request_spans(self.tracer, headers, _operation(is_chat), model, line, last, error)
         except Exception:
-            logger.exception("emitting the spans of request %s failed", last.request_id)
+            logger.exception("emitting the spans of a %s request failed", model)
+
+    def _response_params(self, req: Request, last: RequestOutput, note: str | None,
+                         headers: Mapping[str, str]) -> dict[str, Any] | None:
+        """The request's kv_transfer_params echoed back, with what reuse did per segment
+        and, for a caller that sent kv_transfer_params or the TTFT header (the gateway),
+        the TTFT breakdown."""
+        sent = isinstance(req.kv_transfer_params, dict)
+        params = dict(req.kv_transfer_params) if sent else None
+        if last.reuse_outcomes is not None or note:
+            params = params if params is not None else {}
+            params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
+        if (sent or wants_breakdown(headers)) and last.timeline is not None:
+            params = params if params is not None else {}
+            params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens,
+                                         self.engine.engine.prefill_rate.tokens_per_s)
+        return params
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
@@ -195,18 +229,6 @@ def _plan(req: Request) -> SegmentPlan | None:
         return None
 
 
-def _response_params(req: Request, last: RequestOutput, note: str | None,
-                     tokens_per_s: float | None) -> dict[str, Any] | None:
-    """The request's kv_transfer_params echoed back, with what reuse did per segment and,
-    for a caller that sent kv_transfer_params (the gateway), the TTFT breakdown."""
-    sent = isinstance(req.kv_transfer_params, dict)
-    params = dict(req.kv_transfer_params) if sent else None
-    if last.reuse_outcomes is not None or note:
-        params = params if params is not None else {}
-        params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
-    if sent and last.timeline is not None:
-        params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens, tokens_per_s)
-    return params
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

@@ -6,15 +6,24 @@ stamped (monotonic seconds, mapped to wall-clock time once), so the engine loop 
 touches OpenTelemetry. The stage spans up to the first token are contiguous: their
 durations add up to the engine's TTFT.
 
+A request that fails or is abandoned (engine error, client gone) still gets its
+spans, up to the stage it reached, with an ERROR status.
+
 Attribute names, beyond the GenAI conventions (gen_ai.*):
 - kvrelay.request.id: the engine's request id
 - kvrelay.ttft.<stage>_s: seconds of each stage up to the first token (queue, plan,
   prefill, first); kvrelay.ttft_s: their sum
-- kvrelay.prefill.num_steps: engine steps the prefill took (chunks, preemptions)
-- kvrelay.reuse.method, kvrelay.reuse.tokens_reused, kvrelay.reuse.tokens_recomputed:
-  on each KV assembly span, summed over the request's segments with that method, and on
-  a `kvrelay.reuse {method}` event of the prefill span for a method with no placement of
-  its own (prefix hits, restored round caches, dense fallbacks)
+- kvrelay.prefill.num_steps: engine steps that computed the prompt (chunks, preemptions)
+- kvrelay.prefill.compute_s, kvrelay.prefill.wait_s: the prefill's forward time (less
+  the KV placed inside it) and its wait between chunks (other requests' steps)
+- on each `kvrelay.prefill_step` span (one per step that computed a prompt chunk):
+  nothing beyond its timing; KV assemblies done inside the step are its children
+- on each `kvrelay.kv_assembly {method}` span (one per placement: a shifted/blended/
+  linked/KVCOMM segment, a collective round's batched copy, a diff restore, a tier
+  fetch): kvrelay.reuse.method, kvrelay.reuse.tokens_placed (this placement's tokens)
+- on each `kvrelay.reuse {method}` event of the prefill span (one per method in the
+  request's reuse report, so summing never double counts): kvrelay.reuse.method,
+  kvrelay.reuse.tokens_reused, kvrelay.reuse.tokens_recomputed
 """
 
 from __future__ import annotations
@@ -23,9 +32,8 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 
-from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import NoOpTracer, Span, SpanKind, Tracer, set_span_in_context
+from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine_ext.engine import RequestOutput
@@ -42,10 +50,11 @@ def engine_tracer(provider: TracerProvider | None) -> Tracer:
 
 
 def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: str, model: str,
-                       last: RequestOutput) -> None:
-    """The finished request's spans, under the caller's trace when it sent a traceparent."""
-    line = last.timeline
-    if line is None or line.finished is None or isinstance(tracer, NoOpTracer):
+                       line: Timeline, last: RequestOutput | None, error: str | None = None) -> None:
+    """The request's spans, under the caller's trace when it sent a traceparent. `last`
+    is its final output (None if it produced none); `error` marks a failed request,
+    whose spans end where its timeline stopped (now, if the engine never finished it)."""
+    if isinstance(tracer, NoOpTracer):
         return
     offset_ns = time.time_ns() - time.monotonic_ns()
 
@@ -57,43 +66,60 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
                              start_time=at(line.arrived))
     root.set_attributes({
         "gen_ai.operation.name": operation, "gen_ai.provider.name": "kvrelay", "gen_ai.request.model": model,
-        "gen_ai.usage.input_tokens": last.num_prompt_tokens, "gen_ai.usage.output_tokens": last.num_output_tokens,
-        "gen_ai.usage.cache_read.input_tokens": last.num_cached_tokens,
-        "gen_ai.response.finish_reasons": [last.finish_reason or ""],
-        "kvrelay.request.id": last.request_id, "kvrelay.prefill.num_steps": line.num_prefill_steps,
+        "kvrelay.prefill.num_steps": line.num_prefill_steps,
         **{f"kvrelay.ttft.{name}_s": stages[name].seconds for name in TTFT_STAGES if name in stages},
     })
+    if last is not None:
+        root.set_attributes({
+            "gen_ai.usage.input_tokens": last.num_prompt_tokens, "gen_ai.usage.output_tokens": last.num_output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": last.num_cached_tokens,
+            "gen_ai.response.finish_reasons": [last.finish_reason or ""], "kvrelay.request.id": last.request_id})
     if line.ttft is not None:
         root.set_attribute("kvrelay.ttft_s", line.ttft)
         root.set_attribute("gen_ai.response.time_to_first_chunk", line.ttft)
+    if "prefill" in stages:
+        compute = line.prefill_compute_s()
+        assembly = sum(p.seconds for placements in line.assembly.values() for p in placements)
+        root.set_attribute("kvrelay.prefill.compute_s", compute)
+        root.set_attribute("kvrelay.prefill.wait_s", max(stages["prefill"].seconds - compute - assembly, 0.0))
+    if error is not None:
+        root.set_status(Status(StatusCode.ERROR, error))
+        root.set_attribute("error.type", error)
     parent = set_span_in_context(root)
     for name, interval in stages.items():
         span = tracer.start_span(STAGE_SPANS[name], context=parent, start_time=at(interval.start))
         if name == "prefill":
-            _assembly_spans(tracer, set_span_in_context(span), span, line, last, at)
+            _prefill_children(tracer, span, line, last, at)
         span.end(end_time=at(interval.end))
-    root.end(end_time=at(line.finished))
+    end = line.finished if line.finished is not None else time.monotonic()
+    root.end(end_time=at(end))
 
 
-def _assembly_spans(tracer: Tracer, parent: Context, prefill: Span, line: Timeline, last: RequestOutput,
-                    at: Callable[[float], int]) -> None:
-    """One span per KV placement, with what its method reused and recomputed overall;
-    a method that placed nothing itself (prefix hits, restored round caches, dense
-    fallbacks) is an event on the prefill span instead."""
+def _prefill_children(tracer: Tracer, prefill: Span, line: Timeline, last: RequestOutput | None,
+                      at: Callable[[float], int]) -> None:
+    """A span per step that computed a prompt chunk and per KV placement (inside the
+    step it happened in, else under the prefill), and per method one event with the
+    tokens it reused and recomputed over the whole request."""
+    context = set_span_in_context(prefill)
+    steps = []
+    for step in line.prefill_steps:
+        span = tracer.start_span("kvrelay.prefill_step", context=context, start_time=at(step.start))
+        steps.append((step, span))
+    for method, placements in line.assembly.items():
+        for placement in placements:
+            holder = next((span for step, span in steps if step.holds(placement)), prefill)
+            span = tracer.start_span(f"kvrelay.kv_assembly {method}", context=set_span_in_context(holder),
+                                     start_time=at(placement.start))
+            span.set_attributes({"kvrelay.reuse.method": method, "kvrelay.reuse.tokens_placed": placement.num_tokens})
+            span.end(end_time=at(placement.end))
+    for step, span in steps:
+        span.end(end_time=at(step.end))
     totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    for outcome in last.reuse_outcomes or []:
+    for outcome in (last.reuse_outcomes if last is not None else None) or []:
         totals[outcome.method][0] += outcome.num_reused
         totals[outcome.method][1] += outcome.num_recomputed
     for method, (reused, recomputed) in totals.items():
-        if method not in line.assembly:
-            prefill.add_event(f"kvrelay.reuse {method}", {"kvrelay.reuse.method": method,
-                                                          "kvrelay.reuse.tokens_reused": reused,
-                                                          "kvrelay.reuse.tokens_recomputed": recomputed},
-                              timestamp=at(line.planned or line.arrived))
-    for method, intervals in line.assembly.items():
-        reused, recomputed = totals.get(method, (0, 0))
-        for interval in intervals:
-            span = tracer.start_span(f"kvrelay.kv_assembly {method}", context=parent, start_time=at(interval.start))
-            span.set_attributes({"kvrelay.reuse.method": method, "kvrelay.reuse.tokens_reused": reused,
-                                 "kvrelay.reuse.tokens_recomputed": recomputed})
-            span.end(end_time=at(interval.end))
+        prefill.add_event(f"kvrelay.reuse {method}", {"kvrelay.reuse.method": method,
+                                                      "kvrelay.reuse.tokens_reused": reused,
+                                                      "kvrelay.reuse.tokens_recomputed": recomputed},
+                          timestamp=at(line.prefilled or line.planned or line.arrived))

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.errors import CapacityError, EngineDeadError
 from engine_ext.sampling import SamplingParams
+from engine_ext.timeline import Timeline
 from tests.helpers import make_engine, wait_until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -128,3 +130,22 @@ async def test_stop_fails_requests_in_flight(llama_dir):
         async for _ in gen:
             pass
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks
+
+
+async def test_the_callers_timeline_counts_the_wait_for_the_engine_thread_as_queue(engines):
+    llm, eng = engines
+    ids = llm.tokenizer.encode("The quick brown fox")
+    line = Timeline(arrived=time.monotonic() - 0.25)  # the caller asked a quarter second ago
+    outs = [o async for o in eng.generate("t", ids, GREEDY, timeline=line)]
+    assert outs[-1].timeline is line and line.finished is not None
+    assert line.stages()["queue"].seconds >= 0.25
+
+
+async def test_an_aborted_request_leaves_its_timeline_finished(engines):
+    llm, eng = engines
+    line = Timeline()
+    outputs = eng.generate("gone", llm.tokenizer.encode("Tell me a story"), GREEDY, timeline=line)
+    await anext(outputs)
+    await outputs.aclose()  # the caller walks away after its first token
+    assert wait_until(lambda: line.finished is not None)
+    assert line.first_token is not None and line.finished >= line.first_token

@@ -4,6 +4,9 @@ in total; unknown sessions are a clear 404 or one-line error."""
 
 from __future__ import annotations
 
+import json
+
+import openai
 import pytest
 
 from tests.gateway.town import MODEL, NUM_REQUESTS, run_town_session, town_engine
@@ -39,6 +42,20 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
     assert cli.stdout.splitlines()[0].startswith("request") and "6 requests" in cli.stdout
     absent = run_cli("ttft", "nobody", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
     assert absent.returncode != 0 and absent.stderr.strip().count("\n") == 0 and "no requests" in absent.stderr
+
+
+def test_requests_without_reuse_still_get_their_breakdown(srv, start_gateway):
+    gw = start_gateway([srv.base_url])
+    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
+        for stream in (False, True):
+            reply = client.chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=4, stream=stream,
+                messages=[{"role": "user", "content": "Say hello."}], extra_headers={"x-kvrelay-reuse": "off"})
+            if stream:
+                list(reply)
+    for row in gw.rows(2):
+        breakdown = json.loads(row.ttft_breakdown)
+        assert breakdown["ttft_s"] > 0 and breakdown["prefill_compute_s"] > 0
 
 
 @pytest.mark.parametrize(("report", "kept"), [

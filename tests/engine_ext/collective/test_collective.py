@@ -78,6 +78,12 @@ def test_round_requests_prefill_together_and_report_it(deep_llama):
         assert seq.num_cached_tokens == reused > 0
     assert len(masters) == 1
     assert sum(o.collective["is_master"] for s in seqs for o in s.reuse_outcomes[:1]) == 1
+    # One batched copy placed every member's segments: each timeline has it, inside its prefill.
+    placements = [seq.timeline.assembly["collective"] for seq in seqs]
+    assert all(len(p) == 1 for p in placements) and len({p[0][:2] for p in placements}) == 1
+    for seq, (placed,) in zip(seqs, placements):
+        assert placed.num_tokens == sum(len(out) for out in rnd.outputs)
+        assert seq.timeline.stages()["prefill"].holds(placed)
 
 
 def test_full_recompute_ratio_equals_dense(deep_llama):

@@ -158,6 +158,8 @@ def test_a_prompt_extending_a_stored_round_prompt_is_restored(deep_llama):
     assert eng.scheduler.restorer.num_restores == 1
     assert seq.num_cached_tokens == len(ids)
     assert all(o.method == "restored" and o.num_reused == o.segment.num_tokens for o in seq.reuse_outcomes)
+    (restore,) = seq.timeline.assembly["diff_restore"]  # timed at admission, as part of the prefill
+    assert 0 < restore.num_tokens <= len(ids) and seq.timeline.stages()["prefill"].holds(restore)
     # Restored KV is the agent's own round KV, bit for bit (checked on a rerun that stops after prefill).
     again = eng.add_request("again", extended, SamplingParams(max_tokens=2), segments=segments, publish=False)
     eng.step()

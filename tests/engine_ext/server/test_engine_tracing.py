@@ -13,7 +13,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import SpanKind, StatusCode
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
@@ -124,8 +124,54 @@ def test_reuse_methods_show_as_kv_assembly_spans_or_prefill_events(smollm2_dir, 
         spans.clear()
         ask("Then again, a longer opening line: ", "shift")
     found = _engine_spans(spans, f"text_completion {MODEL}")
-    assembly = found["kvrelay.kv_assembly shift"]
-    assert assembly.attributes["kvrelay.reuse.tokens_reused"] > 0
-    prefill = found["kvrelay.prefill"]
-    assert assembly.parent.span_id == prefill.context.span_id
-    assert prefill.start_time <= assembly.start_time <= assembly.end_time <= prefill.end_time
+    assembly, step, prefill = found["kvrelay.kv_assembly shift"], found["kvrelay.prefill_step"], found["kvrelay.prefill"]
+    assert assembly.attributes["kvrelay.reuse.method"] == "shift"
+    placed = assembly.attributes["kvrelay.reuse.tokens_placed"]
+    # The placement ran inside the step that computed the rest of the prompt, inside the prefill.
+    assert assembly.parent.span_id == step.context.span_id and step.parent.span_id == prefill.context.span_id
+    assert prefill.start_time <= step.start_time <= assembly.start_time <= assembly.end_time <= step.end_time
+    assert step.end_time <= prefill.end_time
+    # The method's totals are one event, so summing events never double counts.
+    (event,) = [e for e in prefill.events if e.name == "kvrelay.reuse shift"]
+    assert 0 < event.attributes["kvrelay.reuse.tokens_reused"] <= placed
+
+
+def test_the_ttft_header_asks_for_the_breakdown_without_kv_transfer_params(srv):
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        asked = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0,
+                                          extra_headers={"x-kvrelay-ttft": "1"})
+        declined = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0,
+                                             extra_headers={"x-kvrelay-ttft": "off"})
+    report = asked.model_extra["kv_transfer_params"]["kvrelay_ttft"]
+    assert report["ttft_s"] > 0 and report["prefill_compute_s"] > 0
+    assert not (declined.model_extra or {}).get("kv_transfer_params")
+
+
+def test_an_abandoned_stream_still_gets_its_spans_marked_as_an_error(srv, spans):
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count slowly to one hundred."}], max_tokens=200,
+            temperature=0, stream=True, extra_headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                break  # the client goes away after its first token
+        stream.close()
+    found = _engine_spans(spans)
+    root = found[f"chat {MODEL}"]
+    assert root.status.status_code is StatusCode.ERROR and root.attributes["error.type"] == "cancelled"
+    assert format(root.context.trace_id, "032x") == TRACE_ID
+    assert {"kvrelay.queue", "kvrelay.prefill", "kvrelay.first_token"} <= set(found)
+    assert root.attributes["kvrelay.ttft_s"] > 0
+
+
+def test_a_tracing_failure_never_breaks_the_response(srv, spans, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("exporter exploded")
+
+    monkeypatch.setattr("engine_ext.server.service.emit_request_spans", broken)
+    with openai.OpenAI(base_url=srv.v1, api_key="unused", max_retries=0) as client:
+        unary = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+        streamed = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0,
+                                                  stream=True))
+    assert unary.usage.completion_tokens == 2 and streamed[-1].choices[0].finish_reason == "length"
+    assert spans.get_finished_spans() == ()

@@ -120,6 +120,8 @@ def test_lru_evicts_the_next_agent_and_reactive_loading_brings_it_back(model, re
         if turn >= len(AGENTS):  # cyclic reuse defeats LRU: the prefix comes back from the host tier
             assert seq.num_fetched_tokens == FIXED_TOKENS[agent] // BS * BS
             assert seq.num_cached_tokens == seq.num_fetched_tokens
+            (fetch,) = seq.timeline.assembly["tier_fetch"]
+            assert fetch.num_tokens == seq.num_fetched_tokens and seq.timeline.stages()["prefill"].holds(fetch)
     assert engine.prefetcher is None and engine.tiers.stats.num_fetched > 0
     engine.close()
 
