@@ -1,10 +1,9 @@
 """OpenTelemetry: one GenAI span per proxied call, exporters chosen by the OTEL_* variables.
 
 The tracer provider belongs to the app (never the process-global one), so two gateways
-in one process, or a test with an in-memory exporter, do not share spans. Exporters:
-
-exporters come from the OTEL_* variables, read the same way for the engine
-(engine_ext/otel.py).
+in one process, or a test with an in-memory exporter, do not share spans. Exporters
+come from the OTEL_* variables, read the same way for the engine (engine_ext/otel.py);
+span and attribute names are listed in engine_ext/trace_names.py.
 """
 
 from __future__ import annotations

@@ -44,9 +44,18 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-async def load_requests(db: AsyncEngine, session_id: str) -> list[RequestRow]:
-    """The session's request records, oldest first."""
-    query = select(RequestRow).where(RequestRow.session_id == session_id).order_by(RequestRow.started_at)
+MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump
+
+_COLUMNS = (RequestRow.id, RequestRow.agent_id, RequestRow.started_at, RequestRow.plan, RequestRow.status,
+            RequestRow.prompt_tokens, RequestRow.cached_tokens, RequestRow.ttft_ms, RequestRow.latency_ms,
+            RequestRow.stream, RequestRow.ttft_breakdown)
+
+
+async def load_requests(db: AsyncEngine, session_id: str) -> list[Any]:
+    """The session's request records, oldest first: the columns the report reads (never
+    the stored prompt or completion text), at most MAX_REQUESTS."""
+    query = (select(*_COLUMNS).where(RequestRow.session_id == session_id)
+             .order_by(RequestRow.started_at).limit(MAX_REQUESTS))
     async with db.connect() as conn:
         return list((await conn.execute(query)).all())
 

@@ -112,6 +112,17 @@ def _build_gateway_app(settings):
         raise _fail(str(exc)) from exc
 
 
+def _build_engine_app(llm):
+    from engine_ext.async_engine import AsyncEngine
+    from engine_ext.otel import TracingConfigError
+    from engine_ext.server import create_app
+
+    try:
+        return create_app(AsyncEngine(llm), llm.model_name)
+    except TracingConfigError as exc:
+        raise _fail(str(exc)) from exc
+
+
 ModelOpt = Annotated[Optional[str], typer.Option(help="HF-format model directory (default: SmolLM2-135M-Instruct, prepared on first use)")]
 ServedNameOpt = Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")]
 KvOpt = Annotated[int, typer.Option(min=1, help="KV cache budget in MiB (stands for GPU memory)")]
@@ -181,9 +192,6 @@ def engine(
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
     import uvicorn
 
-    from engine_ext.async_engine import AsyncEngine
-    from engine_ext.server import create_app
-
     _setup_logging(log_level)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
@@ -192,8 +200,9 @@ def engine(
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
                         _adapter_specs(adapter, adapter_mode, adapter_first_token))
+    engine_app = _build_engine_app(llm)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
-    uvicorn.run(create_app(AsyncEngine(llm), llm.model_name), host=host, port=port, log_level=log_level)
+    uvicorn.run(engine_app, host=host, port=port, log_level=log_level)
 
 
 @app.command()
@@ -251,9 +260,6 @@ def up(
 
     import uvicorn
 
-    from engine_ext.async_engine import AsyncEngine
-    from engine_ext.server import create_app as create_engine_app
-
     _setup_logging(log_level)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
@@ -263,7 +269,7 @@ def up(
                         _adapter_specs(adapter, adapter_mode, adapter_first_token))
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
-    engine_server = uvicorn.Server(uvicorn.Config(create_engine_app(AsyncEngine(llm), llm.model_name),
+    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
                                                    log_level=log_level))

@@ -116,3 +116,23 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float =
             return True
         time.sleep(interval)
     return pred()
+
+
+def undocumented_names(spans) -> set[str]:
+    """The kvrelay.* span, event and attribute names in `spans` that engine_ext/trace_names.py
+    does not list (a per-kind or per-stage part, like num_<kind>, matches its pattern)."""
+    import re
+
+    from engine_ext import trace_names
+
+    doc = trace_names.__doc__ or ""
+    patterns = [re.escape(name).replace(re.escape("<kind>"), "[a-z_]+").replace(re.escape("<stage>"), "[a-z]+")
+                for name in re.findall(r"kvrelay\.[a-z0-9_.<>]+[a-z0-9_>]", doc)]
+    found = set()
+    for span in spans:
+        found.add(span.name.split(" ")[0])
+        found.update(event.name.split(" ")[0] for event in span.events)
+        found.update(key for event in span.events for key in event.attributes)
+        found.update(span.attributes or {})
+    return {name for name in found if name.startswith("kvrelay.")
+            and not any(re.fullmatch(p, name) for p in patterns)}

@@ -1,29 +1,10 @@
 """The engine's spans: one per request, a child of the gateway's call (W3C traceparent),
-with a child span per Timeline stage and one per KV assembly a reuse method ran.
+with a child span per Timeline stage, per prefill step and per KV placement; the span
+and attribute names are listed in engine_ext/trace_names.py.
 
-Spans are built after the request finished, from the timeline the engine thread
-stamped (monotonic seconds, mapped to wall-clock time once), so the engine loop never
-touches OpenTelemetry. The stage spans up to the first token are contiguous: their
-durations add up to the engine's TTFT.
-
-A request that fails or is abandoned (engine error, client gone) still gets its
-spans, up to the stage it reached, with an ERROR status.
-
-Attribute names, beyond the GenAI conventions (gen_ai.*):
-- kvrelay.request.id: the engine's request id
-- kvrelay.ttft.<stage>_s: seconds of each stage up to the first token (queue, plan,
-  prefill, first); kvrelay.ttft_s: their sum
-- kvrelay.prefill.num_steps: engine steps that computed the prompt (chunks, preemptions)
-- kvrelay.prefill.compute_s, kvrelay.prefill.wait_s: the prefill's forward time (less
-  the KV placed inside it) and its wait between chunks (other requests' steps)
-- on each `kvrelay.prefill_step` span (one per step that computed a prompt chunk):
-  nothing beyond its timing; KV assemblies done inside the step are its children
-- on each `kvrelay.kv_assembly {method}` span (one per placement: a shifted/blended/
-  linked/KVCOMM segment, a collective round's batched copy, a diff restore, a tier
-  fetch): kvrelay.reuse.method, kvrelay.reuse.tokens_placed (this placement's tokens)
-- on each `kvrelay.reuse {method}` event of the prefill span (one per method in the
-  request's reuse report, so summing never double counts): kvrelay.reuse.method,
-  kvrelay.reuse.tokens_reused, kvrelay.reuse.tokens_recomputed
+Spans are built after the request finished (or failed), from the timeline the engine
+thread stamped (monotonic seconds, mapped to wall-clock time once), so the engine loop
+never touches OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -38,10 +19,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from engine_ext.engine import RequestOutput
 from engine_ext.timeline import Timeline
+from engine_ext.trace_names import ASSEMBLY_SPAN, PREFILL_STEP_SPAN, REUSE_EVENT, STAGE_SPANS, TTFT_STAGES
 
-STAGE_SPANS = {"queue": "kvrelay.queue", "plan": "kvrelay.plan", "prefill": "kvrelay.prefill",
-               "first": "kvrelay.first_token", "decode": "kvrelay.decode"}
-TTFT_STAGES = ("queue", "plan", "prefill", "first")
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -103,12 +82,12 @@ def _prefill_children(tracer: Tracer, prefill: Span, line: Timeline, last: Reque
     context = set_span_in_context(prefill)
     steps = []
     for step in line.prefill_steps:
-        span = tracer.start_span("kvrelay.prefill_step", context=context, start_time=at(step.start))
+        span = tracer.start_span(PREFILL_STEP_SPAN, context=context, start_time=at(step.start))
         steps.append((step, span))
     for method, placements in line.assembly.items():
         for placement in placements:
             holder = next((span for step, span in steps if step.holds(placement)), prefill)
-            span = tracer.start_span(f"kvrelay.kv_assembly {method}", context=set_span_in_context(holder),
+            span = tracer.start_span(f"{ASSEMBLY_SPAN} {method}", context=set_span_in_context(holder),
                                      start_time=at(placement.start))
             span.set_attributes({"kvrelay.reuse.method": method, "kvrelay.reuse.tokens_placed": placement.num_tokens})
             span.end(end_time=at(placement.end))
@@ -119,7 +98,7 @@ def _prefill_children(tracer: Tracer, prefill: Span, line: Timeline, last: Reque
         totals[outcome.method][0] += outcome.num_reused
         totals[outcome.method][1] += outcome.num_recomputed
     for method, (reused, recomputed) in totals.items():
-        prefill.add_event(f"kvrelay.reuse {method}", {"kvrelay.reuse.method": method,
+        prefill.add_event(f"{REUSE_EVENT} {method}", {"kvrelay.reuse.method": method,
                                                       "kvrelay.reuse.tokens_reused": reused,
                                                       "kvrelay.reuse.tokens_recomputed": recomputed},
                           timestamp=at(line.prefilled or line.planned or line.arrived))

@@ -1,18 +1,17 @@
 """Routes of /ui: server-rendered HTML (Jinja2, autoescaped), one vendored script
 (cytoscape, for the step graph; see `make ui-assets`), nothing from a CDN.
 
-Access: with KVRELAY_ADMIN_KEY set, the page asks for the admin key once and keeps it in
-an HttpOnly cookie (or takes `Authorization: Bearer`); without an admin key the page is
-open only while client keys are off (a development gateway on loopback).
+Access (gateway/ui/access.py): with KVRELAY_ADMIN_KEY set, the page asks for the admin
+key once and keeps a token derived from it in a cookie (or takes `Authorization:
+Bearer`); without an admin key it is open only while client keys are off.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -25,27 +24,20 @@ from gateway.call import GatewayState
 from gateway.inference.views import session_detail, session_summary
 from gateway.storage.models import RequestRow
 from gateway.ttft import load_requests, session_ttft
-from gateway.ui.waterfall import METHOD_COLOURS, STAGE_COLOURS, waterfall_svg
+from gateway.ui.access import forget, is_admin_key, is_allowed, remember
+from gateway.ui.waterfall import STAGE_COLOURS, WAIT_COLOUR, method_colour, methods_drawn, waterfall_svg
 
 HERE = Path(__file__).parent
-COOKIE = "kvrelay_admin"
 EDGE_COLOURS = {"dataflow": "#e69138", "succession": "#999999"}
 
 
 def _templates() -> Environment:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
-    env.globals["ms"] = lambda s: "-" if s is None else f"{s * 1e3:.0f}"
+    # Seconds as milliseconds; "-" for a part the engine did not report (None, or a key
+    # missing from the breakdown, which Jinja gives as Undefined).
+    env.globals["ms"] = lambda s: f"{s * 1e3:.0f}" if isinstance(s, (int, float)) else "-"
+    env.filters["path_part"] = lambda text: quote(str(text), safe="")  # a session id may hold "/"
     return env
-
-
-def _allowed(request: Request, state: GatewayState) -> bool:
-    admin_key = state.settings.admin_key
-    if admin_key is None:
-        return not state.settings.require_api_key
-    secret = admin_key.get_secret_value().encode()
-    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-    offered = bearer.strip() if scheme.lower() == "bearer" else request.cookies.get(COOKIE, "")
-    return hmac.compare_digest(offered.encode(), secret)
 
 
 def ui_router() -> APIRouter:
@@ -65,25 +57,31 @@ def ui_router() -> APIRouter:
     @router.post("/login")
     async def login(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        key = parse_qs((await request.body()).decode(errors="replace")).get("key", [""])[0]
-        admin_key = state.settings.admin_key
-        if admin_key is None or not hmac.compare_digest(key.encode(), admin_key.get_secret_value().encode()):
+        body = await request.body()
+        key = parse_qs(body[:4096].decode(errors="replace")).get("key", [""])[0]
+        if not is_admin_key(state, key):
             return refuse(request)
         response = RedirectResponse("/ui", status_code=303)
-        response.set_cookie(COOKIE, key, httponly=True, samesite="strict")
+        remember(response, request, state)
+        return response
+
+    @router.post("/logout")
+    async def logout() -> Response:
+        response = RedirectResponse("/ui", status_code=303)
+        forget(response)
         return response
 
     @router.get("", response_model=None)
     async def sessions(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        if not _allowed(request, state):
+        if not is_allowed(request, state):
             return refuse(request)
         return page("sessions.html", title="Sessions", sessions=await _session_list(request, state))
 
-    @router.get("/sessions/{session_id}", response_model=None)
+    @router.get("/sessions/{session_id:path}", response_model=None)
     async def session(session_id: str, request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        if not _allowed(request, state):
+        if not is_allowed(request, state):
             return refuse(request)
         try:
             rows = await load_requests(request.app.state.db, session_id)
@@ -103,7 +101,8 @@ def ui_router() -> APIRouter:
                     rounds=report["rounds"], requests=report["requests"], totals=report["totals"],
                     tokens_reused=sum(r["cached_tokens"] or 0 for r in report["requests"]),
                     graph_json=_script_json(graph), waterfall=waterfall_svg(report["requests"]),
-                    stage_colours=STAGE_COLOURS, method_colours=METHOD_COLOURS)
+                    stage_colours={**STAGE_COLOURS, "prefill wait": WAIT_COLOUR},
+                    method_colours={m: method_colour(m) for m in methods_drawn(report["requests"])})
 
     return router
 

@@ -106,8 +106,11 @@ def test_collector_pipeline_and_gateway_endpoint_agree() -> None:
         undefined = set(traces[section]) - set(collector.get(section) or {})
         assert not undefined, f"traces pipeline names undefined {section}: {undefined}"
     http_port = collector["receivers"]["otlp"]["protocols"]["http"]["endpoint"].rsplit(":", 1)[1]
-    endpoint = _environment(_services()["gateway"])["OTEL_EXPORTER_OTLP_ENDPOINT"]
-    assert endpoint == f"http://otel-collector:{http_port}" and http_port == "4318"
+    for name in ("gateway", "engine"):  # both services' spans reach Jaeger, joined by traceparent
+        service = _services()[name]
+        env = _environment(service)
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://otel-collector:{http_port}" and http_port == "4318"
+        assert env["OTEL_SERVICE_NAME"] == f"kvrelay-{name}" and "otel-collector" in service["depends_on"]
     hosts = {exp["endpoint"].split(":")[0] for exp in collector["exporters"].values() if "endpoint" in (exp or {})}
     assert "jaeger" in hosts and "jaeger" in _services()
 

@@ -233,7 +233,7 @@ def test_spans_reach_an_otlp_http_receiver(fake_upstream, tmp_path, clean_env, _
 
 def test_the_gateway_s_call_and_the_engine_s_request_are_one_trace(llama_dir, run_server, start_gateway,
                                                                    provider, spans):
-    from tests.helpers import make_engine
+    from tests.helpers import make_engine, undocumented_names
 
     engine_spans = InMemorySpanExporter()
     engine_provider = TracerProvider()
@@ -257,3 +257,4 @@ def test_the_gateway_s_call_and_the_engine_s_request_are_one_trace(llama_dir, ru
     children = {s.name for s in engine_spans.get_finished_spans()
                 if s.parent is not None and s.parent.span_id == engine_root.context.span_id}
     assert {"kvrelay.queue", "kvrelay.plan", "kvrelay.prefill", "kvrelay.first_token", "kvrelay.decode"} <= children
+    assert not undocumented_names([call, *engine_spans.get_finished_spans()])  # engine_ext/trace_names.py lists all

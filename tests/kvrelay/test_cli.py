@@ -88,12 +88,14 @@ def test_keys_bad_input_is_one_line(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("kvrelay: error: ") and message in lines[0], proc.stderr
 
 
-def test_gateway_refuses_an_unknown_trace_exporter_in_one_line(tmp_path):
+@pytest.mark.parametrize("command", ["gateway", "engine"])
+def test_servers_refuse_an_unknown_trace_exporter_in_one_line(tmp_path, llama_dir, command):
     import os
 
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "zipkin", "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path}/g.db"}
-    code = "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', 'gateway']; main()"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    args = ["gateway"] if command == "gateway" else ["engine", "--model", str(llama_dir), "--port", "1"]
+    code = "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', *sys.argv[1:]]; main()"
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [\
         "kvrelay: error: OTEL_TRACES_EXPORTER: unknown exporter 'zipkin' (use otlp, console or none)"]

@@ -18,7 +18,8 @@ from opentelemetry.trace import SpanKind, StatusCode
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.protocol import Segment, SegmentPlan
-from engine_ext.server.tracing import TTFT_STAGES
+from engine_ext.trace_names import TTFT_STAGES
+from tests.helpers import undocumented_names
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_ID = "00f067aa0ba902b7"
@@ -134,6 +135,7 @@ def test_reuse_methods_show_as_kv_assembly_spans_or_prefill_events(smollm2_dir, 
     # The method's totals are one event, so summing events never double counts.
     (event,) = [e for e in prefill.events if e.name == "kvrelay.reuse shift"]
     assert 0 < event.attributes["kvrelay.reuse.tokens_reused"] <= placed
+    assert not undocumented_names(found.values())
 
 
 def test_the_ttft_header_asks_for_the_breakdown_without_kv_transfer_params(srv):
