@@ -35,7 +35,8 @@ def _templates() -> Environment:
     env = Environment(loader=FileSystemLoader(HERE / "templates"), autoescape=select_autoescape(["html"]))
     # Seconds as milliseconds; "-" for a part the engine did not report (None, or a key
     # missing from the breakdown, which Jinja gives as Undefined).
-    env.globals["ms"] = lambda s: f"{s * 1e3:.0f}" if isinstance(s, (int, float)) else "-"
+    env.globals["ms"] = lambda s: f"{round(s * 1e3):d}" if isinstance(s, (int, float)) else "-"
+    env.globals["count"] = lambda n, noun: f"{n} {noun}" + ("" if n == 1 else "s")
     env.filters["path_part"] = lambda text: quote(str(text), safe="")  # a session id may hold "/"
     return env
 
