@@ -84,8 +84,10 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        line = timeline if timeline is not None else Timeline()
+        line.enqueue()
         self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
-                                sink, loop, timeline if timeline is not None else Timeline()))
+                                sink, loop, line))
         finished = False
         try:
             while not finished:

@@ -273,7 +273,7 @@ class LLMEngine:
             return []
         started = time.monotonic()
         sampled = self.runner.run(step)
-        computed = time.monotonic()
+        computed = self.runner.last_forward_end  # the forward passes; sampling follows
         if all(seq.timeline.prefilled is None and seq.group is None and
                (seq.assembly is None or not seq.assembly.placed) for seq, _ in step.chunks):
             # Dense prefill chunks alone: a decode row or a reused prefill (which computes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import NamedTuple
 
 import torch
@@ -49,6 +50,9 @@ class ModelRunner:
         self.assembler = assembler
         self.collective = collective
         self.diff_store = diff_store
+        # When the last run's forward passes ended and its sampling began (monotonic): the
+        # engine's timelines split a request's prefill from its first token there.
+        self.last_forward_end = 0.0
 
     def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int]]:
         """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end.
@@ -70,6 +74,7 @@ class ModelRunner:
         rows = self._decode_first_tokens(rows)
         if batch:
             rows += self._run_batch(batch)
+        self.last_forward_end = time.monotonic()
         if not rows:
             return []
         seqs = [seq for seq, _ in rows]

@@ -37,7 +37,7 @@ class Sequence:
     detokenizer: Detokenizer
     kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    timeline: Timeline | None = None  # stamped by the engine; given: its arrival is the sequence's
+    timeline: Timeline | None = None  # stamped by the engine; None: one is made, arriving at arrival_time
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
@@ -71,8 +71,6 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.timeline is None:
             self.timeline = Timeline(arrived=self.arrival_time)
-        else:
-            self.arrival_time = self.timeline.arrived
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None and self.generator is None:

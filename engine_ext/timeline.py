@@ -1,26 +1,31 @@
 """Timeline: when one request passed each stage on its way to its first token, and on.
 
-The engine thread stamps it (monotonic seconds); spans are built from it once the
-request is done, so tracing never runs inside the engine loop. The stages are
-contiguous up to the first token, so their durations add up to the engine's TTFT:
+The server creates it when the request arrives and the engine thread stamps it
+(monotonic seconds); spans are built from it once the request is done, so tracing
+never runs inside the engine loop. The stages are contiguous up to the first token,
+so their durations add up to the engine's TTFT:
 
-    queue   arrived   -> admitted   waiting for room (KV blocks, a batch slot, a loading prefix)
+    prepare arrived   -> queued     tokenizing the prompt, aligning the plan's segments to tokens
+    queue   queued    -> admitted   waiting for the engine thread and for room (KV blocks, a
+                                    batch slot, a loading prefix, a round's siblings)
     plan    admitted  -> planned    prefix match and reuse decisions (segment lookups, anchors)
     prefill planned   -> prefilled  KV assembly per reuse method (placements, restores,
                                     tier fetches), the forward steps that computed its
                                     chunks, and the wait between them (other requests' steps)
-    first   prefilled -> first_token sampling and emitting the first token
+    first   prefilled -> first_token the first decode step's sampling (logits of the last
+                                    prompt token) and handing the token over
     decode  first_token -> finished
 
 A preempted request keeps its first admission: recomputing after a preemption is
-part of its prefill.
+part of its prefill. A request used without a server (queued never stamped) starts
+with its queue stage.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 
@@ -47,9 +52,14 @@ class Placement(NamedTuple):
         return self.end - self.start
 
 
+STAGES = ("prepare", "queue", "plan", "prefill", "first", "decode")
+TTFT_STAGES = STAGES[:5]  # contiguous, up to the first token
+
+
 @dataclass
 class Timeline:
     arrived: float = field(default_factory=time.monotonic)
+    queued: float | None = None
     admitted: float | None = None
     planned: float | None = None
     prefilled: float | None = None
@@ -57,6 +67,11 @@ class Timeline:
     finished: float | None = None
     assembly: dict[str, list[Placement]] = field(default_factory=dict)  # reuse method -> its placements
     prefill_steps: list[Interval] = field(default_factory=list)  # the engine steps that computed its chunks
+
+    def enqueue(self) -> None:
+        """The prompt is ready and handed to the engine (first time only)."""
+        if self.queued is None:
+            self.queued = time.monotonic()
 
     def admit(self, started: float, planned: float) -> None:
         """Admission began at `started`; its reuse decisions were made at `planned`
@@ -77,16 +92,35 @@ class Timeline:
                      if any(step.holds(p) for step in self.prefill_steps))
         return sum(step.seconds for step in self.prefill_steps) - inside
 
-    def stages(self) -> dict[str, Interval]:
-        """The stages reached so far, in order (see the module docstring)."""
-        marks = [("queue", self.arrived, self.admitted), ("plan", self.admitted, self.planned),
-                 ("prefill", self.planned, self.prefilled), ("first", self.prefilled, self.first_token),
-                 ("decode", self.first_token, self.finished)]
-        return {name: Interval(start, end) for name, start, end in marks if start is not None and end is not None}
+    def stages(self, until: float | None = None) -> dict[str, Interval]:
+        """The stages passed so far, in order (see the module docstring). With `until`
+        (a failed or abandoned request), the stage it was in ends there."""
+        marks = [self.arrived, self.queued, self.admitted, self.planned, self.prefilled, self.first_token,
+                 self.finished]
+        names = list(STAGES)
+        if self.queued is None:  # no server: the queue starts at arrival
+            del marks[1], names[0]
+        out = {}
+        for name, start, end in zip(names, marks, marks[1:]):
+            if start is None:
+                break
+            if end is None:
+                if until is not None and until >= start:
+                    out[name] = Interval(start, until)
+                break
+            out[name] = Interval(start, end)
+        return out
 
     @property
     def ttft(self) -> float | None:
         return None if self.first_token is None else self.first_token - self.arrived
+
+    def snapshot(self) -> Timeline:
+        """A copy safe to read while the engine thread may still stamp this one (an
+        abandoned request): each container is copied in one step under the GIL."""
+        assembly = list(self.assembly.items())
+        return replace(self, assembly={method: list(placements) for method, placements in assembly},
+                       prefill_steps=list(self.prefill_steps))
 
 
 TTFT_KEY = "kvrelay_ttft"  # the key of the breakdown under the response's kv_transfer_params
@@ -124,8 +158,7 @@ def breakdown(line: Timeline, num_prompt_tokens: int, tokens_per_s: float | None
     prompt, so what reuse saved is dense - actual. The dense estimate keeps the queue,
     plan, wait and first-token parts as measured and prices the prompt's compute."""
     stages = line.stages()
-    out: dict[str, object] = {f"{name}_s": stages[name].seconds for name in ("queue", "plan", "prefill", "first")
-                              if name in stages}
+    out: dict[str, object] = {f"{name}_s": stages[name].seconds for name in TTFT_STAGES if name in stages}
     out["ttft_s"] = line.ttft
     assembly = {method: sum(p.seconds for p in placements) for method, placements in line.assembly.items()}
     out["assembly_s"] = assembly

@@ -8,19 +8,20 @@ One trace per request (the engine continues the gateway's W3C traceparent):
 
     {operation} {model}               gateway, CLIENT: the proxied call
       {operation} {model}             engine, SERVER: the request in the engine
-        kvrelay.queue                   arrived -> admitted (waiting for KV blocks, a batch slot)
+        kvrelay.prepare                 arrived -> queued (tokenizing, aligning the plan's segments)
+        kvrelay.queue                   queued -> admitted (the engine thread, KV blocks, a batch slot)
         kvrelay.plan                    prefix match and reuse decisions
         kvrelay.prefill                 planned -> prompt computed
           kvrelay.prefill_step            a forward step that computed one of its chunks
             kvrelay.kv_assembly {method}    a KV placement inside that step
           kvrelay.kv_assembly {method}    a placement at admission (diff_restore, tier_fetch)
           event kvrelay.reuse {method}    per method: tokens reused / recomputed overall
-        kvrelay.first_token             prompt computed -> first token sampled and emitted
+        kvrelay.first_token             forward done -> first token sampled and handed over
         kvrelay.decode                  first token -> finished
 
-The stages queue, plan, prefill and first_token are contiguous: their durations add up
-to the engine's TTFT. A failed or abandoned request keeps the stages it reached, with
-an ERROR status and error.type.
+The stages prepare, queue, plan, prefill and first_token are contiguous: their
+durations add up to the engine's TTFT. A failed or abandoned request keeps the stages
+it reached, the one it was in ending at the failure, with an ERROR status and error.type.
 
 Gateway call span (gateway/tracing.py), beyond gen_ai.*:
 - kvrelay.request.id: the gateway's request id (the SQL record's key)
@@ -31,9 +32,9 @@ Gateway call span (gateway/tracing.py), beyond gen_ai.*:
 - kvrelay.session.inferred: whether the session was inferred rather than given
 - kvrelay.round.id, kvrelay.round.size, kvrelay.round.index: the All-Gather round
 
-Engine request span (engine_ext/server/tracing.py), beyond gen_ai.*:
-- kvrelay.request.id: the engine's request id
-- kvrelay.ttft_s: the engine's TTFT; kvrelay.ttft.<stage>_s (queue, plan, prefill, first)
+Engine request span (engine_ext/server/tracing.py), beyond gen_ai.* (its request id,
+the completion's id, is gen_ai.response.id):
+- kvrelay.ttft_s: the engine's TTFT; kvrelay.ttft.<stage>_s (prepare, queue, plan, prefill, first)
 - kvrelay.prefill.num_steps: engine steps that computed the prompt (chunks, preemptions)
 - kvrelay.prefill.compute_s: those steps' time, less the KV placements inside them
 - kvrelay.prefill.wait_s: the prefill's wait between chunks (other requests' steps)
@@ -49,9 +50,8 @@ KV assembly spans and reuse events:
 
 from __future__ import annotations
 
-STAGE_SPANS = {"queue": "kvrelay.queue", "plan": "kvrelay.plan", "prefill": "kvrelay.prefill",
-               "first": "kvrelay.first_token", "decode": "kvrelay.decode"}
-TTFT_STAGES = ("queue", "plan", "prefill", "first")  # contiguous, up to the first token
+STAGE_SPANS = {"prepare": "kvrelay.prepare", "queue": "kvrelay.queue", "plan": "kvrelay.plan",
+               "prefill": "kvrelay.prefill", "first": "kvrelay.first_token", "decode": "kvrelay.decode"}
 PREFILL_STEP_SPAN = "kvrelay.prefill_step"
 ASSEMBLY_SPAN = "kvrelay.kv_assembly"  # + " {method}"
 REUSE_EVENT = "kvrelay.reuse"  # + " {method}"

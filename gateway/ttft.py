@@ -22,7 +22,7 @@ STAGES = ("queue", "plan", "prefill", "first")
 SUMMED = ("ttft_s", "dense_ttft_s", "saved_s")
 
 
-NUMBERS = ("queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
+NUMBERS = ("prepare_s", "queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
            "prefill_wait_s", "prefill_tokens_per_s",
            "dense_ttft_s", "saved_s")
 MAX_METHODS = 16
@@ -41,7 +41,12 @@ def clean_breakdown(report: Any) -> dict[str, Any] | None:
 
 
 def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past float's range (JSON allows any number of digits)
+        return False
 
 
 MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump

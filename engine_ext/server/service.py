@@ -6,6 +6,7 @@ prompt is built and how a choice is shaped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -89,14 +90,15 @@ class CompletionService:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         text: list[str] = []
-        line, last, error = Timeline(), None, "cancelled"
-        outputs, note = self._outputs(req, request_id, line)
+        line, last, error = Timeline(), None, "cancelled"  # stays "cancelled" if the client goes away
         try:
-            async for out in outputs:
-                text.append(out.delta_text)
-                last = out
+            outputs, note = self._outputs(req, request_id, line)
+            async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
+                async for out in outputs:
+                    text.append(out.delta_text)
+                    last = out
             error = None if last is not None else "no_output"
-        except EngineError as exc:
+        except Exception as exc:
             error = type(exc).__name__
             raise
         finally:
@@ -124,10 +126,10 @@ class CompletionService:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         line = Timeline()
-        outputs, note = self._outputs(req, request_id, line)
         try:
+            outputs, note = self._outputs(req, request_id, line)
             first = await anext(outputs)  # raises validation errors here, before any byte is sent
-        except EngineError as exc:
+        except Exception as exc:
             self._trace(headers or {}, is_chat, req.model, line, None, type(exc).__name__)
             raise
         return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line)
@@ -227,8 +229,6 @@ def _plan(req: Request) -> SegmentPlan | None:
     except ValueError as exc:
         logger.warning("ignoring a malformed segment plan: %s", exc)
         return None
-
-
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

@@ -18,8 +18,8 @@ from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, 
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine_ext.engine import RequestOutput
-from engine_ext.timeline import Timeline
-from engine_ext.trace_names import ASSEMBLY_SPAN, PREFILL_STEP_SPAN, REUSE_EVENT, STAGE_SPANS, TTFT_STAGES
+from engine_ext.timeline import TTFT_STAGES, Timeline
+from engine_ext.trace_names import ASSEMBLY_SPAN, PREFILL_STEP_SPAN, REUSE_EVENT, STAGE_SPANS
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 
@@ -40,7 +40,10 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
     def at(t: float) -> int:
         return int(t * 1e9) + offset_ns
 
-    stages = line.stages()
+    if error is not None:  # the engine thread may still be stamping an abandoned request
+        line = line.snapshot()
+    end = line.finished if line.finished is not None else time.monotonic()
+    stages = line.stages(until=end if error is not None else None)
     root = tracer.start_span(f"{operation} {model}", context=_PROPAGATOR.extract(headers), kind=SpanKind.SERVER,
                              start_time=at(line.arrived))
     root.set_attributes({
@@ -52,10 +55,9 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
         root.set_attributes({
             "gen_ai.usage.input_tokens": last.num_prompt_tokens, "gen_ai.usage.output_tokens": last.num_output_tokens,
             "gen_ai.usage.cache_read.input_tokens": last.num_cached_tokens,
-            "gen_ai.response.finish_reasons": [last.finish_reason or ""], "kvrelay.request.id": last.request_id})
+            "gen_ai.response.finish_reasons": [last.finish_reason or ""], "gen_ai.response.id": last.request_id})
     if line.ttft is not None:
         root.set_attribute("kvrelay.ttft_s", line.ttft)
-        root.set_attribute("gen_ai.response.time_to_first_chunk", line.ttft)
     if "prefill" in stages:
         compute = line.prefill_compute_s()
         assembly = sum(p.seconds for placements in line.assembly.values() for p in placements)
@@ -70,7 +72,6 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
         if name == "prefill":
             _prefill_children(tracer, span, line, last, at)
         span.end(end_time=at(interval.end))
-    end = line.finished if line.finished is not None else time.monotonic()
     root.end(end_time=at(end))
 
 

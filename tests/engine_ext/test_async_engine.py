@@ -10,7 +10,7 @@ import pytest
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.errors import CapacityError, EngineDeadError
 from engine_ext.sampling import SamplingParams
-from engine_ext.timeline import Timeline
+from engine_ext.timeline import TTFT_STAGES, Timeline
 from tests.helpers import make_engine, wait_until
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -132,13 +132,16 @@ async def test_stop_fails_requests_in_flight(llama_dir):
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks
 
 
-async def test_the_callers_timeline_counts_the_wait_for_the_engine_thread_as_queue(engines):
+async def test_the_callers_timeline_is_prepare_until_handed_over_then_queue(engines):
     llm, eng = engines
     ids = llm.tokenizer.encode("The quick brown fox")
-    line = Timeline(arrived=time.monotonic() - 0.25)  # the caller asked a quarter second ago
+    line = Timeline(arrived=time.monotonic() - 0.25)  # the caller began a quarter second ago
     outs = [o async for o in eng.generate("t", ids, GREEDY, timeline=line)]
     assert outs[-1].timeline is line and line.finished is not None
-    assert line.stages()["queue"].seconds >= 0.25
+    stages = line.stages()
+    assert list(stages) == ["prepare", "queue", "plan", "prefill", "first", "decode"]
+    assert stages["prepare"].seconds >= 0.25 and stages["queue"].start == line.queued
+    assert sum(stages[name].seconds for name in TTFT_STAGES) == pytest.approx(line.ttft)
 
 
 async def test_an_aborted_request_leaves_its_timeline_finished(engines):

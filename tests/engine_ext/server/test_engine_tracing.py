@@ -18,7 +18,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.protocol import Segment, SegmentPlan
-from engine_ext.trace_names import TTFT_STAGES
+from engine_ext.timeline import TTFT_STAGES
 from tests.helpers import undocumented_names
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -66,18 +66,18 @@ def test_the_stages_add_up_to_the_ttft_the_client_sees(srv, spans):
     root = found[f"chat {MODEL}"]
     assert root.kind is SpanKind.SERVER
     assert format(root.context.trace_id, "032x") == TRACE_ID and format(root.parent.span_id, "016x") == PARENT_ID
-    stages = [found[f"kvrelay.{name}"] for name in ("queue", "plan", "prefill", "first_token", "decode")]
+    stages = [found[f"kvrelay.{name}"] for name in ("prepare", "queue", "plan", "prefill", "first_token", "decode")]
     assert all(s.parent.span_id == root.context.span_id for s in stages)
     assert all(a.end_time == b.start_time for a, b in zip(stages, stages[1:]))  # contiguous
     assert stages[0].start_time == root.start_time and stages[-1].end_time == root.end_time
-    engine_ttft = (stages[3].end_time - stages[0].start_time) / 1e9
+    engine_ttft = (stages[4].end_time - stages[0].start_time) / 1e9
     attrs = root.attributes
     assert attrs["kvrelay.ttft_s"] == pytest.approx(engine_ttft, abs=1e-6)
     assert sum(attrs[f"kvrelay.ttft.{name}_s"] for name in TTFT_STAGES) == pytest.approx(engine_ttft, abs=1e-6)
     assert attrs["gen_ai.usage.input_tokens"] > 300 and attrs["gen_ai.usage.output_tokens"] == 6
     # The client's TTFT is the engine's plus the HTTP hop and the first SSE write.
     assert engine_ttft <= client_ttft < engine_ttft + 0.15, (engine_ttft, client_ttft)
-    assert stages[2].end_time - stages[2].start_time > 0.5 * (engine_ttft * 1e9)  # the prefill dominates
+    assert stages[3].end_time - stages[3].start_time > 0.5 * (engine_ttft * 1e9)  # the prefill dominates
 
 
 def test_without_a_traceparent_the_request_starts_a_trace(srv, spans):
@@ -177,3 +177,32 @@ def test_a_tracing_failure_never_breaks_the_response(srv, spans, monkeypatch):
                                                   stream=True))
     assert unary.usage.completion_tokens == 2 and streamed[-1].choices[0].finish_reason == "length"
     assert spans.get_finished_spans() == ()
+
+
+def test_a_request_abandoned_mid_prefill_ends_its_open_stage_at_the_failure(spans):
+    from engine_ext.server.tracing import emit_request_spans
+    from engine_ext.timeline import Interval, Placement, Timeline
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(spans))
+    now = time.monotonic()
+    line = Timeline(arrived=now - 1.0, queued=now - 0.9, admitted=now - 0.8, planned=now - 0.7)
+    line.placed("shift", Placement(now - 0.65, now - 0.6, 32))
+    line.prefill_steps.append(Interval(now - 0.6, now - 0.3))  # one chunk done, the next one running
+    emit_request_spans(provider.get_tracer("t"), {}, "chat", MODEL, line, None, "cancelled")
+    found = {s.name: s for s in spans.get_finished_spans()}
+    root, prefill = found[f"chat {MODEL}"], found["kvrelay.prefill"]
+    assert root.status.status_code is StatusCode.ERROR and root.attributes["error.type"] == "cancelled"
+    assert "kvrelay.first_token" not in found and "kvrelay.ttft_s" not in root.attributes
+    assert prefill.end_time == root.end_time and prefill.end_time - prefill.start_time >= 0.7e9
+    assert root.attributes["kvrelay.prefill.compute_s"] == pytest.approx(0.3)
+    assert found["kvrelay.kv_assembly shift"].parent.span_id == prefill.context.span_id  # at admission
+
+
+def test_a_timeline_without_a_server_starts_with_its_queue():
+    from engine_ext.timeline import Timeline
+
+    line = Timeline(arrived=1.0, admitted=2.0, planned=2.5)
+    assert list(line.stages()) == ["queue", "plan"]
+    assert line.stages(until=4.0)["prefill"] == (2.5, 4.0)
+    assert line.stages(until=2.0) == line.stages()  # a failure before the open stage began adds nothing
