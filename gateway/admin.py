@@ -99,7 +99,7 @@ def admin_router() -> APIRouter:
     async def session(session_id: str, state: Admin, app: str | None = None,
                       format: Literal["json", "mermaid"] = "json") -> Response:
         """One session, live or restored from SQL, with its agents, segments, rounds and step graph."""
-        app_id = await _session_app(state, session_id, app)
+        app_id = await session_app(state, session_id, app)
         found = state.inference.apps[app_id].sessions[session_id]
         if format == "mermaid":
             graph = state.inference.apps[app_id].graph
@@ -124,7 +124,7 @@ def admin_router() -> APIRouter:
     return router
 
 
-async def _session_app(state: GatewayState, session_id: str, app: str | None) -> str:
+async def session_app(state: GatewayState, session_id: str, app: str | None) -> str:
     """The app whose session this is, with the session in memory (restored if need be)."""
     apps = [app] if app is not None else [a for a, s in state.inference.apps.items() if session_id in s.sessions]
     if not apps and state.store is not None:

@@ -26,12 +26,12 @@ from gateway.identity import Identity, identify
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.sse import finish_reasons_of, inspect, split_events
+from gateway.sse import event_without_report, finish_reasons_of, inspect, split_events, without_report
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
 from engine_ext.protocol import RoundInfo, attach_plan
-from engine_ext.timeline import TTFT_HEADER, TTFT_KEY
+from engine_ext.timeline import TTFT_HEADER, TTFT_KEY, wants_breakdown
 from gateway.ttft import clean_breakdown
 from kvrelay.openai_errors import error_body, error_response
 
@@ -66,6 +66,9 @@ class ProxiedCall:
             prompt_sha256=sha256_text(""), prompt_chars=0,
         )
         self.strip_usage = False
+        # The engine's TTFT breakdown (asked for on every call) goes to the record; the
+        # client sees it only when it asked too: it tells of other requests' load.
+        self.shows_ttft = wants_breakdown(request.headers)
         self._completion: list[str] = []
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
@@ -202,7 +205,10 @@ class ProxiedCall:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
             self._take_usage(parsed.get("usage"))
-            self._take_engine_reports(parsed.get("kv_transfer_params"))
+            params = parsed.get("kv_transfer_params")
+            self._take_engine_reports(params)
+            if isinstance(params, dict) and TTFT_KEY in params and not self.shows_ttft:
+                content = json.dumps(without_report(parsed, TTFT_KEY), separators=(",", ":")).encode()
             choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
             self._finish_reasons.extend(finish_reasons_of(choices))
             for choice in choices:
@@ -243,6 +249,8 @@ class ProxiedCall:
                         self._take_usage(info.usage)
                     if info.kv_transfer_params is not None:
                         self._take_engine_reports(info.kv_transfer_params)
+                        if TTFT_KEY in info.kv_transfer_params and not self.shows_ttft:
+                            event = event_without_report(event, TTFT_KEY)
                     if info.error is not None:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
                     if not (info.is_usage_only and self.strip_usage):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -18,13 +19,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.models import RequestRow
 
-STAGES = ("queue", "plan", "prefill", "first")
-SUMMED = ("ttft_s", "dense_ttft_s", "saved_s")
-
-
+STAGES = ("prepare", "queue", "plan", "prefill", "first")  # up to the first token, as the engine reports them
+MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump
 NUMBERS = ("prepare_s", "queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
-           "prefill_wait_s", "prefill_tokens_per_s",
-           "dense_ttft_s", "saved_s")
+           "prefill_wait_s", "prefill_tokens_per_s", "dense_ttft_s", "saved_s")
 MAX_METHODS = 16
 
 
@@ -48,8 +46,6 @@ def _finite(value: Any) -> bool:
     except OverflowError:  # an int past float's range (JSON allows any number of digits)
         return False
 
-
-MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump
 
 _COLUMNS = (RequestRow.id, RequestRow.agent_id, RequestRow.started_at, RequestRow.plan, RequestRow.status,
             RequestRow.prompt_tokens, RequestRow.cached_tokens, RequestRow.ttft_ms, RequestRow.latency_ms,
@@ -75,14 +71,18 @@ def session_ttft(session_id: str, rows: list[Any]) -> dict[str, Any]:
         if request["round_id"] is not None:
             rounds[request["round_id"]].append(request)
     return {"object": "session.ttft", "session_id": session_id, "requests": requests,
-            "rounds": [{"round_id": round_id, "num_requests": len(members), **_totals(members)}
+            "truncated": len(rows) >= MAX_REQUESTS,
+            "rounds": [{"round_id": round_id, "num_requests": len(members), "wall_ttft_s": _wall_ttft(members),
+                        "stages_s": _stage_sums(members), **_totals(members)}
                        for round_id, members in rounds.items()],
             "totals": {"num_requests": len(requests), **_totals(requests)}}
 
 
 def format_report(report: dict[str, Any]) -> str:
-    """The report as a text table, milliseconds, one line per request, then the rounds."""
-    head = ("request", "agent", "round", "queue", "plan", "prefill", "first", "ttft", "dense", "saved", "gateway")
+    """The report as a text table, milliseconds: one line per request, then per round
+    (stages summed over its members, and its wall-clock TTFT), then the total."""
+    head = ("request", "agent", "round", *(s if s != "prepare" else "prep" for s in STAGES),
+            "ttft", "dense", "saved", "gateway")
     lines = [head]
     for r in report["requests"]:
         b = r["engine"] or {}
@@ -90,13 +90,17 @@ def format_report(report: dict[str, Any]) -> str:
                       *(_ms(b.get(f"{s}_s")) for s in STAGES), _ms(b.get("ttft_s")), _ms(b.get("dense_ttft_s")),
                       _ms(b.get("saved_s")), _ms(r["gateway_ttft_ms"], scale=1)))
     for r in report["rounds"]:
-        lines.append((f"round {r['round_id'][-8:]}", f"{r['num_requests']} requests", "", "", "", "", "",
-                      _ms(r["ttft_s"]), _ms(r["dense_ttft_s"]), _ms(r["saved_s"]), ""))
+        lines.append((f"round {r['round_id'][-8:]}", f"{r['num_requests']} requests", f"wall {_ms(r['wall_ttft_s'])}",
+                      *(_ms(r["stages_s"][f"{s}_s"]) for s in STAGES), _ms(r["ttft_s"]), _ms(r["dense_ttft_s"]),
+                      _ms(r["saved_s"]), ""))
     t = report["totals"]
-    lines.append(("total", f"{t['num_requests']} requests", "", "", "", "", "", _ms(t["ttft_s"]),
+    lines.append(("total", f"{t['num_requests']} requests", "", *("" for _ in STAGES), _ms(t["ttft_s"]),
                   _ms(t["dense_ttft_s"]), _ms(t["saved_s"]), ""))
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    table = "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
+    if report.get("truncated"):
+        table += f"\n(the first {MAX_REQUESTS} requests only)"
+    return table
 
 
 def _request(row: Any) -> dict[str, Any]:
@@ -108,10 +112,32 @@ def _request(row: Any) -> dict[str, Any]:
             "gateway_ttft_ms": row.ttft_ms if row.stream else row.latency_ms, "engine": _json(row.ttft_breakdown)}
 
 
-def _totals(requests: list[dict[str, Any]]) -> dict[str, float | None]:
-    """Sums over the requests the engine reported on; None when none did."""
+def _totals(requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """TTFT summed over the requests the engine reported on; the dense estimate and the
+    saving over those it could also price (its prefill rate was known), so a request
+    without an estimate never counts as saving nothing. None when there are none."""
     reported = [r["engine"] for r in requests if r["engine"]]
-    return {key: (sum(b.get(key) or 0.0 for b in reported) if reported else None) for key in SUMMED}
+    priced = [b for b in reported if "dense_ttft_s" in b]
+    return {"num_reported": len(reported), "num_priced": len(priced),
+            "ttft_s": sum(b["ttft_s"] for b in reported) if reported else None,
+            "dense_ttft_s": sum(b["dense_ttft_s"] for b in priced) if priced else None,
+            "saved_s": sum(b["dense_ttft_s"] - b["ttft_s"] for b in priced) if priced else None}
+
+
+def _wall_ttft(members: list[dict[str, Any]]) -> float | None:
+    """A round's TTFT as its members lived it: from the first one reaching the gateway to
+    the last one's first token (its members overlap, so their TTFTs do not add up)."""
+    ends = [(datetime.fromisoformat(r["started_at"]).timestamp(), r["engine"]["ttft_s"])
+            for r in members if r["engine"]]
+    if not ends:
+        return None
+    return max(start + ttft for start, ttft in ends) - min(start for start, _ in ends)
+
+
+def _stage_sums(members: list[dict[str, Any]]) -> dict[str, float]:
+    """Each stage's seconds summed over the round's members: where the round's TTFT went."""
+    keys = [f"{stage}_s" for stage in STAGES] + ["prefill_compute_s", "prefill_wait_s"]
+    return {key: sum(r["engine"].get(key) or 0.0 for r in members if r["engine"]) for key in keys}
 
 
 def _json(text: str | None) -> Any:

@@ -10,7 +10,10 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 if TYPE_CHECKING:  # the engine's modules load only in the commands that need them
+    from fastapi import FastAPI
+
     from engine_ext.config import AdapterSpec
+    from engine_ext.engine import LLMEngine
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -112,7 +115,7 @@ def _build_gateway_app(settings):
         raise _fail(str(exc)) from exc
 
 
-def _build_engine_app(llm):
+def _build_engine_app(llm: LLMEngine) -> FastAPI:
     from engine_ext.async_engine import AsyncEngine
     from engine_ext.otel import TracingConfigError
     from engine_ext.server import create_app
@@ -343,7 +346,7 @@ def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see G
 
     url = _gateway_settings(None, database_url).database_url
 
-    async def run():
+    async def run() -> list:
         engine = create_async_engine(url)
         try:
             return await load_requests(engine, session_id)
@@ -405,7 +408,7 @@ def _with_keys(database_url: str | None, action):
 
     url = _gateway_settings(None, database_url).database_url
 
-    async def run():
+    async def run() -> list:
         engine = create_async_engine(url)
         try:
             return await action(KeyStore(engine))

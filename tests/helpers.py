@@ -6,13 +6,13 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import EngineConfig
@@ -118,7 +118,7 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float =
     return pred()
 
 
-def undocumented_names(spans) -> set[str]:
+def undocumented_names(spans: Iterable[ReadableSpan]) -> set[str]:
     """The kvrelay.* span, event and attribute names in `spans` that engine_ext/trace_names.py
     does not list (a per-kind or per-stage part, like num_<kind>, matches its pattern)."""
     import re

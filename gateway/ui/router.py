@@ -9,6 +9,7 @@ Bearer`); without an admin key it is open only while client keys are off.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, quote
@@ -17,17 +18,20 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import escape
 from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway.admin import AdminRefused, session_app
 from gateway.call import GatewayState
 from gateway.inference.views import session_detail, session_summary
 from gateway.storage.models import RequestRow
 from gateway.ttft import load_requests, session_ttft
-from gateway.ui.access import forget, is_admin_key, is_allowed, remember
+from gateway.ui.access import forget, is_admin_key, is_allowed, is_same_origin, remember
 from gateway.ui.waterfall import STAGE_COLOURS, WAIT_COLOUR, method_colour, methods_drawn, waterfall_svg
 
 HERE = Path(__file__).parent
+logger = logging.getLogger(__name__)
 EDGE_COLOURS = {"dataflow": "#e69138", "succession": "#999999"}
 
 
@@ -41,25 +45,43 @@ def _templates() -> Environment:
     return env
 
 
+# Every page: no framing (clickjacking), scripts only from /ui/static, no referrer to other
+# sites (same-origin, not no-referrer: with no-referrer a browser posts the login with Origin: null).
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+                               "img-src 'self' data:; frame-ancestors 'none'; form-action 'self'",
+    "X-Frame-Options": "DENY", "Referrer-Policy": "same-origin", "X-Content-Type-Options": "nosniff",
+}
+MAX_LOGIN_BYTES = 4096
+
+
 def ui_router() -> APIRouter:
     router = APIRouter(prefix="/ui")
     templates = _templates()
 
+    def html(content: str, status: int = 200) -> HTMLResponse:
+        return HTMLResponse(content, status, headers=SECURITY_HEADERS)
+
     def page(name: str, **context: Any) -> HTMLResponse:
-        return HTMLResponse(templates.get_template(name).render(**context))
+        return html(templates.get_template(name).render(**context))
 
     def refuse(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
         if state.settings.admin_key is None:
-            return HTMLResponse("<p>The page needs KVRELAY_ADMIN_KEY while client keys are required.</p>", 403)
-        return HTMLResponse('<form method="post" action="/ui/login"><label>Admin key '
-                            '<input type="password" name="key"></label> <button>Open</button></form>', 401)
+            return html("<p>Without KVRELAY_ADMIN_KEY the page opens only to loopback clients, "
+                        "and only while client keys are off.</p>", 403)
+        return html('<form method="post" action="/ui/login"><label>Admin key '
+                    '<input type="password" name="key"></label> <button>Open</button></form>', 401)
 
     @router.post("/login")
     async def login(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
-        body = await request.body()
-        key = parse_qs(body[:4096].decode(errors="replace")).get("key", [""])[0]
+        if not is_same_origin(request):
+            return html("<p>Cross-site login refused.</p>", 403)
+        body = await _capped_body(request, MAX_LOGIN_BYTES)
+        if body is None:
+            return html("<p>The login form is larger than it can be.</p>", 413)
+        key = parse_qs(body.decode(errors="replace")).get("key", [""])[0]
         if not is_admin_key(state, key):
             return refuse(request)
         response = RedirectResponse("/ui", status_code=303)
@@ -67,7 +89,9 @@ def ui_router() -> APIRouter:
         return response
 
     @router.post("/logout")
-    async def logout() -> Response:
+    async def logout(request: Request) -> Response:
+        if not is_same_origin(request):
+            return html("<p>Cross-site logout refused.</p>", 403)
         response = RedirectResponse("/ui", status_code=303)
         forget(response)
         return response
@@ -87,11 +111,11 @@ def ui_router() -> APIRouter:
         try:
             rows = await load_requests(request.app.state.db, session_id)
         except (SQLAlchemyError, OSError) as exc:
-            return HTMLResponse(f"<p>The database is unavailable ({type(exc).__name__}).</p>", 503)
+            return html(f"<p>The database is unavailable ({type(exc).__name__}).</p>", 503)
         if not rows:
-            return HTMLResponse(f"<p>No requests recorded for session {_esc(session_id)}.</p>", 404)
+            return html(f"<p>No requests recorded for session {escape(session_id)}.</p>", 404)
         report = session_ttft(session_id, rows)
-        detail = _detail(state, session_id)
+        detail = await _detail(state, session_id)
         agents = [a["id"] for a in detail["agents"]] if detail else sorted({r["agent_id"] for r in report["requests"]
                                                                              if r["agent_id"]})
         edges = detail["step_graph"]["edges"] if detail else []
@@ -108,13 +132,27 @@ def ui_router() -> APIRouter:
     return router
 
 
-def _detail(state: GatewayState, session_id: str) -> dict[str, Any] | None:
-    """The inferred structure of a live session (agents, step graph), if it is in memory."""
-    for app_id, app in state.inference.apps.items():
-        found = app.sessions.get(session_id)
-        if found is not None:
-            return session_detail(app, app_id, found)
-    return None
+async def _capped_body(request: Request, limit: int) -> bytes | None:
+    """The request body, or None past `limit` bytes (read no further than that)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    body = b""
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return body
+
+
+async def _detail(state: GatewayState, session_id: str) -> dict[str, Any] | None:
+    """The inferred structure of the session (agents, step graph), restored from SQL if
+    it is no longer in memory; None when it was never inferred or several apps have it."""
+    try:
+        app_id = await session_app(state, session_id, None)
+    except AdminRefused:
+        return None
+    return session_detail(state.inference.apps[app_id], app_id, state.inference.apps[app_id].sessions[session_id])
 
 
 async def _session_list(request: Request, state: GatewayState) -> list[dict[str, Any]]:
@@ -131,8 +169,9 @@ async def _session_list(request: Request, state: GatewayState) -> list[dict[str,
     try:
         async with request.app.state.db.connect() as conn:
             recorded = (await conn.execute(query)).all()
-    except (SQLAlchemyError, OSError):
-        recorded = []  # the live sessions still show
+    except (SQLAlchemyError, OSError) as exc:
+        logger.warning("/ui lists live sessions only: the database is unavailable (%s)", type(exc).__name__)
+        recorded = []
     out += [{"id": sid, "app": None, "num_agents": agents, "num_requests": n, "num_rounds": "-",
              "last_seen": str(last)[:19], "state": "recorded"} for sid, n, agents, last in recorded if sid not in seen]
     return out
@@ -141,10 +180,6 @@ async def _session_list(request: Request, state: GatewayState) -> list[dict[str,
 def _script_json(value: Any) -> str:
     """JSON safe inside <script>: no character of it can end the element or open a comment."""
     return json.dumps(value).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
-
-
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def install_ui(app: FastAPI) -> None:

@@ -4,8 +4,8 @@ and a test can count its rows.
 Requests are grouped as the session ran them: the members of an All-Gather round
 together, every other request alone. Each group has its own time axis (from its first
 arrival to its last first token), so a long session does not squeeze a round's bars
-to nothing. A row is one request: a bar per stage up to the first token (queue, plan,
-prefill, first token); the prefill bar is split into its KV assembly (one segment per
+to nothing. A row is one request: a bar per stage up to the first token (prepare, queue,
+plan, prefill, first token); the prefill bar is split into its KV assembly (one segment per
 reuse method, in that method's colour), its compute and its wait between chunks.
 """
 
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from itertools import groupby
 from typing import Any
 
-STAGE_COLOURS = {"queue": "#b0b7c3", "plan": "#8e7cc3", "prefill": "#6fa8dc", "first": "#93c47d"}
+from markupsafe import escape
+
+STAGE_COLOURS = {"prepare": "#d9d2c5", "queue": "#b0b7c3", "plan": "#8e7cc3", "prefill": "#6fa8dc", "first": "#93c47d"}
 WAIT_COLOUR = "#cfe2f3"  # the prefill's wait between chunks: a lighter prefill
 METHOD_COLOURS = {"shift": "#e69138", "blend": "#cc0000", "link": "#a64d79", "kvcomm": "#f1c232",
                   "collective": "#38761d", "diff_restore": "#45818e", "tier_fetch": "#7f6000"}
@@ -50,7 +51,10 @@ def waterfall_svg(requests: list[dict[str, Any]]) -> str:
     rows = [r for r in requests if r.get("engine")]
     if not rows:
         return '<p class="empty">No request carries an engine TTFT breakdown yet.</p>'
-    groups = [list(members) for _, members in groupby(rows, key=lambda r: r["round_id"] or r["request_id"])]
+    grouped: dict[str, list[dict[str, Any]]] = {}  # a round's members together, even if others began between
+    for request in rows:
+        grouped.setdefault(request["round_id"] or request["request_id"], []).append(request)
+    groups = list(grouped.values())
     height = ROW_HEIGHT * (len(rows) + 2 * len(groups))
     parts = [f'<svg class="waterfall" xmlns="http://www.w3.org/2000/svg" width="{LABEL_WIDTH + PLOT_WIDTH + 20}" '
              f'height="{height}" role="img" aria-label="TTFT waterfall">']
@@ -72,17 +76,17 @@ def _group(members: list[dict[str, Any]], y: int) -> str:
     heading = f"round …{round_id[-8:]} · {len(members)} requests" if round_id else "request"
     kind = "round" if round_id else "single"
     parts = [f'<g class="group" data-kind="{kind}">'
-             f'<text x="0" y="{y + 15}" font-size="12" font-weight="bold">{_esc(heading)}</text>'
+             f'<text x="0" y="{y + 15}" font-size="12" font-weight="bold">{escape(heading)}</text>'
              f'<text x="{LABEL_WIDTH}" y="{y + 15}" font-size="11">0 ms</text>'
              f'<text x="{LABEL_WIDTH + PLOT_WIDTH}" y="{y + 15}" font-size="11" text-anchor="end">'
              f'{span * 1e3:.0f} ms</text>']
     for i, (start, request) in enumerate(zip(starts, members)):
         row_y = y + (i + 1) * ROW_HEIGHT + 4
-        parts.append(f'<g class="request" data-request="{_esc(request["request_id"])}">'
-                     f'<text x="8" y="{row_y + 13}" font-size="12">{_esc((request["agent_id"] or "-")[:30])}</text>')
+        parts.append(f'<g class="request" data-request="{escape(request["request_id"])}">'
+                     f'<text x="8" y="{row_y + 13}" font-size="12">{escape((request["agent_id"] or "-")[:30])}</text>')
         for bar in _bars(request["engine"], (start - origin) * scale, scale):
             parts.append(f'<rect x="{LABEL_WIDTH + bar.x:.1f}" y="{row_y}" width="{max(bar.width, 0.5):.1f}" '
-                         f'height="{ROW_HEIGHT - 8}" fill="{bar.colour}"><title>{_esc(bar.title)}</title></rect>')
+                         f'height="{ROW_HEIGHT - 8}" fill="{bar.colour}"><title>{escape(bar.title)}</title></rect>')
         parts.append("</g>")
     parts.append("</g>")
     return "".join(parts)
@@ -111,7 +115,3 @@ def _prefill_bars(engine: dict[str, Any], x: float, scale: float) -> list[Bar]:
         bars.append(Bar(x, seconds * scale, colour, f"{title}: {seconds * 1e3:.1f} ms"))
         x += seconds * scale
     return bars
-
-
-def _esc(text: str) -> str:
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")

@@ -35,7 +35,17 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
     assert report["totals"]["ttft_s"] == pytest.approx(sum(r["engine"]["ttft_s"] for r in report["requests"]))
     in_rounds = [r for r in report["requests"] if r["round_id"] is not None]
     assert in_rounds and sum(r["num_requests"] for r in report["rounds"]) == len(in_rounds)
-    assert text.splitlines()[0].split()[:4] == ["request", "agent", "round", "queue"] and "total" in text
+    (round_,) = report["rounds"]  # the two villagers who read every output at once
+    members = [r["engine"] for r in in_rounds]
+    assert round_["stages_s"]["queue_s"] == pytest.approx(sum(m["queue_s"] for m in members))
+    # The members overlap: the round's wall-clock TTFT is under their sum, over the longest.
+    assert max(m["ttft_s"] for m in members) <= round_["wall_ttft_s"] < round_["ttft_s"]
+    priced = [r["engine"] for r in report["requests"] if "dense_ttft_s" in r["engine"]]
+    totals = report["totals"]
+    assert totals["num_priced"] == len(priced) >= 5  # the first request has no measured rate yet, at most
+    assert totals["saved_s"] == pytest.approx(sum(b["dense_ttft_s"] - b["ttft_s"] for b in priced))
+    assert text.splitlines()[0].split()[:5] == ["request", "agent", "round", "prep", "queue"] and "total" in text
+    assert "wall " in text
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
     cli = run_cli("ttft", "town", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
     assert cli.returncode == 0, cli.stderr
@@ -44,16 +54,20 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
     assert absent.returncode != 0 and absent.stderr.strip().count("\n") == 0 and "no requests" in absent.stderr
 
 
-def test_requests_without_reuse_still_get_their_breakdown(srv, start_gateway):
+def test_requests_without_reuse_still_get_their_breakdown_which_clients_see_only_if_asked(srv, start_gateway):
     gw = start_gateway([srv.base_url])
+    seen = []
     with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
-        for stream in (False, True):
-            reply = client.chat.completions.create(
-                model=MODEL, temperature=0, max_tokens=4, stream=stream,
-                messages=[{"role": "user", "content": "Say hello."}], extra_headers={"x-kvrelay-reuse": "off"})
-            if stream:
-                list(reply)
-    for row in gw.rows(2):
+        for stream, asked in ((False, False), (True, False), (False, True), (True, True)):
+            headers = {"x-kvrelay-reuse": "off", **({"x-kvrelay-ttft": "1"} if asked else {})}
+            reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=4, stream=stream,
+                                                   messages=[{"role": "user", "content": "Say hello."}],
+                                                   extra_headers=headers)
+            last = list(reply)[-1] if stream else reply
+            params = (last.model_extra or {}).get("kv_transfer_params") or {}
+            seen.append("kvrelay_ttft" in params)
+    assert seen == [False, False, True, True]
+    for row in gw.rows(4):
         breakdown = json.loads(row.ttft_breakdown)
         assert breakdown["ttft_s"] > 0 and breakdown["prefill_compute_s"] > 0
 

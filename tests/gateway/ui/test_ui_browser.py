@@ -58,6 +58,14 @@ def test_the_page_shows_a_live_session_s_agents_rounds_and_requests(srv, start_g
             "--disable-default-apps", "--disable-sync", "--no-first-run"])
         try:
             page = browser.new_page(viewport={"width": 1000, "height": 1200})
+            # Script errors, console errors (a CSP violation is one; a 401 before login is not)
+            # and any page asset that failed to load.
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error"
+                    and not msg.text.startswith("Failed to load resource") else None)
+            page.on("response", lambda r: errors.append(f"{r.status} {r.url}") if r.status >= 400
+                    and "/ui/static/" in r.url else None)
             page.goto(f"{gw.url}/ui")
             assert page.locator("input[name=key]").count() == 1  # the admin key first
             page.fill("input[name=key]", ADMIN)
@@ -73,7 +81,11 @@ def test_the_page_shows_a_live_session_s_agents_rounds_and_requests(srv, start_g
             assert page.locator("tr.round").count() == 1  # the two villagers who read all outputs at once
             assert page.locator("svg.waterfall g.group[data-kind=round] g.request").count() == 2
             assert "6 requests" in page.inner_text("#totals") and "3 agents" in page.inner_text("#totals")
+            # The round's members placed their shared KV in one collective copy: its colour is drawn.
+            assert "collective" in page.inner_text("p.legend")
+            assert page.locator("svg.waterfall rect title", has_text="KV assembly, collective").count() == 2
             page.screenshot(path=str(shot), full_page=True)
+            assert errors == [], errors
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
