@@ -305,7 +305,8 @@ class LLMEngine:
         slots = self.kv.slots(seq, seq.num_prompt_tokens)  # (P,)
         for seg in seq.segments:
             if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
-                self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start)
+                self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start,
+                                            seq.tenant)
         self.assembler.commit(assembly, slots)
         self.assembler.release(assembly)
         if seq.restore is not None and assembly.collective is None:  # a round group stored itself already
@@ -319,7 +320,7 @@ class LLMEngine:
             return
         region_start = seq.num_exact_tokens // self.config.block_size * self.config.block_size
         spans = tuple((seg.start, seg.end) for seg in seq.segments)
-        image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans)
+        image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans, seq.tenant)
         try:
             self.diff_store.store(image, like=seq.restore.stored)
         except Exception:
@@ -335,7 +336,7 @@ class LLMEngine:
         if end - start < self.config.reuse.min_segment_tokens:
             return
         slots = self.kv.slots(seq, end)[start:]  # (n,)
-        self.segment_index.register(seq.token_ids[start:end], slots, start)
+        self.segment_index.register(seq.token_ids[start:end], slots, start, seq.tenant)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)

@@ -101,7 +101,7 @@ class ModelRunner:
         DiffStore (while the segments they read are still pinned)."""
         seqs = group.members
         members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens),
-                               s.num_exact_tokens) for s in seqs]
+                               s.num_exact_tokens, s.tenant) for s in seqs]
         try:
             result = self.collective.run(group.round_id, members)
             for i, seq in enumerate(seqs):

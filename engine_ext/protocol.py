@@ -115,6 +115,10 @@ class SegmentPlan(_Frozen):
     workflow: WorkflowInfo | None = None
     adapter: AdapterRef | None = None
     app_id: str | None = None  # whose workflow this is: KVCOMM anchors are learned per app
+    # Whose caches the request may read and fill (every engine cache is namespaced by it);
+    # None: the app's. Set by the gateway from the API key; tenants configured to share
+    # get one name.
+    tenant: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _ordered(self) -> SegmentPlan:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine_ext.sampling import SamplingParams
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -75,6 +76,11 @@ class Sequence:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None and self.generator is None:
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def tenant(self) -> str:
+        """Whose caches this request reads and fills: its plan's, else the default tenant."""
+        return self.scope.tenant if self.scope is not None else DEFAULT_TENANT
 
     @property
     def num_tokens(self) -> int:

@@ -15,6 +15,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from engine_ext.plan_seal import PlanSeal
 from gateway.adapters import AdapterRouter
 from gateway.admin import install_admin
 from gateway.ui import install_ui
@@ -60,8 +61,10 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         inference = Inference(settings.inference, router)
         store, saver = await start_store(settings, db, inference)
         hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
+        seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
+            if settings.plan_secret is not None else None
         app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access,
-                                         inference, store, hold)
+                                         inference, store, hold, seal)
         app.state.db = db
         try:
             yield

@@ -26,12 +26,15 @@ from gateway.identity import Identity, identify
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
-from gateway.sse import event_without_report, finish_reasons_of, inspect, split_events, without_report
+from gateway.sse import finish_reasons_of, inspect, split_events
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
-from engine_ext.protocol import RoundInfo, attach_plan
+from engine_ext.plan_seal import PlanSeal
+from engine_ext.protocol import RoundInfo
 from engine_ext.timeline import TTFT_HEADER, TTFT_KEY, wants_breakdown
+from gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
+                                   without_params)
 from gateway.ttft import clean_breakdown
 from kvrelay.openai_errors import error_body, error_response
 
@@ -51,6 +54,7 @@ class GatewayState:
     inference: Inference
     store: StateStore | None = None  # None: inferred state is not persisted
     round_hold: RoundHold | None = None  # None: requests of a round are never held
+    plan_seal: PlanSeal | None = None  # None: plans go unsealed (an engine on loopback)
 
 
 class ProxiedCall:
@@ -66,9 +70,10 @@ class ProxiedCall:
             prompt_sha256=sha256_text(""), prompt_chars=0,
         )
         self.strip_usage = False
-        # The engine's TTFT breakdown (asked for on every call) goes to the record; the
-        # client sees it only when it asked too: it tells of other requests' load.
-        self.shows_ttft = wants_breakdown(request.headers)
+        # What the engine echoes in kv_transfer_params that the client must not see: the
+        # plan and seal, and the TTFT breakdown (asked for on every call, for the record)
+        # unless the client asked too.
+        self.hidden = hidden_from_client(wants_breakdown(request.headers))
         self._completion: list[str] = []
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
@@ -133,6 +138,7 @@ class ProxiedCall:
             raise BadRequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise BadRequestError("the request body must be a JSON object")
+        body = without_client_plan(body)  # the engine follows only the gateway's plans
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
@@ -172,7 +178,7 @@ class ProxiedCall:
             self.record.model = adapter.model[:256]  # what ran, and what dispatch picks an upstream for
         reuse = self.request.headers.get(REUSE_HEADER, "on").strip().lower() not in ("off", "0", "false")
         if self.state.settings.inference.reuse and reuse:
-            return attach_plan(body, result.plan)
+            return with_plan(body, result.plan, self.state.plan_seal)
         return body
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
@@ -207,8 +213,8 @@ class ProxiedCall:
             self._take_usage(parsed.get("usage"))
             params = parsed.get("kv_transfer_params")
             self._take_engine_reports(params)
-            if isinstance(params, dict) and TTFT_KEY in params and not self.shows_ttft:
-                content = json.dumps(without_report(parsed, TTFT_KEY), separators=(",", ":")).encode()
+            if isinstance(params, dict) and any(key in params for key in self.hidden):
+                content = json.dumps(without_params(parsed, self.hidden), separators=(",", ":")).encode()
             choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
             self._finish_reasons.extend(finish_reasons_of(choices))
             for choice in choices:
@@ -249,8 +255,8 @@ class ProxiedCall:
                         self._take_usage(info.usage)
                     if info.kv_transfer_params is not None:
                         self._take_engine_reports(info.kv_transfer_params)
-                        if TTFT_KEY in info.kv_transfer_params and not self.shows_ttft:
-                            event = event_without_report(event, TTFT_KEY)
+                        if any(key in info.kv_transfer_params for key in self.hidden):
+                            event = event_without_params(event, self.hidden)
                     if info.error is not None:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
                     if not (info.is_usage_only and self.strip_usage):

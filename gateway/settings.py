@@ -17,6 +17,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Vali
                       model_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from gateway.tenancy import TenantMap
+
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
 
@@ -47,6 +49,15 @@ class InferenceSettings(BaseModel):
     persist: bool = True  # save the inferred state to SQL (texts included) so a restart continues sessions
     flush_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5  # how often changed state is saved
     round_hold_ms: Annotated[float, Field(ge=0, le=20)] = 0.0  # hold a round's early requests for the rest (0: off)
+    # Tenants whose requests may reuse each other's cached KV, as groups (a pair, or more
+    # that all share); a tenant in one group at most (gateway/tenancy.py).
+    shared_caches: list[list[str]] = []
+
+    @field_validator("shared_caches")
+    @classmethod
+    def _groups(cls, groups: list[list[str]]) -> list[list[str]]:
+        TenantMap(groups)  # raises on a group of one or overlapping groups
+        return groups
 
     @field_validator("separators", "fixed_prefix_delimiters")
     @classmethod
@@ -156,6 +167,18 @@ class GatewaySettings(BaseSettings):
     default_requests_per_minute: PositiveInt | None = None  # for keys without their own limit
     default_tokens_per_minute: PositiveInt | None = None
     upstream_api_key: SecretStr | None = None  # sent to the upstreams as a bearer token
+    # Shared with the engines: the gateway seals each plan with it, and an engine given
+    # the same secret follows no other plan (engine_ext/plan_seal.py). Required by an
+    # engine listening beyond loopback.
+    plan_secret: SecretStr | None = None
+    plan_max_age_s: float = Field(default=300.0, gt=0, le=86400)  # an older sealed plan is stale
+
+    @field_validator("plan_secret")
+    @classmethod
+    def _plan_secret_length(cls, secret: SecretStr | None) -> SecretStr | None:
+        if secret is not None and len(secret.get_secret_value()) < 16:
+            raise ValueError("plan_secret must be at least 16 characters")
+        return secret
 
     @field_validator("admin_key")
     @classmethod

@@ -1,8 +1,8 @@
 """Server-sent events as the gateway sees them: split into events, look inside, pass on.
 
 Events are forwarded byte for byte; the gateway only parses the `data:` JSON to find the
-first generated content (TTFT) and the usage chunk (which it may strip), and rewrites
-the final chunk only to drop an engine report the client did not ask for.
+first generated content (TTFT) and the usage chunk (which it may strip); the final
+chunk is re-encoded only to drop what the client must not see (gateway/engine_params.py).
 """
 
 from __future__ import annotations
@@ -76,17 +76,3 @@ def _choice_text(choice: dict[str, Any]) -> str:
     text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
     return text if isinstance(text, str) else ""
 
-
-def without_report(body: dict[str, Any], key: str) -> dict[str, Any]:
-    """The body without kv_transfer_params[key] (and without kv_transfer_params if
-    nothing else is left in it)."""
-    params = {k: v for k, v in body["kv_transfer_params"].items() if k != key}
-    rest = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-    return {**rest, "kv_transfer_params": params} if params else rest
-
-
-def event_without_report(event: bytes, key: str) -> bytes:
-    """An event whose data JSON holds kv_transfer_params[key], re-encoded without it."""
-    data = b"".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
-    body = json.loads(data)
-    return b"data: " + json.dumps(without_report(body, key), separators=(",", ":")).encode() + b"\n\n"

@@ -14,6 +14,7 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
 
     from engine_ext.config import AdapterSpec
     from engine_ext.engine import LLMEngine
+    from engine_ext.plan_seal import PlanSeal
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -115,13 +116,38 @@ def _build_gateway_app(settings):
         raise _fail(str(exc)) from exc
 
 
-def _build_engine_app(llm: LLMEngine) -> FastAPI:
+def _plan_seal(host: str) -> PlanSeal | None:
+    """The engine's PlanSeal from KVRELAY_PLAN_SECRET (the gateway's plan_secret; an
+    environment variable, never an argument, so `ps` does not show it). Without one the
+    engine follows any plan, so it may listen on loopback only."""
+    import ipaddress
+    import os
+
+    from engine_ext.plan_seal import PlanSeal
+
+    secret = os.environ.get("KVRELAY_PLAN_SECRET") or None
+    if secret is None:
+        try:
+            loopback = ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            loopback = host == "localhost"
+        if not loopback:
+            raise _fail(f"--host {host} is reachable beyond loopback: set KVRELAY_PLAN_SECRET (the gateway's "
+                        "plan_secret) so the engine follows only the gateway's sealed plans")
+        return None
+    try:
+        return PlanSeal(secret)
+    except ValueError as exc:
+        raise _fail(f"KVRELAY_PLAN_SECRET: {exc}") from exc
+
+
+def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None) -> FastAPI:
     from engine_ext.async_engine import AsyncEngine
     from engine_ext.otel import TracingConfigError
     from engine_ext.server import create_app
 
     try:
-        return create_app(AsyncEngine(llm), llm.model_name)
+        return create_app(AsyncEngine(llm), llm.model_name, plan_seal=seal)
     except TracingConfigError as exc:
         raise _fail(str(exc)) from exc
 
@@ -196,6 +222,7 @@ def engine(
     import uvicorn
 
     _setup_logging(log_level)
+    seal = _plan_seal(host)  # before the model loads: a refusal should be quick
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
@@ -203,7 +230,7 @@ def engine(
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
                         _adapter_specs(adapter, adapter_mode, adapter_first_token))
-    engine_app = _build_engine_app(llm)
+    engine_app = _build_engine_app(llm, seal)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(engine_app, host=host, port=port, log_level=log_level)
 
@@ -263,6 +290,8 @@ def up(
 
     import uvicorn
 
+    from engine_ext.plan_seal import PlanSeal
+
     _setup_logging(log_level)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
@@ -272,7 +301,9 @@ def up(
                         _adapter_specs(adapter, adapter_mode, adapter_first_token))
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
-    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm),
+    secret = settings.plan_secret
+    seal = PlanSeal(secret.get_secret_value(), settings.plan_max_age_s) if secret is not None else None
+    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
                                                    log_level=log_level))

@@ -40,6 +40,13 @@ def round_id(seq: Sequence) -> str | None:
     return seq.scope.round.id if seq.scope is not None and seq.scope.round is not None else None
 
 
+def group_key(seq: Sequence) -> str | None:
+    """What a sequence is grouped by: its round, within its tenant (two tenants' rounds
+    never prefill together, even under the same id)."""
+    rid = round_id(seq)
+    return None if rid is None else f"{seq.tenant}\x00{rid}"
+
+
 class KVCollector:
     def __init__(self, config: CollectiveConfig) -> None:
         self.config = config
@@ -49,7 +56,7 @@ class KVCollector:
 
     def holds(self, seq: Sequence, waiting: Iterable[Sequence], now: float | None = None) -> bool:
         """Whether the round's first waiting request should wait for its siblings a little longer."""
-        rid = round_id(seq)
+        rid = group_key(seq)
         # A request without segments (a multi-LoRA adapter's) never joins a group: no waiting.
         if rid is None or self.config.window_ms <= 0 or seq.num_preemptions or not seq.segments \
                 or rid in self._formed:
@@ -57,15 +64,15 @@ class KVCollector:
         now = time.monotonic() if now is None else now
         if (now - seq.arrival_time) * 1e3 >= self.config.window_ms:
             return False
-        num_waiting = sum(1 for s in waiting if round_id(s) == rid)
+        num_waiting = sum(1 for s in waiting if group_key(s) == rid)
         return num_waiting < seq.scope.round.size
 
     def siblings(self, seq: Sequence, waiting: Iterable[Sequence]) -> list[Sequence]:
         """Waiting requests of seq's round, in arrival order, at most max_group - 1."""
-        rid = round_id(seq)
+        rid = group_key(seq)
         if rid is None:
             return []
-        same = [s for s in waiting if s is not seq and round_id(s) == rid and s.num_preemptions == 0]
+        same = [s for s in waiting if s is not seq and group_key(s) == rid and s.num_preemptions == 0]
         return same[: self.config.max_group - 1]
 
     def form(self, admitted: list[Sequence]) -> CollectiveGroup | None:
@@ -77,11 +84,12 @@ class KVCollector:
             return None
         probe = max(candidates, key=lambda s: sum(p.segment.num_tokens for p in s.assembly.placed))
         held = _keys(probe)
-        members = [probe] + [s for s in candidates if s is not probe and _keys(s) <= held]
+        key = group_key(probe)
+        members = [probe] + [s for s in candidates if s is not probe and group_key(s) == key and _keys(s) <= held]
         group = CollectiveGroup(round_id(probe) or "", members)
         for s in members:
             s.group = group
-        self._formed[group.round_id] = None
+        self._formed[key or ""] = None
         while len(self._formed) > MAX_FORMED_ROUNDS:
             self._formed.popitem(last=False)
         self.num_groups += 1

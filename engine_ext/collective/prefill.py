@@ -36,6 +36,7 @@ from engine_ext.collective.rows import PromptRows, RowsForward
 from engine_ext.config import ReuseConfig
 from engine_ext.diffs.images import CacheImage, CanonicalRun
 from engine_ext.kv.cache import KVCache
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import CausalLM
 from engine_ext.reuse.assembler import Assembly
@@ -52,6 +53,7 @@ class GroupMember(NamedTuple):
     token_ids: list[int]
     slots: torch.Tensor  # (T,) the member's cache slots
     num_exact_tokens: int | None = None  # KV from here on is approximate (restored or placed); None: exact
+    tenant: str = DEFAULT_TENANT  # whose caches its stored image joins
 
 
 class CollectiveResult(NamedTuple):
@@ -180,7 +182,7 @@ class CollectivePrefill:
             first = m.assembly.first_approximate
             first = first if m.num_exact_tokens is None else min(first, m.num_exact_tokens)
             region_start = first // block_size * block_size  # before it: published prefix-cache blocks
-            images.append(CacheImage(tuple(m.token_ids), m.slots, region_start, runs))
+            images.append(CacheImage(tuple(m.token_ids), m.slots, region_start, runs, tenant=m.tenant))
         return images
 
     @staticmethod

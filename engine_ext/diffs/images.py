@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from engine_ext.kv.hashing import DEFAULT_TENANT
+
 
 class CanonicalRun(NamedTuple):
     start: int  # prompt position of the segment's first token
@@ -34,6 +36,7 @@ class CacheImage(NamedTuple):
     region_start: int  # stored from here on; [0, region_start) is in the prefix cache
     runs: list[CanonicalRun]  # in prompt order, inside the region
     spans: tuple[tuple[int, int], ...] = ()  # other segments' [start, end): where the prompt's structure cuts
+    tenant: str = DEFAULT_TENANT  # whose cache it is: only that tenant's prompts restore it
 
     def cuts(self) -> list[int]:
         """Region rows where a segment starts or ends (runs and spans), sorted, with 0 and n."""

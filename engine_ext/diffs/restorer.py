@@ -47,7 +47,7 @@ class Restorer:
         """A stored prompt this one extends, pinned until `apply` or `cancel`; or None."""
         if not seq.segments:
             return None
-        found = self.store.match(seq.token_ids, num_prefix_tokens)
+        found = self.store.match(seq.token_ids, num_prefix_tokens, seq.tenant)
         if found is None:
             return None
         stored, view = found

@@ -39,7 +39,7 @@ from engine_ext.diffs.stored import (
 )
 from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.cache import KVCache
-from engine_ext.kv.hashing import chain_hash, namespace_root
+from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root, tenant_root
 from kernels.rope_shift import shift_keys_torch
 
 MIN_SHARED_FRACTION = 0.5  # a cache stored outside a round mirrors a master sharing at least this much
@@ -94,7 +94,7 @@ class DiffStore:
         if isinstance(known, StoredMaster):
             return self._store_mirror(image, known, like if isinstance(like, StoredMirror) else None)
         best, best_shared = None, 0
-        for stored in self._masters():
+        for stored in self._masters(image.tenant):
             shared = int((self._align(image, stored) >= 0).sum())
             if shared > best_shared:
                 best, best_shared = stored, shared
@@ -102,11 +102,11 @@ class DiffStore:
             return self._store_mirror(image, best)
         return self._store_master(image)
 
-    def _key(self, token_ids: tuple[int, ...] | list[int]) -> bytes:
-        return chain_hash(self.root, token_ids)
+    def _key(self, token_ids: tuple[int, ...] | list[int], tenant: str) -> bytes:
+        return chain_hash(tenant_root(self.root, tenant), token_ids)
 
     def _store_master(self, image: CacheImage) -> StoredMaster | None:
-        key = self._key(image.token_ids)
+        key = self._key(image.token_ids, image.tenant)
         held = self._valid(self._stored.get(key))
         if isinstance(held, StoredMaster):
             return held
@@ -124,13 +124,16 @@ class DiffStore:
             index.setdefault((seg_key, offset), row)
         self._write(blob, src)
         tokens = torch.tensor(image.token_ids[image.region_start :], dtype=torch.long)
-        stored = StoredMaster(key, len(image.token_ids), image.region_start, blob, ref, tokens, index)
+        stored = StoredMaster(key, len(image.token_ids), image.region_start, blob, ref, tokens, index,
+                              tenant=image.tenant)
         self._add(stored)
         return stored
 
     def _store_mirror(self, image: CacheImage, master: StoredMaster,
                       restored: StoredMirror | None = None) -> StoredMirror | None:
-        key = self._key(image.token_ids)
+        if master.tenant != image.tenant:
+            return None  # a mirror reads its master: never another tenant's
+        key = self._key(image.token_ids, image.tenant)
         if self._valid(self._stored.get(key)) is not None:
             return None  # already held (as a master or a mirror)
         n, start = image.num_region_tokens, image.region_start
@@ -223,17 +226,18 @@ class DiffStore:
         return same
 
     # -- reading -----------------------------------------------------------------------
-    def read(self, token_ids: list[int] | tuple[int, ...]) -> CacheView | None:
-        """A lazy view of the cache stored for exactly this prompt, or None."""
-        stored = self._valid(self._stored.get(self._key(tuple(token_ids))))
+    def read(self, token_ids: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> CacheView | None:
+        """A lazy view of the cache `tenant` stored for exactly this prompt, or None."""
+        stored = self._valid(self._stored.get(self._key(tuple(token_ids), tenant)))
         return None if stored is None else self._view(stored)
 
-    def match(self, token_ids: list[int], num_prefix_tokens: int) -> tuple[StoredCache, CacheView] | None:
-        """The longest stored prompt that starts `token_ids` (short of its last token) and
-        whose region starts where the prefix cache's hit ends."""
+    def match(self, token_ids: list[int], num_prefix_tokens: int,
+              tenant: str = DEFAULT_TENANT) -> tuple[StoredCache, CacheView] | None:
+        """The longest prompt `tenant` stored that starts `token_ids` (short of its last
+        token) and whose region starts where the prefix cache's hit ends."""
         for length in sorted(self._lengths.get(num_prefix_tokens, ()), reverse=True):
             if length < len(token_ids):
-                stored = self._valid(self._stored.get(self._key(token_ids[:length])))
+                stored = self._valid(self._stored.get(self._key(token_ids[:length], tenant)))
                 if stored is not None and stored.region_start == num_prefix_tokens:
                     return stored, self._view(stored)
         return None
@@ -299,8 +303,9 @@ class DiffStore:
                 if isinstance(mirror, StoredMirror) and mirror.master is stored:
                     self._forget(mirror)
 
-    def _masters(self) -> list[StoredMaster]:
-        return [s for s in list(self._stored.values()) if isinstance(s, StoredMaster) and self._valid(s)]
+    def _masters(self, tenant: str) -> list[StoredMaster]:
+        return [s for s in list(self._stored.values())
+                if isinstance(s, StoredMaster) and s.tenant == tenant and self._valid(s)]
 
     # -- accounting --------------------------------------------------------------------
     def dense_bytes(self, image: CacheImage) -> int:

@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.kv.blobs import Blob
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from kernels.diff_restore import restore_mirror, restore_mirror_dense
 from kernels.shift_copy import shift_copy
 
@@ -40,6 +41,7 @@ class StoredMaster:
     tokens: torch.Tensor  # (n,) the region's token ids
     index: dict[tuple[bytes, int], int]  # (segment key, offset) -> region row, for canonical rows
     mirrors: list[bytes] = field(default_factory=list)  # keys of the mirrors stored against it
+    tenant: str = DEFAULT_TENANT  # its mirrors are that tenant's too
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Chained block hashes: a block's hash covers its tokens and every block before it.
 
-The chain starts from a namespace (the model, later the adapter), so identical token
-blocks under different models never share KV. blake2b keeps collisions out of reach,
+The chain starts from a namespace (the model, an adapter, then the tenant), so
+identical token blocks under different models, or of different tenants, never share
+KV: a tenant can neither reuse nor time another's cache. blake2b keeps collisions out of reach,
 which Python's 64-bit `hash` would not.
 """
 
@@ -13,6 +14,16 @@ from array import array
 
 def namespace_root(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
+
+
+DEFAULT_TENANT = "default"  # requests without a (trusted) plan, and every plan that names no tenant
+
+
+def tenant_root(root: bytes, tenant: str) -> bytes:
+    """The root of `tenant`'s own chains under `root`; the default tenant keeps `root`."""
+    if tenant == DEFAULT_TENANT:
+        return root
+    return hashlib.blake2b(root + b"\x00tenant\x00" + tenant.encode(), digest_size=16).digest()
 
 
 def chain_hash(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:

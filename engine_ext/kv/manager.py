@@ -8,7 +8,7 @@ import torch
 
 from engine_ext.kv.block_pool import Block, BlockPool
 from engine_ext.kv.eviction import EvictionPolicy
-from engine_ext.kv.hashing import block_hashes, chain_hash, namespace_root
+from engine_ext.kv.hashing import block_hashes, chain_hash, namespace_root, tenant_root
 from engine_ext.sequence import Sequence
 
 
@@ -29,10 +29,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def root_of(self, seq: Sequence) -> bytes:
-        """The hash chain's start: the model's, or a multi-LoRA adapter's own (its K/V differ)."""
-        if seq.adapter is not None and seq.adapter.hash_root is not None:
-            return seq.adapter.hash_root
-        return self.root
+        """The hash chain's start: the model's, or a multi-LoRA adapter's own (its K/V
+        differ), then the request's tenant's own under it."""
+        base = seq.adapter.hash_root if seq.adapter is not None and seq.adapter.hash_root is not None else self.root
+        return tenant_root(base, seq.tenant)
 
     def prefix_hashes(self, seq: Sequence, num_tokens: int) -> list[bytes]:
         """Chained hashes of the full blocks among the sequence's first `num_tokens` tokens."""

@@ -20,7 +20,7 @@ import torch
 from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.block_pool import BlockPool
 from engine_ext.kv.cache import KVCache
-from engine_ext.kv.hashing import chain_hash, namespace_root
+from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root, tenant_root
 from engine_ext.rope import RopeShifter
 
 
@@ -48,22 +48,23 @@ class SegmentIndex:
         self.num_skipped = 0  # registrations refused for lack of free blocks
 
     # -- lookup ------------------------------------------------------------------------
-    def _key(self, token_ids: tuple[int, ...]) -> bytes:
-        return chain_hash(self.root, token_ids)
+    def _key(self, token_ids: tuple[int, ...], tenant: str) -> bytes:
+        return chain_hash(tenant_root(self.root, tenant), token_ids)
 
-    def lookup(self, token_ids: list[int] | tuple[int, ...]) -> SegmentEntry | None:
-        """The entry holding exactly these tokens, or None (never cached, or evicted)."""
-        entry = self._find(tuple(token_ids))
+    def lookup(self, token_ids: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> SegmentEntry | None:
+        """The entry holding exactly these tokens for `tenant`, or None (never cached by
+        that tenant, or evicted)."""
+        entry = self._find(tuple(token_ids), tenant)
         if entry is None:
             self.num_misses += 1
         else:
             self.num_hits += 1
         return entry
 
-    def _find(self, tokens: tuple[int, ...]) -> SegmentEntry | None:
+    def _find(self, tokens: tuple[int, ...], tenant: str) -> SegmentEntry | None:
         if not tokens:
             return None
-        key = self._key(tokens)
+        key = self._key(tokens, tenant)
         entry = self._entries.get(key)
         if entry is not None and not self.blobs.valid(entry.blob):
             self._drop(key, entry)
@@ -82,14 +83,16 @@ class SegmentIndex:
         return self.blobs.slots(entry.blob)
 
     # -- registration ------------------------------------------------------------------
-    def register(self, token_ids: list[int], src_slots: torch.Tensor, src_position: int) -> bool:
+    def register(self, token_ids: list[int], src_slots: torch.Tensor, src_position: int,
+                 tenant: str = DEFAULT_TENANT) -> bool:
         """Copy the KV at `src_slots` (tokens computed from position `src_position` on)
-        into new blocks, keys shifted back to position 0. The first registration of a
-        token sequence wins; False when it is already held or no block is free."""
+        into new blocks, keys shifted back to position 0, for `tenant` alone. The first
+        registration of a token sequence wins; False when it is already held or no block
+        is free."""
         tokens = tuple(token_ids)
-        if not tokens or self._find(tokens) is not None:
+        if not tokens or self._find(tokens, tenant) is not None:
             return False
-        key = self._key(tokens)
+        key = self._key(tokens, tenant)
         blob = self.blobs.allocate(key, len(tokens))
         if blob is None:
             self.num_skipped += 1

@@ -1,4 +1,4 @@
-"""AnchorBank: KVCOMM's anchor pools, one per (app, placeholder name), and its two acts.
+"""AnchorBank: KVCOMM's anchor pools, one per (tenant and app, placeholder name), and its two acts.
 
 1. `decide`, at admission, for a placeholder whose base KV the segment index holds:
    - the sample is itself an anchor with this agent's offsets: use them alone (exact);
@@ -27,14 +27,14 @@ import torch
 from engine_ext.config import AnchorConfig
 from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.cache import KVCache
-from engine_ext.kv.hashing import chain_hash, namespace_root
+from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import offsets
 from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool
 from engine_ext.kvcomm.criterion import nucleus, predict
 from engine_ext.kvcomm.offsets import Correction
 
-PoolKey = tuple[str, str]  # (app id, placeholder name)
+PoolKey = tuple[str, str]  # (tenant and app id, placeholder name)
 
 
 class Decision(NamedTuple):
@@ -58,6 +58,7 @@ class Measurement(NamedTuple):
     base: SegmentEntry  # pinned until the commit
     prefix_token_ids: tuple[int, ...] | None  # the fixed segment after it, if any
     prefix_position: int
+    tenant: str = DEFAULT_TENANT  # whose segment index holds its prefix
 
 
 class AnchorBank:
@@ -152,7 +153,7 @@ class AnchorBank:
         n = len(m.token_ids)
         real = prompt_slots[m.position : m.position + n]
         new_blobs: list[Blob] = []
-        prefix_entry = self.index.lookup(m.prefix_token_ids) if m.prefix_token_ids else None
+        prefix_entry = self.index.lookup(m.prefix_token_ids, m.tenant) if m.prefix_token_ids else None
         pinned = [m.base] + ([prefix_entry] if prefix_entry is not None else [])
         for entry in pinned:  # allocating the new blobs must not evict what they are measured against
             self.index.acquire(entry)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.config import ReuseConfig
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import AnchorBank, Correction, Decision, Measurement
 from engine_ext.reuse.segments import (
@@ -104,6 +105,7 @@ class Assembler:
         `num_prefix_tokens` are cached already: exactly (the prefix cache), or from
         `restored_from` on restored from a stored round cache."""
         assembly = Assembly(len(token_ids), num_prefix_tokens, [], [])
+        tenant = scope.tenant if scope is not None else DEFAULT_TENANT
         i = 0
         while i < len(segments):
             seg = segments[i]
@@ -117,7 +119,7 @@ class Assembler:
             reason = self._refusal(seg, method, num_hit) if seg.is_reusable else None
             entry = None
             if seg.is_reusable and reason is None:
-                entry = self.index.lookup(token_ids[seg.start : seg.end]) if self.index else None
+                entry = self.index.lookup(token_ids[seg.start : seg.end], tenant) if self.index else None
                 reason = None if entry is not None else "not in the segment index (never cached or evicted)"
             if entry is not None and method == "kvcomm":
                 follower = segments[i + 1] if i + 1 < len(segments) else None
@@ -148,11 +150,12 @@ class Assembler:
             follower = None  # only a fixed segment right after it (template tokens apart) is its prefix
         follower_ids = tuple(token_ids[follower.start : follower.end]) if follower else None
         sample = tuple(token_ids[seg.start : seg.end])
-        decision = self.bank.decide((scope.app_id, seg.name or ""), scope.agent_id, sample, entry, follower_ids)
+        pool = (f"{scope.tenant}\x00{scope.app_id}", seg.name or "")  # anchors never cross tenants
+        decision = self.bank.decide(pool, scope.agent_id, sample, entry, follower_ids)
         self.index.acquire(entry)
         if not decision.predicted:
             assembly.measurements.append(Measurement(decision, sample, seg.start, entry, follower_ids,
-                                                     follower.start if follower else 0))
+                                                     follower.start if follower else 0, scope.tenant))
             assembly.dense.append(SegmentOutcome(seg, "dense", 0, seg.num_tokens, "kvcomm: measured as an anchor",
                                                  kvcomm=decision.detail))
             if follower is not None:
@@ -167,7 +170,7 @@ class Assembler:
             return 1
         # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
         corrected = decision.prefix is not None or self.bank.correction != "full"
-        follower_entry = self.index.lookup(follower_ids) if corrected else None
+        follower_entry = self.index.lookup(follower_ids, scope.tenant) if corrected else None
         if follower_entry is None:
             assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
                                                  "kvcomm: no prefix offset measured for it"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple, get_args
 
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.protocol import ReuseMethod, RoundInfo, WorkflowInfo
 
 REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
@@ -43,7 +44,8 @@ DEFAULT_APP = "default"  # the app of a plan that names none
 
 
 class ReuseScope(NamedTuple):
-    """Whose prompt this is, from the plan: KVCOMM keeps anchors per app and offsets per
+    """Whose prompt this is, from the plan: every cache is namespaced by tenant; KVCOMM
+    keeps anchors per tenant and app and offsets per
     agent; TokenDance prefills the requests of one All-Gather round together; KVFlow
     ranks cached prefixes by the workflow's steps-to-execution."""
 
@@ -51,6 +53,7 @@ class ReuseScope(NamedTuple):
     agent_id: str | None
     round: RoundInfo | None = None
     workflow: WorkflowInfo | None = None
+    tenant: str = DEFAULT_TENANT  # whose caches it may read and fill (engine_ext/kv/hashing.py)
 
 
 class SegmentOutcome(NamedTuple):

@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry.sdk.trace import TracerProvider
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.otel import build_provider
+from engine_ext.plan_seal import PlanSeal
 from engine_ext.server.errors import error_response, install_error_handlers
+from engine_ext.server.plans import PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
 from engine_ext.server.tracing import engine_tracer
@@ -28,10 +30,12 @@ def get_service(request: Request) -> CompletionService:
 Service = Annotated[CompletionService, Depends(get_service)]
 
 
-def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProvider | None = None) -> FastAPI:
+def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProvider | None = None,
+               plan_seal: PlanSeal | None = None) -> FastAPI:
     """Build the app around a constructed engine; the engine thread runs for the app's
     lifespan. Spans go to `tracer_provider`, else to the exporters the OTEL_* variables
-    name (engine_ext/otel.py), else nowhere."""
+    name (engine_ext/otel.py), else nowhere. With `plan_seal`, only plans the gateway
+    sealed are followed (engine_ext/plan_seal.py)."""
     owned_provider = build_provider(default_service="kvrelay-engine") if tracer_provider is None else None
     provider = tracer_provider or owned_provider
 
@@ -45,7 +49,7 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
             owned_provider.shutdown()  # flushes the spans still batched
 
     app = FastAPI(title="kvrelay engine", lifespan=lifespan)
-    app.state.service = CompletionService(engine, model_name, engine_tracer(provider))
+    app.state.service = CompletionService(engine, model_name, engine_tracer(provider), PlanReader(plan_seal))
     install_error_handlers(app)
 
     @app.get("/health")
@@ -53,6 +57,10 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
         if not service.engine.is_alive:
             return error_response(503, "the engine loop is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(service: Service) -> Response:
+        return PlainTextResponse(service.plans.metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models(service: Service) -> dict[str, Any]:

@@ -19,10 +19,11 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
-from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
+from engine_ext.protocol import AdapterRef
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
+from engine_ext.server.plans import PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.tracing import emit_request_spans
 from engine_ext.timeline import TTFT_KEY, Timeline, breakdown, wants_breakdown
@@ -32,9 +33,11 @@ logger = logging.getLogger(__name__)
 
 
 class CompletionService:
-    def __init__(self, engine: AsyncEngine, model_name: str, tracer: Tracer | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tracer: Tracer | None = None,
+                 plans: PlanReader | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.plans = plans if plans is not None else PlanReader()
         self.tracer = tracer if tracer is not None else NoOpTracer()
         self.tokenizer = engine.engine.tokenizer
         self.aligner = PromptAligner(self.tokenizer)
@@ -61,7 +64,7 @@ class CompletionService:
         """Token ids of the prompt; segment-aligned when the request carries a plan."""
         self._adapter(req.model)
         req.check_supported()
-        plan = _plan(req)
+        plan = self.plans.read(req.kv_transfer_params)
         if isinstance(req, ChatCompletionRequest):
             messages = [m.to_template() for m in req.messages]
             if plan is None:
@@ -74,7 +77,8 @@ class CompletionService:
             if plan is None:
                 return AlignedPrompt(self.tokenizer.encode(prompt), [])
             aligned = self.aligner.text(prompt, plan)
-        return aligned._replace(scope=ReuseScope(plan.app_id or DEFAULT_APP, plan.agent_id, plan.round, plan.workflow))
+        app = plan.app_id or DEFAULT_APP
+        return aligned._replace(scope=ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app))
 
     def _outputs(self, req: Request, request_id: str,
                  line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None]:
@@ -216,19 +220,6 @@ def _operation(is_chat: bool) -> str:
 
 def _new_id(is_chat: bool) -> str:
     return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
-
-
-def _plan(req: Request) -> SegmentPlan | None:
-    """The gateway's plan, or None. A malformed plan is advice that cannot be followed:
-    the request runs densely, with a warning, never an error for the user."""
-    params = req.kv_transfer_params
-    if not isinstance(params, dict) or PLAN_KEY not in params:
-        return None
-    try:
-        return SegmentPlan.model_validate(params[PLAN_KEY])
-    except ValueError as exc:
-        logger.warning("ignoring a malformed segment plan: %s", exc)
-        return None
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

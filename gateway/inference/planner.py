@@ -23,6 +23,7 @@ from gateway.inference.question import common_core
 from gateway.inference.state import AgentState, AppState, Changes, KnownText, SessionState, TextKind, TextRef
 from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
+from gateway.tenancy import TenantMap
 
 _LINKING_KINDS: frozenset[TextKind] = frozenset({"response", "tool", "question"})
 
@@ -74,6 +75,7 @@ class Inference:
         self.router = router if router is not None else AdapterRouter()
         self.apps: dict[str, AppState] = {}
         self.changes = Changes()  # for the StateStore, which saves them to SQL
+        self.tenants = TenantMap(settings.shared_caches)
 
     def app(self, app_id: str) -> AppState:
         app = self.apps.get(app_id)
@@ -104,7 +106,7 @@ class Inference:
         adapter = self.router.route(model, agent.id, system.content if system else None) if model else None
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
                            segments=builder.segments(), round=round_info, workflow=workflow,
-                           adapter=adapter, app_id=ident.app_id)
+                           adapter=adapter, app_id=ident.app_id, tenant=self.tenants.namespace(ident.app_id))
         self.changes.sessions.add((ident.app_id, session_id))
         self.changes.agents.add((ident.app_id, agent.id))
         return PlanResult(session_id, agent.id, plan, ident.session_id is None)
