@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.plan_seal import PlanSeal
 from engine_ext.server import create_app
 
 # KV bytes of one 16-token block of the tiny models (2 layers, 2 kv heads, head_dim 16, fp32).
@@ -80,10 +81,11 @@ class RunningServer:
 
 
 @contextmanager
-def serve(llm: LLMEngine, model_name: str, tracer_provider: TracerProvider | None = None) -> Iterator[RunningServer]:
+def serve(llm: LLMEngine, model_name: str, tracer_provider: TracerProvider | None = None,
+          plan_seal: PlanSeal | None = None) -> Iterator[RunningServer]:
     """Run the OpenAI server for `llm` in a background thread on a free loopback port."""
     async_engine = AsyncEngine(llm)
-    app = create_app(async_engine, model_name, tracer_provider)
+    app = create_app(async_engine, model_name, tracer_provider, plan_seal)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

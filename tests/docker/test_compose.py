@@ -151,3 +151,9 @@ def test_the_vllm_service_runs_the_kvrelay_connector_as_the_suite_does() -> None
     assert extra["host_dir"].startswith("/dev/shm/")
     mounts = [v.split(":")[1] for v in _services()["vllm"]["volumes"]]
     assert extra["disk_dir"] in mounts
+
+
+def test_gateway_and_engine_share_the_plan_secret_and_compose_requires_it() -> None:
+    services = _services()
+    secrets = {name: _environment(services[name])["KVRELAY_PLAN_SECRET"] for name in ("gateway", "engine")}
+    assert secrets["gateway"] == secrets["engine"] and secrets["gateway"].startswith("${KVRELAY_PLAN_SECRET:?")

@@ -20,6 +20,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--model", "/nonexistent/model"), "not a directory with config.json"),
         (("engine", "--port", "0"), "--port"),
         (("engine", "--bogus"), "No such option"),
+        (("engine", "--host", "0.0.0.0"), "set KVRELAY_PLAN_SECRET"),  # beyond loopback: sealed plans only
         (("bench", "nope"), "unknown benchmark 'nope'"),
         (("engine", "--reuse-method", "magic"), "unknown reuse method 'magic'"),
         (("up", "--check-layers", "one"), "invalid reuse settings"),

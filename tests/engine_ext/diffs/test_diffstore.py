@@ -248,3 +248,18 @@ def test_each_turn_is_stored_so_the_next_restores_all_of_it(deep_llama):
     assert type(stored).__name__ == "StoredMirror" and stored.master is master
     assert stored.diff.num_tokens < len(turn1) - stored.region_start  # the restored part is the master's
     assert eng.scheduler.restorer.num_restores == 2
+
+
+def test_a_tenant_neither_restores_nor_mirrors_another_tenants_round(deep_llama):
+    eng = engine(deep_llama)
+    rc = RoundCaches(eng, Round.make(num_agents=3))
+    store = eng.diff_store
+    store.store_round(rc.images, rc.plan.master)  # the default tenant's round
+    image = rc.images[1]
+    assert store.read(image.token_ids) is not None
+    assert store.read(image.token_ids, "team-b") is None
+    assert store.match(list(image.token_ids) + [5], image.region_start, "team-b") is None
+    # Tenant b's own copy of the same prompt is a master of its own, never a mirror of the default's.
+    kept = store.store(image._replace(tenant="team-b"))
+    assert kept is not None and kept.tenant == "team-b" and not hasattr(kept, "master")
+    assert store.read(image.token_ids, "team-b") is not None

@@ -1,0 +1,89 @@
+"""The engine server follows a plan only when it may: with a seal configured, only the
+gateway's sealed plans; a forged, stale or malformed plan runs the request densely
+under the default tenant, with a warning and a count in /metrics, never an error."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+
+import httpx
+import pytest
+
+from engine_ext.config import EngineConfig, ReuseConfig
+from engine_ext.engine import LLMEngine
+from engine_ext.plan_seal import SEAL_KEY, PlanSeal
+from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan
+
+SECRET = "engine-plan-secret-" + "z" * 16
+MODEL = "smollm2"
+DOC = "The harbour ledger lists wool, salt and timber shipments for every month of the year. " * 4
+
+
+@pytest.fixture(scope="module")
+def srv(smollm2_dir, run_server):
+    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=ReuseConfig(min_segment_tokens=8)),
+                    model_name=MODEL)
+    with run_server(llm, MODEL, None, PlanSeal(SECRET, max_age_s=60)) as server:
+        yield server
+
+
+def _params(prefix: str, seal: PlanSeal | None, tamper: dict | None = None, issued: float | None = None) -> dict:
+    start = len(prefix)
+    segment = Segment(message_index=0, char_start=start, char_end=start + len(DOC), kind="shared_block",
+                      content_hash=hashlib.sha256(DOC.encode()).hexdigest(), method="shift")
+    plan = SegmentPlan(session_id="s", agent_id="a", request_id=f"r-{prefix[:4]}", segments=[segment],
+                       app_id="app", tenant="team-a").model_dump(mode="json")
+    params = {PLAN_KEY: plan}
+    if seal is not None:
+        params[SEAL_KEY] = seal.seal(plan, now=issued)
+    if tamper:
+        params[PLAN_KEY] = {**plan, **tamper}
+    return params
+
+
+def _ask(srv, prefix: str, params: dict) -> dict:
+    body = {"model": MODEL, "prompt": prefix + DOC + "Which shipment was largest?", "max_tokens": 1,
+            "temperature": 0, "kv_transfer_params": params}
+    r = httpx.post(f"{srv.v1}/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text  # an ignored plan is never the user's error
+    return r.json()
+
+
+def _ignored(srv) -> dict[str, float]:
+    text = httpx.get(f"{srv.base_url}/metrics").text
+    return {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvrelay_engine_plans_ignored_total{")}
+
+
+def test_only_sealed_fresh_unaltered_plans_are_followed(srv, caplog):
+    seal = PlanSeal(SECRET)
+    before = _ignored(srv)
+    _ask(srv, "First, ", _params("First, ", seal))  # caches the document for team-a
+    followed = _ask(srv, "Then again: ", _params("Then again: ", seal))
+    assert followed["kv_transfer_params"]["kvrelay_reuse"]["segments"][0]["method"] == "shift"
+    forgeries = [
+        lambda prefix: _params(prefix, None),  # unsealed
+        lambda prefix: _params(prefix, PlanSeal("not-the-secret-" + "q" * 16)),  # forged
+        lambda prefix: _params(prefix, seal, tamper={"tenant": "team-b"}),  # altered after sealing: forged
+        lambda prefix: _params(prefix, seal, issued=0),  # stale
+    ]
+    with caplog.at_level(logging.WARNING, logger="engine_ext.server.plans"):
+        for i, forgery in enumerate(forgeries):
+            prefix = f"Attempt {i}: "
+            warm = _ask(srv, prefix, _params(prefix, seal))  # team-a computes this very prompt
+            assert warm["kv_transfer_params"]["kvrelay_reuse"]["segments"][0]["method"] == "shift"
+            reply = _ask(srv, prefix, forgery(prefix))
+            assert "kvrelay_reuse" not in reply.get("kv_transfer_params", {})  # no plan followed: dense
+            assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # nothing of team-a's
+    after = _ignored(srv)
+    assert {k: after[k] - before.get(k, 0) for k in after} == {"unsealed": 1, "malformed": 0, "forged": 2, "stale": 1}
+    assert sum("ignoring a segment plan" in r.message for r in caplog.records) == 4
+
+
+def test_a_sealed_but_malformed_plan_is_ignored_not_refused(srv):
+    before = _ignored(srv)["malformed"]
+    plan = {"version": 1, "segments": "nonsense"}
+    reply = _ask(srv, "Once more: ", {PLAN_KEY: plan, SEAL_KEY: PlanSeal(SECRET).seal(plan)})
+    assert reply["choices"][0]["text"] is not None and "kvrelay_reuse" not in reply.get("kv_transfer_params", {})
+    assert _ignored(srv)["malformed"] == before + 1
