@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PLAN_VERSION = 1
 PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
+MAX_PLAN_SEGMENTS = 4096  # a longer plan is malformed: the engine ignores it
 
 SegmentKind = Literal["fixed_prefix", "placeholder", "shared_block", "private"]
 # How the engine may reuse a segment's cached KV (engine_ext/reuse); None: its default.
@@ -110,7 +111,7 @@ class SegmentPlan(_Frozen):
     session_id: str
     agent_id: str | None
     request_id: str
-    segments: list[Segment]
+    segments: Annotated[list[Segment], Field(max_length=MAX_PLAN_SEGMENTS)]
     round: RoundInfo | None = None
     workflow: WorkflowInfo | None = None
     adapter: AdapterRef | None = None

@@ -63,7 +63,9 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
         seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
             if settings.plan_secret is not None else None
-        app.state.gateway = GatewayState(settings, upstreams, writer, GatewayMetrics(), tracer_from(provider), access,
+        metrics = GatewayMetrics()
+        metrics.count_bounds(inference.bounded)
+        app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
                                          inference, store, hold, seal)
         app.state.db = db
         try:

@@ -26,6 +26,7 @@ from gateway.identity import Identity, identify
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
+from gateway.limits import check_messages, check_prompt
 from gateway.sse import finish_reasons_of, inspect, split_events
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
@@ -148,11 +149,13 @@ class ProxiedCall:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise BadRequestError("messages: a non-empty list of message objects is required", param="messages")
+            check_messages(messages, self.state.settings.limits)
             prompt_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, (str, list)) or not prompt:
                 raise BadRequestError("prompt: a non-empty string or list is required", param="prompt")
+            check_prompt(prompt, self.state.settings.limits)
             prompt_text = prompt if isinstance(prompt, str) else json.dumps(prompt)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):

@@ -9,10 +9,13 @@ class GatewayError(Exception):
     code: str | None = None
     record_status: str = "error"
 
-    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, headers: dict[str, str] | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.param = param
         self.headers = headers  # extra response headers, e.g. Retry-After
+        if code is not None:
+            self.code = code
 
 
 class BadRequestError(GatewayError):

@@ -17,6 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Vali
                       model_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from engine_ext.protocol import MAX_PLAN_SEGMENTS
 from gateway.tenancy import TenantMap
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -49,6 +50,9 @@ class InferenceSettings(BaseModel):
     persist: bool = True  # save the inferred state to SQL (texts included) so a restart continues sessions
     flush_interval_s: Annotated[float, Field(gt=0, le=60)] = 0.5  # how often changed state is saved
     round_hold_ms: Annotated[float, Field(ge=0, le=20)] = 0.0  # hold a round's early requests for the rest (0: off)
+    max_apps: Annotated[int, Field(ge=1)] = 10_000  # apps (tenants) held in memory, least recently used out
+    max_texts_per_session: Annotated[int, Field(ge=16)] = 4096  # texts a session remembers; later ones are not kept
+    max_plan_segments: Annotated[int, Field(ge=1, le=MAX_PLAN_SEGMENTS)] = 1024  # a longer plan is not sent
     # Tenants whose requests may reuse each other's cached KV, as groups (a pair, or more
     # that all share); a tenant in one group at most (gateway/tenancy.py).
     shared_caches: list[list[str]] = []
@@ -140,6 +144,14 @@ def load_adapter_rules(path: Path) -> list[AdapterRule]:
         raise ValueError(f"invalid adapters file {path}: {problems}") from exc
 
 
+class LimitSettings(BaseModel):
+    """What one request may carry (gateway/limits.py); past a limit: 400 naming the field."""
+    model_config = ConfigDict(extra="forbid")
+
+    max_messages: Annotated[int, Field(ge=1, le=100_000)] = 1024
+    max_message_chars: Annotated[int, Field(ge=1, le=64 * 2**20)] = 2 * 2**20
+
+
 class GatewaySettings(BaseSettings):
     # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
     model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
@@ -149,6 +161,7 @@ class GatewaySettings(BaseSettings):
     database_url: str = "sqlite+aiosqlite:///kvrelay.db"
     store_content: bool = False  # prompt/completion text in the records: explicit opt-in
     max_body_bytes: Annotated[int, Field(ge=1024)] = 8 * 2**20
+    limits: LimitSettings = LimitSettings()
     max_connections: Annotated[int, Field(ge=1)] = 512  # to all upstreams together
     keepalive_s: PositiveFloat = 15.0  # an idle upstream connection is kept this long
     retries: Annotated[int, Field(ge=0, le=5)] = 2

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from typing import Any, NamedTuple
 
 from engine_ext.protocol import Segment, SegmentPlan, WorkflowInfo
@@ -73,15 +73,23 @@ class Inference:
         self.settings = settings
         # No router: no rules, so every request runs on the model it names.
         self.router = router if router is not None else AdapterRouter()
-        self.apps: dict[str, AppState] = {}
+        self.apps: OrderedDict[str, AppState] = OrderedDict()  # least recently used first
         self.changes = Changes()  # for the StateStore, which saves them to SQL
         self.tenants = TenantMap(settings.shared_caches)
+        self.bounded: Counter[str] = Counter()  # what the bounds cut, by kind (gateway /metrics)
 
     def app(self, app_id: str) -> AppState:
+        """The app's state (created if new), as the most recently used; past `max_apps`
+        the least recently used app leaves memory (its saved state stays in SQL)."""
         app = self.apps.get(app_id)
         if app is None:
             s = self.settings
-            app = self.apps[app_id] = AppState(s.anchor_chars, s.session_ttl_s, s.max_sessions)
+            app = self.apps[app_id] = AppState(s.anchor_chars, s.session_ttl_s, s.max_sessions,
+                                               s.max_texts_per_session, self.bounded)
+            while len(self.apps) > s.max_apps:
+                self.apps.popitem(last=False)
+                self.bounded["apps_evicted"] += 1
+        self.apps.move_to_end(app_id)
         return app
 
     def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
@@ -104,8 +112,12 @@ class Inference:
         round_info = session.rounds.assign(frozenset(builder.responses_read))
         workflow = self._step(app, session, agent.id, builder.responses_read)
         adapter = self.router.route(model, agent.id, system.content if system else None) if model else None
+        segments = builder.segments()
+        if len(segments) > self.settings.max_plan_segments:
+            self.bounded["plans_cut"] += 1  # a prompt of countless pieces: no reuse, it runs densely
+            segments = []
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
-                           segments=builder.segments(), round=round_info, workflow=workflow,
+                           segments=segments, round=round_info, workflow=workflow,
                            adapter=adapter, app_id=ident.app_id, tenant=self.tenants.namespace(ident.app_id))
         self.changes.sessions.add((ident.app_id, session_id))
         self.changes.agents.add((ident.app_id, agent.id))

@@ -8,7 +8,7 @@ or texts. Sessions are bounded: one idle for `session_ttl_s` or pushed out by
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, NamedTuple
@@ -113,7 +113,8 @@ class Changes:
 
 
 class AppState:
-    def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int) -> None:
+    def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int,
+                 max_texts_per_session: int = 4096, bounded: Counter[str] | None = None) -> None:
         self.agents: dict[str, AgentState] = {}
         self.graph = StepGraph()
         self.round_evidence = RoundEvidence()
@@ -121,6 +122,8 @@ class AppState:
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._ttl_s = session_ttl_s
         self._max_sessions = max_sessions
+        self._max_texts = max_texts_per_session
+        self.bounded: Counter[str] = bounded if bounded is not None else Counter()  # what a bound cut, by kind
 
     def session(self, session_id: str, now: float | None = None) -> SessionState:
         """The live session (created if new), marked as just used."""
@@ -143,6 +146,9 @@ class AppState:
 
     def add_text(self, session: SessionState, text: str, known: KnownText) -> int | None:
         """Remember a text of the session; its seq, or None if too short to find again."""
+        if len(session.texts) >= self._max_texts:
+            self.bounded["texts_not_kept"] += 1  # the session's later texts are simply not reused
+            return None
         seq = session.next_seq()
         if not self.index.add(text, TextRef(session.id, seq)):
             return None
@@ -167,6 +173,7 @@ class AppState:
     def _trim(self) -> None:
         while len(self.sessions) > self._max_sessions:
             self._drop(next(iter(self.sessions)))  # least recently used first
+            self.bounded["sessions_evicted"] += 1
 
     def _drop(self, session_id: str) -> None:
         session = self.sessions.pop(session_id)
