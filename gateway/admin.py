@@ -20,7 +20,7 @@ from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
 from gateway.inference.views import session_agents, session_detail, session_summary
 from gateway.ttft import format_report, load_requests, session_ttft
-from kvrelay.openai_errors import error_response
+from kvrelay.openai_errors import error_response, error_responses
 
 
 class AdminRefused(Exception):
@@ -59,7 +59,8 @@ def _key_json(key: KeyInfo) -> dict[str, Any]:
 
 
 def admin_router() -> APIRouter:
-    router = APIRouter(prefix="/admin")
+    # Every admin route: 400 invalid, 401 wrong key, 403 admin API off, 503 database down.
+    router = APIRouter(prefix="/admin", responses=error_responses(400, 401, 403, 503))
 
     @router.get("/keys")
     async def list_keys(state: Admin) -> dict[str, Any]:
@@ -71,7 +72,7 @@ def admin_router() -> APIRouter:
         await state.access.refresh()
         return {**_key_json(created.info), "key": created.secret}
 
-    @router.delete("/keys/{key_id}")
+    @router.delete("/keys/{key_id}", responses=error_responses(404))
     async def revoke_key(key_id: str, state: Admin) -> JSONResponse:
         try:
             revoked = await state.access.store.revoke(key_id)
@@ -95,7 +96,7 @@ def admin_router() -> APIRouter:
         live.sort(key=lambda item: item[1].last_seen, reverse=True)
         return {"object": "list", "data": [session_summary(app_id, s) for app_id, s in live[:limit]]}
 
-    @router.get("/sessions/{session_id}", response_model=None)
+    @router.get("/sessions/{session_id}", response_model=None, responses=error_responses(404, 409))
     async def session(session_id: str, state: Admin, app: str | None = None,
                       format: Literal["json", "mermaid"] = "json") -> Response:
         """One session, live or restored from SQL, with its agents, segments, rounds and step graph."""
@@ -106,7 +107,7 @@ def admin_router() -> APIRouter:
             return PlainTextResponse(graph.mermaid(set(session_agents(found))) + "\n")
         return JSONResponse(session_detail(state.inference.apps[app_id], app_id, found))
 
-    @router.get("/sessions/{session_id}/ttft", response_model=None)
+    @router.get("/sessions/{session_id}/ttft", response_model=None, responses=error_responses(404))
     async def session_ttft_report(session_id: str, request: Request, state: Admin,
                                   format: Literal["json", "text"] = "json") -> Response:
         """Per request and per round: where the time to first token went, what reuse saved."""

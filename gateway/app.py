@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager, suppress
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
@@ -23,13 +23,14 @@ from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
+from gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
 from gateway.storage.writer import RecordWriter
 from gateway.tracing import build_tracer_provider, tracer_from
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
-from kvrelay.openai_errors import error_response, install_request_error_handlers
+from kvrelay.openai_errors import error_response, error_responses, install_request_error_handlers
 
 logger = logging.getLogger(__name__)
 
@@ -91,11 +92,11 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     install_admin(app)
     install_ui(app)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY, responses=PROXY_RESPONSES)
     async def chat(request: Request, state: State) -> Response:
         return await ProxiedCall(state, "/v1/chat/completions", request).run()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=COMPLETION_BODY, responses=PROXY_RESPONSES)
     async def completions(request: Request, state: State) -> Response:
         return await ProxiedCall(state, "/v1/completions", request).run()
 
@@ -109,7 +110,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses=error_responses(503))
     async def ready(request: Request, state: State) -> Response:
         try:
             async with request.app.state.db.connect() as conn:
@@ -120,9 +121,9 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
             return error_response(503, "no healthy upstream", "service_unavailable")
         return JSONResponse({"status": "ready", "record_backlog": state.writer.backlog})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(state: State) -> Response:
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(state.metrics.render())
 
     return app
 

@@ -19,8 +19,14 @@ from engine_ext.server.plans import PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
 from engine_ext.server.tracing import engine_tracer
+from kvrelay.openai_errors import error_responses
 
 _DISCONNECT_POLL_S = 0.2
+# A completion answers JSON, or an event stream when the request asks for one; errors in
+# the OpenAI shape: 400 invalid, 404 unknown model, 500 engine failure, 503 engine down.
+COMPLETION_RESPONSES = {200: {"description": "The completion (JSON), or its chunks as server-sent events",
+                              "content": {"text/event-stream": {}}},
+                        **error_responses(400, 404, 500, 503)}
 
 
 def get_service(request: Request) -> CompletionService:
@@ -58,19 +64,19 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
             return error_response(503, "the engine loop is not running", "service_unavailable")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(service: Service) -> Response:
-        return PlainTextResponse(service.plans.metrics(), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(service.plans.metrics())
 
     @app.get("/v1/models")
     async def models(service: Service) -> dict[str, Any]:
         return service.models()
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:
         return await _respond(service, body, request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request, service: Service) -> Response:
         return await _respond(service, body, request)
 

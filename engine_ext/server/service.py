@@ -54,7 +54,10 @@ class CompletionService:
         The last `:` splits, since adapter names have none and a base name may."""
         if model == self.model_name:
             return None
-        ref = AdapterRef.of(model)
+        try:
+            ref = AdapterRef.of(model)
+        except ValueError as exc:  # an empty base or adapter name: no such model
+            raise ModelNotFoundError(model) from exc
         if ref.base != self.model_name or ref.name not in self.engine.engine.adapters.names:
             raise ModelNotFoundError(model)
         return ref.name

@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import parse_qs, quote
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import escape
@@ -24,6 +24,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from gateway.admin import AdminRefused, session_app
 from gateway.call import GatewayState
+from gateway.openapi_docs import html_responses
 from gateway.inference.views import session_detail, session_summary
 from gateway.storage.models import RequestRow
 from gateway.ttft import load_requests, session_ttft
@@ -62,6 +63,11 @@ def ui_router() -> APIRouter:
     def html(content: str, status: int = 200) -> HTMLResponse:
         return HTMLResponse(content, status, headers=SECURITY_HEADERS)
 
+    def back_to_ui(what: str) -> HTMLResponse:
+        """303 to /ui, with a line of HTML for a client that does not follow redirects."""
+        return HTMLResponse(f'<p>{what} <a href="/ui">Sessions</a></p>', 303,
+                            headers={**SECURITY_HEADERS, "Location": "/ui"})
+
     def page(name: str, **context: Any) -> HTMLResponse:
         return html(templates.get_template(name).render(**context))
 
@@ -73,7 +79,8 @@ def ui_router() -> APIRouter:
         return html('<form method="post" action="/ui/login"><label>Admin key '
                     '<input type="password" name="key"></label> <button>Open</button></form>', 401)
 
-    @router.post("/login")
+    @router.post("/login", status_code=303, response_class=HTMLResponse,
+                 responses={303: {"description": "Logged in: back to /ui"}, **html_responses(401, 403, 413)})
     async def login(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
         if not is_same_origin(request):
@@ -84,26 +91,28 @@ def ui_router() -> APIRouter:
         key = parse_qs(body.decode(errors="replace")).get("key", [""])[0]
         if not is_admin_key(state, key):
             return refuse(request)
-        response = RedirectResponse("/ui", status_code=303)
+        response = back_to_ui("Logged in.")
         remember(response, request, state)
         return response
 
-    @router.post("/logout")
+    @router.post("/logout", status_code=303, response_class=HTMLResponse,
+                 responses={303: {"description": "Logged out: back to /ui"}, **html_responses(403)})
     async def logout(request: Request) -> Response:
         if not is_same_origin(request):
             return html("<p>Cross-site logout refused.</p>", 403)
-        response = RedirectResponse("/ui", status_code=303)
+        response = back_to_ui("Logged out.")
         forget(response)
         return response
 
-    @router.get("", response_model=None)
+    @router.get("", response_class=HTMLResponse, responses=html_responses(401, 403))
     async def sessions(request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
         if not is_allowed(request, state):
             return refuse(request)
         return page("sessions.html", title="Sessions", sessions=await _session_list(request, state))
 
-    @router.get("/sessions/{session_id:path}", response_model=None)
+    @router.get("/sessions/{session_id:path}", response_class=HTMLResponse,
+                responses=html_responses(401, 403, 404, 503))
     async def session(session_id: str, request: Request) -> Response:
         state: GatewayState = request.app.state.gateway
         if not is_allowed(request, state):
