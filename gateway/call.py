@@ -27,7 +27,7 @@ from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.limits import check_messages, check_prompt
-from gateway.sse import finish_reasons_of, inspect, split_events
+from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
@@ -135,6 +135,8 @@ class ProxiedCall:
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
             body = json.loads(raw)
+        except RecursionError as exc:  # JSON nested past Python's recursion limit
+            raise BadRequestError("the request body is nested too deeply") from exc
         except ValueError as exc:
             raise BadRequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
@@ -210,7 +212,7 @@ class ProxiedCall:
         self._observe_upstream(dispatch)
         try:
             parsed = json.loads(content)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
             self._take_usage(parsed.get("usage"))
@@ -236,17 +238,20 @@ class ProxiedCall:
             return Response(content, status_code=status, media_type="application/json")
         try:
             message = json.loads(content)["error"]["message"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             message = content[:200].decode(errors="replace")
         raise UpstreamFailedError(f"upstream {dispatch.upstream.url} returned {status}: {message}")
 
     async def _relay(self, dispatch: Dispatch, stack: AsyncExitStack) -> AsyncIterator[bytes]:
         """Forward SSE events as they arrive; note TTFT and usage on the way."""
-        pending = b""
+        reader = EventReader()
         deadline = self.received + self.state.settings.timeouts.total_s
         try:
             async for chunk in dispatch.response.chunks():
-                events, pending = split_events(pending + chunk)
+                try:
+                    events = reader.feed(chunk)
+                except EventTooLargeError as exc:
+                    raise UpstreamFailedError(str(exc)) from exc
                 forward = []  # the events of one read go out in one write
                 for event in events:
                     info = inspect(event)
@@ -268,8 +273,8 @@ class ProxiedCall:
                     yield b"".join(forward)
                 if time.perf_counter() > deadline:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
-            if pending:
-                yield pending
+            if reader.rest:
+                yield reader.rest
         except UpstreamTimeoutError as exc:
             self.record.status, self.record.http_status, self.record.error_type = "timeout", 504, type(exc).__name__
             yield _sse_error("the upstream stalled mid-stream", "timeout", "upstream_timeout")

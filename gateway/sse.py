@@ -27,14 +27,47 @@ class EventInfo(NamedTuple):
 _NOTHING = EventInfo(False, "", None, False, None, ())
 
 
+class EventTooLargeError(ValueError):
+    """An upstream event grew past the reader's bound without ending."""
+
+
+class EventReader:
+    """Splits a byte stream into SSE events as it arrives.
+
+    Only the new bytes (and the three before them, where a boundary may begin) are
+    scanned: an event that arrives in many reads costs time linear in its size, where
+    rescanning the whole pending buffer on each read is quadratic. An event longer than
+    `max_event_bytes` is refused (EventTooLargeError) rather than held without end."""
+
+    def __init__(self, max_event_bytes: int = 16 * 2**20) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buffer = bytearray()
+        self._scanned = 0  # bytes of the buffer known to hold no complete boundary
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events completed by `chunk`, each with its trailing blank line."""
+        self._buffer += chunk
+        events, start = [], 0
+        for match in _BOUNDARY.finditer(self._buffer, max(self._scanned - 3, 0)):
+            events.append(bytes(self._buffer[start : match.end()]))
+            start = match.end()
+        del self._buffer[:start]
+        self._scanned = len(self._buffer)
+        if self._scanned > self.max_event_bytes:
+            raise EventTooLargeError(f"an event exceeded {self.max_event_bytes} bytes without ending")
+        return events
+
+    @property
+    def rest(self) -> bytes:
+        """The unfinished event so far."""
+        return bytes(self._buffer)
+
+
 def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     """Complete events (each with its trailing blank line) and the unfinished rest."""
-    events = []
-    start = 0
-    for match in _BOUNDARY.finditer(buffer):
-        events.append(buffer[start : match.end()])
-        start = match.end()
-    return events, buffer[start:]
+    reader = EventReader(max_event_bytes=len(buffer) + 1)
+    events = reader.feed(buffer)
+    return events, reader.rest
 
 
 def inspect(event: bytes) -> EventInfo:
@@ -45,7 +78,7 @@ def inspect(event: bytes) -> EventInfo:
         return _NOTHING
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
         return _NOTHING
     if not isinstance(body, dict):
         return _NOTHING

@@ -53,3 +53,13 @@ def test_the_state_bounds_are_exported(fake_upstream, start_gateway):
                    json={"model": "fake", "messages": [{"role": "user", "content": "hi"}]})
         metrics = c.get("/metrics").text
     assert 'kvrelay_state_bounded_total{kind="apps_evicted"} 1.0' in metrics
+
+
+def test_json_nested_past_the_recursion_limit_is_a_400_not_a_crash(fake_upstream, start_gateway):
+    gw = start_gateway([fake_upstream().url])
+    deep = b'{"model": "fake", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    with gw.client() as c:
+        r = c.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "nested too deeply" in r.json()["error"]["message"]
+    (row,) = gw.rows(1)
+    assert row.status == "client_error"

@@ -1,0 +1,84 @@
+"""Structure inference under hostile prompts: hypothesis-generated messages never make
+planning fail, and adversarial shapes (megabytes of one character, thousands of tiny
+messages, nested and repeated delimiters) take time at most linear in their size.
+
+Linearity is asserted as a complexity ratio, not a wall-time bound: the same input shape
+at 4x the size must take well under 16x (quadratic) the CPU time; linear is 4x, and the
+bound of 8x leaves room for a noisy machine. Each side is the best of three runs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import hypothesis
+import pytest
+from hypothesis import strategies as st
+
+from gateway.identity import identify
+from gateway.inference import Inference
+from gateway.settings import InferenceSettings
+
+MAX_RATIO = 8.0  # for 4x the input: linear 4, quadratic 16
+
+
+def plan_once(messages: list[dict], session: str = "s") -> None:
+    inference = Inference(InferenceSettings())
+    body = {"messages": messages}
+    inference.plan(identify({"x-session-id": session}, body, None), body, "r", "m")
+
+
+def cpu_seconds(run: Callable[[], None]) -> float:
+    best = float("inf")
+    for _ in range(3):
+        start = time.process_time()
+        run()
+        best = min(best, time.process_time() - start)
+    return max(best, 1e-4)
+
+
+def assert_linear(build: Callable[[int], list[dict]], n: int) -> None:
+    small, large = build(n), build(4 * n)
+    ratio = cpu_seconds(lambda: plan_once(large)) / cpu_seconds(lambda: plan_once(small))
+    assert ratio < MAX_RATIO, f"4x the input took {ratio:.1f}x the time"
+
+
+SHAPES = {
+    "one repeated character": lambda n: [{"role": "user", "content": "a" * n}],
+    "thousands of tiny messages": lambda n: [{"role": "user" if i % 2 else "assistant", "content": "hi"}
+                                             for i in range(n // 100)],
+    "repeated separators": lambda n: [{"role": "user", "content": "<TTSEP>" * (n // 7)}],
+    "nested kv delimiters": lambda n: [{"role": "user",
+                                        "content": "<kv_start>" * (n // 20) + "x" + "<kv_end>" * (n // 20)}],
+    "a system prompt of one word repeated": lambda n: [{"role": "system", "content": "agent " * (n // 6)},
+                                                       {"role": "user", "content": "go"}],
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_adversarial_prompts_take_linear_time(shape):
+    assert_linear(SHAPES[shape], 250_000)
+
+
+def test_a_megabyte_of_one_character_is_planned():
+    plan_once([{"role": "user", "content": "z" * 2**20}])
+
+
+_PIECES = [*"ab <>/_\n", "<TTSEP>", "<kv_start>", "<kv_end>", "é", "\x00", "You are the planner. ", "answer 1 "]
+_TEXT = st.lists(st.sampled_from(_PIECES), max_size=120).map("".join)
+_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", ""]),
+                                  "content": st.one_of(_TEXT, st.none(), st.integers(), st.lists(st.dictionaries(
+                                      st.sampled_from(["type", "text"]), _TEXT), max_size=3))})
+
+
+@hypothesis.given(conversation=st.lists(st.lists(_MESSAGE, min_size=1, max_size=8), min_size=1, max_size=4))
+@hypothesis.settings(max_examples=150, deadline=None, database=None)
+def test_any_messages_are_planned_and_every_segment_lies_in_its_message(conversation):
+    inference = Inference(InferenceSettings(anchor_chars=8))
+    for i, messages in enumerate(conversation):
+        body = {"messages": messages}
+        plan = inference.plan(identify({"x-session-id": "s"}, body, None), body, f"r{i}", "m").plan
+        for segment in plan.segments:
+            content = messages[segment.message_index]["content"]
+            assert isinstance(content, str) and 0 <= segment.char_start < segment.char_end <= len(content)
+        inference.observe_response("default", "s", plan.agent_id or "a", f"r{i}", f"answer {i} " * 5)
