@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, str] = {
     "kvcomm": "benchmarks.kvcomm",
     "kvflow": "benchmarks.kvflow",
     "pic": "benchmarks.pic",
+    "reliability": "benchmarks.reliability",
     "vllm": "benchmarks.vllm",
 }
 

@@ -4,7 +4,7 @@ answer matches what the schema declares. A longer run: KVRELAY_FUZZ_EXAMPLES=500
 
 from __future__ import annotations
 
-from tests.fuzzing import fuzz_openapi
+from benchmarks.fuzz import fuzz_openapi
 from tests.helpers import make_engine
 
 MODEL = "tiny"

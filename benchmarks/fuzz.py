@@ -1,6 +1,7 @@
-"""Schemathesis, driven from a plain test: every operation of a live server's OpenAPI,
-`examples` generated cases each (positive and negative), every check run, failures
-collected as one line each rather than stopping at the first."""
+"""Schemathesis, driven from plain code (the suite's fuzz tests and `kvrelay bench
+reliability`): every operation of a live server's OpenAPI, `examples` generated cases
+each (positive and negative), every check run, failures collected as one line each
+rather than stopping at the first."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ class FuzzResult(NamedTuple):
     num_operations: int
     num_cases: int
     failures: list[str]
+
+    @property
+    def num_server_errors(self) -> int:
+        return sum(": ServerError:" in f for f in self.failures)
 
 
 def fuzz_openapi(url: str, examples: int = EXAMPLES, headers: dict[str, str] | None = None) -> FuzzResult:
