@@ -33,9 +33,9 @@ class AdminRefused(Exception):
 class NewKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: Annotated[str, Field(min_length=1, max_length=128)]
-    requests_per_minute: Annotated[int | None, Field(ge=1)] = None
-    tokens_per_minute: Annotated[int | None, Field(ge=1)] = None
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"\S")]  # not only whitespace
+    requests_per_minute: Annotated[int | None, Field(ge=1, le=10**9)] = None  # bounded: the column is 64-bit
+    tokens_per_minute: Annotated[int | None, Field(ge=1, le=10**12)] = None
 
 
 def _require_admin(request: Request) -> GatewayState:
@@ -68,7 +68,10 @@ def admin_router() -> APIRouter:
 
     @router.post("/keys", status_code=201)
     async def create_key(new: NewKey, state: Admin) -> dict[str, Any]:
-        created = await state.access.store.create(new.name, new.requests_per_minute, new.tokens_per_minute)
+        try:
+            created = await state.access.store.create(new.name, new.requests_per_minute, new.tokens_per_minute)
+        except ValueError as exc:
+            raise AdminRefused(400, str(exc), code="invalid_key_request") from exc
         await state.access.refresh()
         return {**_key_json(created.info), "key": created.secret}
 

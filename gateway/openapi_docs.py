@@ -41,5 +41,12 @@ PROXY_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 
 def html_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI `responses` for the /ui pages: each status answers HTML."""
-    return {status: {"description": "An HTML page", "content": {"text/html": {}}} for status in statuses}
+    """OpenAPI `responses` for the /ui pages: each status answers HTML; a 404 may also be
+    the router's JSON one (a path no route matches)."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for status in statuses:
+        content: dict[str, Any] = {"text/html": {}}
+        if status == 404:
+            content["application/json"] = {"schema": {"$ref": "#/components/schemas/OpenAIError"}}
+        out[status] = {"description": "An HTML page", "content": content}
+    return out

@@ -138,3 +138,20 @@ def undocumented_names(spans: Iterable[ReadableSpan]) -> set[str]:
         found.update(span.attributes or {})
     return {name for name in found if name.startswith("kvrelay.")
             and not any(re.fullmatch(p, name) for p in patterns)}
+
+
+LINEAR_RATIO_BOUND = 8.0  # for 4x the input: linear 4, quadratic 16; room for a noisy machine
+
+
+def cpu_ratio(run_small: Callable[[], object], run_large: Callable[[], object]) -> float:
+    """CPU time of `run_large` over `run_small`, each the best of three runs: a complexity
+    ratio, steady on a noisy machine where a wall-time bound is not."""
+    def best(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(3):
+            start = time.process_time()
+            run()
+            times.append(time.process_time() - start)
+        return max(min(times), 1e-4)
+
+    return best(run_large) / best(run_small)

@@ -8,7 +8,6 @@ bound of 8x leaves room for a noisy machine. Each side is the best of three runs
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import hypothesis
@@ -18,8 +17,8 @@ from hypothesis import strategies as st
 from gateway.identity import identify
 from gateway.inference import Inference
 from gateway.settings import InferenceSettings
+from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
-MAX_RATIO = 8.0  # for 4x the input: linear 4, quadratic 16
 
 
 def plan_once(messages: list[dict], session: str = "s") -> None:
@@ -28,19 +27,10 @@ def plan_once(messages: list[dict], session: str = "s") -> None:
     inference.plan(identify({"x-session-id": session}, body, None), body, "r", "m")
 
 
-def cpu_seconds(run: Callable[[], None]) -> float:
-    best = float("inf")
-    for _ in range(3):
-        start = time.process_time()
-        run()
-        best = min(best, time.process_time() - start)
-    return max(best, 1e-4)
-
-
 def assert_linear(build: Callable[[int], list[dict]], n: int) -> None:
     small, large = build(n), build(4 * n)
-    ratio = cpu_seconds(lambda: plan_once(large)) / cpu_seconds(lambda: plan_once(small))
-    assert ratio < MAX_RATIO, f"4x the input took {ratio:.1f}x the time"
+    ratio = cpu_ratio(lambda: plan_once(small), lambda: plan_once(large))
+    assert ratio < LINEAR_RATIO_BOUND, f"4x the input took {ratio:.1f}x the time"
 
 
 SHAPES = {
