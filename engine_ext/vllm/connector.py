@@ -9,6 +9,7 @@ objects into the planner's and copier's terms, so both stay testable without vLL
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,6 +25,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_ext.kv.hashing import namespace_root
+from engine_ext.plan_seal import PlanSeal
 from engine_ext.vllm.config import ConnectorConfig
 from engine_ext.vllm.copier import BlockCopier
 from engine_ext.vllm.files import BlockFiles
@@ -73,7 +75,8 @@ class KvrelayConnector(KVConnectorBase_V1):
             self.planner = ConnectorPlanner(
                 self.config, self.block_size, root, PrefixLocator(tokenizer),
                 num_host_blocks=int(self.config.host_mb * 2**20 // block_bytes),
-                num_disk_blocks=int(self.config.disk_mb * 2**20 // block_bytes))
+                num_disk_blocks=int(self.config.disk_mb * 2**20 // block_bytes),
+                seal=PlanSeal(secret) if (secret := os.environ.get("KVRELAY_PLAN_SECRET")) else None)
             self._adopt_files()
         else:
             self.copier = BlockCopier(self.files)

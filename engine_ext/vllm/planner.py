@@ -22,8 +22,9 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from engine_ext.kv.hashing import block_hashes
-from engine_ext.protocol import SegmentPlan, read_plan
+from engine_ext.kv.hashing import DEFAULT_TENANT, block_hashes, tenant_root
+from engine_ext.plan_seal import SEAL_KEY, PlanSeal
+from engine_ext.protocol import PLAN_KEY, SegmentPlan, read_plan
 from engine_ext.tiers.policy import WorkflowPolicy
 from engine_ext.tiers.workflow import AgentKey, WorkflowTable
 from engine_ext.vllm.config import ConnectorConfig
@@ -72,8 +73,9 @@ class PlannerStats:
 
 class ConnectorPlanner:
     def __init__(self, config: ConnectorConfig, block_size: int, root: bytes, locator: PrefixLocator,
-                 num_host_blocks: int, num_disk_blocks: int) -> None:
+                 num_host_blocks: int, num_disk_blocks: int, seal: PlanSeal | None = None) -> None:
         self.config = config
+        self.seal = seal  # with one, only the gateway's sealed plans are followed (engine_ext/plan_seal.py)
         self.block_size = block_size
         self.root = root
         self.locator = locator
@@ -166,10 +168,11 @@ class ConnectorPlanner:
                         self._deletes += self.index.drop(block_hash)
 
     def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None) -> PlannedRequest | None:
-        plan = _read_plan(request_id, params)
+        plan = _read_plan(request_id, params, self.seal)
         if plan is None:
             return None
-        hashes = block_hashes(self.root, token_ids[:-1], self.block_size)
+        tenant = plan.tenant or plan.app_id or DEFAULT_TENANT  # the tiers keep each tenant's blocks apart
+        hashes = block_hashes(tenant_root(self.root, tenant), token_ids[:-1], self.block_size)
         fixed = next((s for s in plan.segments if s.kind == "fixed_prefix"), None)
         num_prefix = self.locator.num_prefix_blocks(token_ids, fixed, self.block_size) if fixed is not None else 0
         prefix = tuple(hashes[:num_prefix])
@@ -226,8 +229,14 @@ class ConnectorPlanner:
         return ops
 
 
-def _read_plan(request_id: str, params: dict[str, Any] | None) -> SegmentPlan | None:
-    """The request's plan; a malformed one is ignored (vLLM then runs it as it would)."""
+def _read_plan(request_id: str, params: dict[str, Any] | None, seal: PlanSeal | None) -> SegmentPlan | None:
+    """The request's plan; a malformed one, or with a seal configured one the gateway did
+    not seal, is ignored (vLLM then runs the request as it would)."""
+    if seal is not None and isinstance(params, dict) and PLAN_KEY in params:
+        check = seal.check(params[PLAN_KEY], params.get(SEAL_KEY))
+        if not check.accepted:
+            log.warning("kvrelay connector: ignoring the %s plan of %s", check.reason, request_id)
+            return None
     try:
         return read_plan({"kv_transfer_params": params})
     except ValidationError as exc:

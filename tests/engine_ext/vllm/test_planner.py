@@ -172,3 +172,28 @@ def test_agents_due_next_move_from_disk_to_host(tokenizer):
     assert p.stats.num_promoted_blocks == len(promoted)
     assert p.step([]).ops == []  # settled: nothing more to move
     assert not set(clerk) & set(promoted)
+
+
+def _as_tenant(params: dict, tenant: str) -> dict:
+    return {PLAN_KEY: {**params[PLAN_KEY], "tenant": tenant}}
+
+
+def test_the_tiers_keep_each_tenants_blocks_apart(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    run(p, "r1", ids, _as_tenant(params, "team-a"), 0)
+    ids2, params2 = request(tokenizer, "archivist", "And the iron ledger?")
+    assert p.num_matched_tokens("b", ids2, _as_tenant(params2, "team-b"), BLOCK) == 0  # nothing of team-a's
+    assert p.num_matched_tokens("a", ids2, _as_tenant(params2, "team-a"), BLOCK) > 0  # the control
+
+
+def test_with_a_seal_only_the_gateways_plans_are_followed(tokenizer):
+    from engine_ext.plan_seal import SEAL_KEY, PlanSeal
+
+    seal = PlanSeal("connector-secret-" + "c" * 16)
+    cfg = ConnectorConfig(host_dir="/unused", disk_dir="/unused")
+    p = ConnectorPlanner(cfg, BLOCK, namespace_root("test"), PrefixLocator(tokenizer), 64, 64, seal=seal)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    assert run(p, "forged", ids, params, 0)[1].ops == [] and p.stats.num_requests == 0  # unsealed: left to vLLM
+    sealed = {**params, SEAL_KEY: seal.seal(params[PLAN_KEY])}
+    assert run(p, "sealed", ids, sealed, 0)[1].ops != [] and p.stats.num_requests == 1
