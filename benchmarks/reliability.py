@@ -105,6 +105,7 @@ def _engine_killed_mid_stream(ledger: Ledger, gw: Service, victim: Service) -> F
     """SIGKILL one engine while streams run on both: each of its streams must end with an
     error event (never hang or stop silently), every request is recorded, and the next
     requests all succeed on the other engine."""
+    ready = _wait_available(gw, 2)  # the precondition: streams can land on both engines
     bodies, headers = _bodies(32, "kill", max_tokens=256)
     loop = asyncio.new_event_loop()
     task = loop.create_task(run_load(gw.url, bodies, 32, headers))
@@ -123,8 +124,21 @@ def _engine_killed_mid_stream(ledger: Ledger, gw: Service, victim: Service) -> F
     survived = set(during) <= {"ok", "error_event"} and broken > 0 and rows_broken == broken \
         and after == {"ok": 32} and recorded >= ledger.sent
     return Fault("engine killed mid-stream", survived,
-                 f"during: {dict(during)}, rows saying upstream_error: {rows_broken}; after: {dict(after)}; "
-                 f"recorded {recorded}/{ledger.sent}")
+                 f"{ready} upstreams available before; during: {dict(during)}, rows saying upstream_error: "
+                 f"{rows_broken}; after: {dict(after)}; recorded {recorded}/{ledger.sent}")
+
+
+def _wait_available(gw: Service, want: int, timeout: float = 20.0) -> int:
+    """Wait (up to `timeout`) until `want` upstreams are healthy with their breakers
+    closed, as the gateway sees them; how many are."""
+    deadline, available = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline:
+        listing = httpx.get(f"{gw.url}/admin/upstreams", headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        available = sum(u["healthy"] and not u["breaker_open"] for u in listing["data"])
+        if available >= want:
+            break
+        time.sleep(0.2)
+    return available
 
 
 def _in_flight(gw: Service) -> float:

@@ -114,8 +114,10 @@ class UpstreamClient:
                 response = await self._send(upstream, path, body, headers)
             except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
                 upstream.in_flight -= 1
-                upstream.record_failure(time.monotonic())
-                last_error = f"{upstream.url}: connection failed ({type(exc).__name__})"
+                last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
+                if upstream.record_failure(time.monotonic()):
+                    logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
+                                   upstream.url, upstream.consecutive_failures, last_error)
                 continue
             except BaseException:
                 upstream.in_flight -= 1
@@ -123,8 +125,10 @@ class UpstreamClient:
             if response.status in _RETRYABLE_STATUS:
                 response.close()
                 upstream.in_flight -= 1
-                upstream.record_failure(time.monotonic())
                 last_error = f"{upstream.url}: HTTP {response.status}"
+                if upstream.record_failure(time.monotonic()):
+                    logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
+                                   upstream.url, upstream.consecutive_failures, last_error)
                 continue
             if response.status >= 500:
                 upstream.record_failure(time.monotonic())

@@ -37,10 +37,13 @@ class Upstream:
         self.open_until = 0.0
         self.healthy = True
 
-    def record_failure(self, now: float) -> None:
+    def record_failure(self, now: float) -> bool:
+        """Count a failure; True when it (re)opens the breaker."""
         self.consecutive_failures += 1
         if self.consecutive_failures >= self.breaker.failure_threshold:
             self.open_until = now + self.breaker.cooldown_s
+            return True
+        return False
 
     def serves(self, model: str) -> bool:
         return not self.models or model in self.models

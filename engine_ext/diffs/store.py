@@ -102,7 +102,7 @@ class DiffStore:
             return self._store_mirror(image, best)
         return self._store_master(image)
 
-    def _key(self, token_ids: tuple[int, ...] | list[int], tenant: str) -> bytes:
+    def _key(self, token_ids: tuple[int, ...] | list[int], tenant: str = DEFAULT_TENANT) -> bytes:
         return chain_hash(tenant_root(self.root, tenant), token_ids)
 
     def _store_master(self, image: CacheImage) -> StoredMaster | None:

@@ -34,7 +34,7 @@ from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool
 from engine_ext.kvcomm.criterion import nucleus, predict
 from engine_ext.kvcomm.offsets import Correction
 
-PoolKey = tuple[str, str]  # (tenant and app id, placeholder name)
+PoolKey = tuple[str, str, str]  # (tenant, app id, placeholder name)
 
 
 class Decision(NamedTuple):

@@ -150,7 +150,7 @@ class Assembler:
             follower = None  # only a fixed segment right after it (template tokens apart) is its prefix
         follower_ids = tuple(token_ids[follower.start : follower.end]) if follower else None
         sample = tuple(token_ids[seg.start : seg.end])
-        pool = (f"{scope.tenant}\x00{scope.app_id}", seg.name or "")  # anchors never cross tenants
+        pool = (scope.tenant, scope.app_id, seg.name or "")  # anchors never cross tenants
         decision = self.bank.decide(pool, scope.agent_id, sample, entry, follower_ids)
         self.index.acquire(entry)
         if not decision.predicted:

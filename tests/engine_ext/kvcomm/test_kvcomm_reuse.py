@@ -167,7 +167,7 @@ def test_another_agent_measures_an_existing_anchor(deep_llama):
     ids, segs = b.prompt(sample)
     _, seq = prefill_kv(eng, ids, segs, ReuseScope("app", "agent-b"))
     assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "measured"
-    (anchor,) = eng.anchor_bank.pools[("app", "user_question")].anchors
+    (anchor,) = eng.anchor_bank.pools[("default", "app", "user_question")].anchors
     assert set(anchor.offsets) == {"agent-a", "agent-b"}
     # Other apps learn apart.
     _, other = prefill_kv(eng, ids, segs, ReuseScope("other-app", "agent-b"))
@@ -195,7 +195,7 @@ def test_pool_limit_prunes_and_frees_anchor_memory(deep_llama):
         stats = eng.anchor_bank.stats()
         sizes.append((stats["anchors"], stats["anchor_bytes"]))
     assert [n for n, _ in sizes] == [1, 2, 2, 2]
-    pool = eng.anchor_bank.pools[("app", "user_question")]
+    pool = eng.anchor_bank.pools[("default", "app", "user_question")]
     assert [len(a.token_ids) for a in pool.anchors] == [52, 53]
     bytes_per_block = eng.kv_cache.bytes_per_block
     expected = sum(len(b.blocks) for a in pool.anchors for b in a.blobs()) * bytes_per_block
