@@ -82,7 +82,8 @@ def inspect(event: bytes) -> EventInfo:
         return _NOTHING
     if not isinstance(body, dict):
         return _NOTHING
-    choices = [c for c in body.get("choices") or [] if isinstance(c, dict)]
+    listed = body.get("choices")
+    choices = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
     has_content = any(_choice_has_content(c) for c in choices)
     text = "".join(_choice_text(c) for c in choices)
     usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
