@@ -46,3 +46,13 @@ def test_a_plan_of_too_many_segments_is_not_sent():
     content = "<TTSEP>".join(f"block {i} of the long survey of the harbour district" for i in range(12))
     plan = _plan(inference, {"x-session-id": "s"}, content)
     assert plan.segments == [] and inference.bounded["plans_cut"] == 1
+
+
+def test_a_hundred_thousand_distinct_sessions_stay_within_the_bound():
+    inference = Inference(InferenceSettings(max_sessions=10_000))
+    for i in range(100_000):
+        body = {"messages": [{"role": "user", "content": f"session {i} asks about the tides"}]}
+        inference.plan(identify({"x-kvrelay-session-id": f"s{i}"}, body, None), body, f"r{i}", "m")
+    sessions = inference.apps["default"].sessions
+    assert len(sessions) == 10_000 and inference.bounded["sessions_evicted"] == 90_000
+    assert "s99999" in sessions and "s0" not in sessions  # the least recently used left first
