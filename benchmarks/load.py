@@ -14,7 +14,7 @@ import aiohttp
 
 
 class Outcome(NamedTuple):
-    kind: str  # ok | error_event | http_<status> | broken
+    kind: str  # ok (ended with [DONE]) | error_event | truncated (ended without either) | http_<status> | broken
     text: str
 
 
@@ -36,14 +36,16 @@ async def stream_one(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
                 for line in lines:
-                    if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    if line == b"data: [DONE]":
+                        return Outcome("ok", "".join(text))
+                    if not line.startswith(b"data: "):
                         continue
                     event = json.loads(line[6:])
                     if "error" in event:
                         return Outcome("error_event", "".join(text))
                     for choice in event.get("choices") or []:
                         text.append((choice.get("delta") or {}).get("content") or "")
-        return Outcome("ok", "".join(text))
+        return Outcome("truncated", "".join(text))
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return Outcome("broken", "".join(text))
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import time
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple
 
 SEAL_KEY = "kvrelay_seal"  # under kv_transfer_params, next to the plan (PLAN_KEY)
@@ -37,7 +39,8 @@ class SealCheck(NamedTuple):
 
 
 def canonical(plan: Any) -> bytes:
-    return json.dumps(plan, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    """Sorted keys, no spaces, ASCII only (escapes, so even a lone surrogate encodes)."""
+    return json.dumps(plan, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 class PlanSeal:
@@ -51,6 +54,21 @@ class PlanSeal:
         self._key = secret.encode()
         self.max_age_s = max_age_s
         self.rejected: Counter[str] = Counter()  # reason -> plans ignored (the engine's metric)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PlanSeal | None:
+        """The seal an engine process uses: KVRELAY_PLAN_SECRET (the gateway's
+        plan_secret) and KVRELAY_PLAN_MAX_AGE_S (its plan_max_age_s; default 300), or
+        None without a secret. Raises ValueError on a bad value."""
+        env = os.environ if env is None else env
+        secret = env.get("KVRELAY_PLAN_SECRET") or None
+        if secret is None:
+            return None
+        max_age = env.get("KVRELAY_PLAN_MAX_AGE_S") or "300"
+        try:
+            return cls(secret, float(max_age))
+        except ValueError as exc:
+            raise ValueError(f"KVRELAY_PLAN_SECRET / KVRELAY_PLAN_MAX_AGE_S: {exc}") from exc
 
     def _mac(self, issued: int, plan: Any) -> str:
         return hmac.new(self._key, str(issued).encode() + b"." + canonical(plan), hashlib.sha256).hexdigest()
@@ -73,7 +91,12 @@ class PlanSeal:
         if not isinstance(seal, dict) or not isinstance(seal.get("mac"), str) \
                 or not isinstance(seal.get("t"), int) or isinstance(seal.get("t"), bool):
             return SealCheck(False, "malformed")
-        if not hmac.compare_digest(seal["mac"].encode(), self._mac(seal["t"], plan).encode()):
+        try:
+            expected = self._mac(seal["t"], plan)
+            genuine = hmac.compare_digest(seal["mac"].encode(), expected.encode())
+        except (UnicodeError, TypeError, ValueError, RecursionError):  # not JSON-able as a plan, or not a hex MAC
+            return SealCheck(False, "malformed")
+        if not genuine:
             return SealCheck(False, "forged")
         if not now - self.max_age_s <= seal["t"] <= now + MAX_CLOCK_SKEW_S:
             return SealCheck(False, "stale")

@@ -21,7 +21,8 @@ from fastapi.responses import Response, StreamingResponse
 from opentelemetry.trace import Tracer
 
 from gateway.auth import AccessControl, Charge
-from gateway.errors import BadRequestError, BodyTooLargeError, GatewayError, UpstreamFailedError, UpstreamTimeoutError
+from gateway.errors import (BadRequestError, BodyTooLargeError, GatewayError, GatewayInternalError, UpstreamFailedError,
+                            UpstreamTimeoutError)
 from gateway.identity import Identity, identify
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
@@ -114,6 +115,9 @@ class ProxiedCall:
             return await self._unary(dispatch)
         except GatewayError as exc:
             return self._fail(exc)
+        except Exception:
+            logger.exception("request %s failed inside the gateway", self.record.id)
+            return self._fail(GatewayInternalError("the gateway failed to handle the request"))
         finally:
             await stack.aclose()
             if not handed_to_relay:
@@ -182,9 +186,12 @@ class ProxiedCall:
             body = {**body, "model": adapter.model}
             self.record.model = adapter.model[:256]  # what ran, and what dispatch picks an upstream for
         reuse = self.request.headers.get(REUSE_HEADER, "on").strip().lower() not in ("off", "0", "false")
-        if self.state.settings.inference.reuse and reuse:
-            return with_plan(body, result.plan, self.state.plan_seal)
-        return body
+        plan = result.plan
+        if not (self.state.settings.inference.reuse and reuse):
+            # No reuse: no segments, no round, no workflow; the plan still names the
+            # tenant, whose prefix cache alone the request may read and fill.
+            plan = plan.model_copy(update={"segments": [], "round": None, "workflow": None})
+        return with_plan(body, plan, self.state.plan_seal)
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
         """The upstream body: usage is always requested for streams, and stripped again
@@ -227,7 +234,8 @@ class ProxiedCall:
                     continue
                 message = choice.get("message") or {}
                 text = message.get("content") if isinstance(message, dict) else None
-                self._completion.append(text if isinstance(text, str) else choice.get("text") or "")
+                text = text if isinstance(text, str) else choice.get("text")
+                self._completion.append(text if isinstance(text, str) else "")
         return Response(content, status_code=dispatch.response.status, media_type="application/json")
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:

@@ -52,3 +52,8 @@ class AuthenticationError(GatewayError):
 
 class RateLimitedError(GatewayError):
     status, type_, code, record_status = 429, "rate_limit_error", "rate_limit_exceeded", "rate_limited"
+
+
+class GatewayInternalError(GatewayError):
+    """A bug of the gateway's own: answered 500 and recorded, never a dropped request."""
+    status, type_, code, record_status = 500, "server_error", "internal_error", "error"

@@ -50,7 +50,17 @@ def _system_name(body: dict[str, Any]) -> Any:
 
 
 def _first(values: Any) -> str | None:
+    """The first usable id: a non-blank string that is valid Unicode (a lone surrogate,
+    which JSON allows, could not be stored, traced or sealed)."""
     for value in values:
-        if isinstance(value, str) and value.strip():
+        if isinstance(value, str) and value.strip() and _encodable(value):
             return value.strip()[:_MAX_ID_CHARS]
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -6,9 +6,14 @@ neither reuses nor times another's cached text. Reuse across tenants happens onl
 when configured, per pair: `inference.shared_caches: [["team-a", "team-b"]]` gives both
 one namespace. A tenant may be in one pair (group) only: overlapping groups would
 share transitively (a-b and b-c letting a read c), so they are refused at startup.
+
+Namespaces are `app:<tenant>` or `group:<hash of the members>`: never the engine's
+default tenant (plan-less requests), never each other, and short whatever the names.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 
 class TenantMap:
@@ -18,7 +23,7 @@ class TenantMap:
             members = sorted(set(group))
             if len(members) < 2:
                 raise ValueError(f"inference.shared_caches: {group!r} names fewer than two tenants")
-            namespace = "shared:" + "+".join(members)
+            namespace = "group:" + hashlib.sha256("\x00".join(members).encode()).hexdigest()[:32]
             for tenant in members:
                 if tenant in self._namespace:
                     raise ValueError(f"inference.shared_caches: tenant {tenant!r} is in two groups; "
@@ -27,4 +32,4 @@ class TenantMap:
 
     def namespace(self, tenant: str) -> str:
         """The cache namespace of a tenant's requests: its own, or its group's."""
-        return self._namespace.get(tenant, tenant)
+        return self._namespace.get(tenant) or f"app:{tenant}"

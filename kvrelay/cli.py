@@ -117,28 +117,28 @@ def _build_gateway_app(settings):
 
 
 def _plan_seal(host: str) -> PlanSeal | None:
-    """The engine's PlanSeal from KVRELAY_PLAN_SECRET (the gateway's plan_secret; an
-    environment variable, never an argument, so `ps` does not show it). Without one the
-    engine follows any plan, so it may listen on loopback only."""
+    """The engine's PlanSeal from KVRELAY_PLAN_SECRET and KVRELAY_PLAN_MAX_AGE_S (the
+    gateway's plan_secret and plan_max_age_s; environment variables, never arguments, so
+    `ps` does not show the secret). Without one the engine follows any plan, so it may
+    listen on loopback only."""
     import ipaddress
-    import os
 
     from engine_ext.plan_seal import PlanSeal
 
-    secret = os.environ.get("KVRELAY_PLAN_SECRET") or None
-    if secret is None:
-        try:
-            loopback = ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            loopback = host == "localhost"
-        if not loopback:
-            raise _fail(f"--host {host} is reachable beyond loopback: set KVRELAY_PLAN_SECRET (the gateway's "
-                        "plan_secret) so the engine follows only the gateway's sealed plans")
-        return None
     try:
-        return PlanSeal(secret)
+        seal = PlanSeal.from_env()
     except ValueError as exc:
-        raise _fail(f"KVRELAY_PLAN_SECRET: {exc}") from exc
+        raise _fail(str(exc)) from exc
+    if seal is not None:
+        return seal
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        raise _fail(f"--host {host} is reachable beyond loopback: set KVRELAY_PLAN_SECRET (the gateway's "
+                    "plan_secret) so the engine follows only the gateway's sealed plans")
+    return None
 
 
 def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None) -> FastAPI:

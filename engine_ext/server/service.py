@@ -19,7 +19,8 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError
-from engine_ext.protocol import AdapterRef
+from engine_ext.plan_seal import SEAL_KEY
+from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
@@ -64,24 +65,38 @@ class CompletionService:
 
     # -- prompt ----------------------------------------------------------------------
     def _prompt(self, req: Request) -> AlignedPrompt:
-        """Token ids of the prompt; segment-aligned when the request carries a plan."""
+        """Token ids of the prompt, segment-aligned when the request carries a plan, and
+        whose caches it may use (its scope)."""
         self._adapter(req.model)
         req.check_supported()
         plan = self.plans.read(req.kv_transfer_params)
         if isinstance(req, ChatCompletionRequest):
             messages = [m.to_template() for m in req.messages]
             if plan is None:
-                return AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
-            aligned = self.aligner.chat(messages, req.tools, plan)
+                prompt = AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
+            else:
+                prompt = self.aligner.chat(messages, req.tools, plan)
         else:
-            prompt = req.prompt_input()
-            if isinstance(prompt, list):  # token ids: nothing to align
-                return AlignedPrompt(prompt, [])
-            if plan is None:
-                return AlignedPrompt(self.tokenizer.encode(prompt), [])
-            aligned = self.aligner.text(prompt, plan)
-        app = plan.app_id or DEFAULT_APP
-        return aligned._replace(scope=ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app))
+            text = req.prompt_input()
+            if isinstance(text, list):  # token ids: nothing to align
+                prompt = AlignedPrompt(text, [])
+            elif plan is None:
+                prompt = AlignedPrompt(self.tokenizer.encode(text), [])
+            else:
+                prompt = self.aligner.text(text, plan)
+        return prompt._replace(scope=self._scope(plan))
+
+    def _scope(self, plan: SegmentPlan | None) -> ReuseScope | None:
+        """The plan's tenant, app and agent. Without a plan: the default tenant, except
+        on an engine that follows only sealed plans, which serves such a request in a
+        tenant of its own: nobody vouched for it, so it neither reads nor leaves cached
+        KV for anyone."""
+        if plan is not None:
+            app = plan.app_id or DEFAULT_APP
+            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app)
+        if self.plans.seal is not None:
+            return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
+        return None
 
     def _outputs(self, req: Request, request_id: str,
                  line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None]:
@@ -201,7 +216,9 @@ class CompletionService:
         and, for a caller that sent kv_transfer_params or the TTFT header (the gateway),
         the TTFT breakdown."""
         sent = isinstance(req.kv_transfer_params, dict)
-        params = dict(req.kv_transfer_params) if sent else None
+        # The caller's other entries come back; its plan and seal never do (they name
+        # tenants and content hashes).
+        params = {k: v for k, v in req.kv_transfer_params.items() if k not in (PLAN_KEY, SEAL_KEY)} if sent else None
         if last.reuse_outcomes is not None or note:
             params = params if params is not None else {}
             params[REPORT_KEY] = report(last.reuse_outcomes or [], note)

@@ -9,7 +9,6 @@ objects into the planner's and copier's terms, so both stay testable without vLL
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -76,7 +75,7 @@ class KvrelayConnector(KVConnectorBase_V1):
                 self.config, self.block_size, root, PrefixLocator(tokenizer),
                 num_host_blocks=int(self.config.host_mb * 2**20 // block_bytes),
                 num_disk_blocks=int(self.config.disk_mb * 2**20 // block_bytes),
-                seal=PlanSeal(secret) if (secret := os.environ.get("KVRELAY_PLAN_SECRET")) else None)
+                seal=PlanSeal.from_env())
             self._adopt_files()
         else:
             self.copier = BlockCopier(self.files)

@@ -43,3 +43,18 @@ def test_missing_or_malformed_seals_are_refused_and_counted(bad):
 def test_the_secret_must_be_long_enough():
     with pytest.raises(ValueError, match="16"):
         PlanSeal("short")
+
+
+def test_the_seal_is_read_from_the_environment():
+    assert PlanSeal.from_env({}) is None
+    seal = PlanSeal.from_env({"KVRELAY_PLAN_SECRET": SECRET, "KVRELAY_PLAN_MAX_AGE_S": "30"})
+    assert seal is not None and seal.max_age_s == 30
+    with pytest.raises(ValueError, match="KVRELAY_PLAN_MAX_AGE_S"):
+        PlanSeal.from_env({"KVRELAY_PLAN_SECRET": SECRET, "KVRELAY_PLAN_MAX_AGE_S": "soon"})
+
+
+def test_a_plan_with_a_lone_surrogate_is_sealed_and_checked_without_an_error():
+    seal = PlanSeal(SECRET)
+    plan = {**PLAN, "session_id": "\ud800"}
+    assert seal.check(plan, seal.seal(plan, now=1000), now=1000).accepted
+    assert seal.check(PLAN, {"t": 1000, "mac": "\ud800"}, now=1000).reason == "malformed"

@@ -82,6 +82,7 @@ def test_a_client_plan_is_dropped_and_the_gateway_seals_its_own(fake_upstream, s
         c.post("/v1/chat/completions", json=body, headers={"x-kvrelay-reuse": "off"})
         c.post("/v1/chat/completions", json=body)
     off, on = (r.body["kv_transfer_params"] for r in up.received)
-    assert off == {"other": 1}  # reuse off: no plan at all, the client's included
-    assert on["other"] == 1 and on["kvrelay"]["tenant"] == "default" and on["kvrelay"]["session_id"] != "x"
+    assert off["other"] == 1 and off["kvrelay"]["segments"] == []  # reuse off: a plan that only names the tenant
+    assert off["kvrelay"]["tenant"] == "app:default" and PlanSeal(SECRET).check(off["kvrelay"], off["kvrelay_seal"]).accepted
+    assert on["other"] == 1 and on["kvrelay"]["tenant"] == "app:default" and on["kvrelay"]["session_id"] != "x"
     assert PlanSeal(SECRET).check(on["kvrelay"], on["kvrelay_seal"]).accepted

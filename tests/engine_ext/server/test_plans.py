@@ -87,3 +87,27 @@ def test_a_sealed_but_malformed_plan_is_ignored_not_refused(srv):
     reply = _ask(srv, "Once more: ", {PLAN_KEY: plan, SEAL_KEY: PlanSeal(SECRET).seal(plan)})
     assert reply["choices"][0]["text"] is not None and "kvrelay_reuse" not in reply.get("kv_transfer_params", {})
     assert _ignored(srv)["malformed"] == before + 1
+
+
+def test_requests_nobody_vouched_for_share_no_cache(srv):
+    body = {"model": MODEL, "prompt": "Count the ships in the harbour, one by one. " * 8, "max_tokens": 1,
+            "temperature": 0}
+    first, second = (httpx.post(f"{srv.v1}/completions", json=body, timeout=60).json() for _ in range(2))
+    # On an engine that follows only sealed plans, a plan-less request has a tenant of its own.
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_plan_the_engine_cannot_even_encode_is_ignored_not_a_500(srv):
+    # JSON allows a lone surrogate escape; Python strings hold it; UTF-8 cannot encode it.
+    raw = (b'{"model": "smollm2", "prompt": "Surrogates", "max_tokens": 1, "kv_transfer_params": '
+           b'{"kvrelay": {"version": 1, "session_id": "\\ud800", "segments": []}, '
+           b'"kvrelay_seal": {"t": 1, "mac": "\\ud800"}}}')
+    r = httpx.post(f"{srv.v1}/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_the_engine_never_echoes_a_plan_or_seal(srv):
+    seal = PlanSeal(SECRET)
+    reply = _ask(srv, "Echo: ", _params("Echo: ", seal))
+    assert PLAN_KEY not in reply["kv_transfer_params"] and SEAL_KEY not in reply["kv_transfer_params"]
