@@ -52,12 +52,15 @@ def assert_openai_error(response: httpx.Response, status: int, code: str | None,
 
 
 # -- pass-through ----------------------------------------------------------------------------
-def test_with_reuse_off_the_body_reaches_the_upstream_unchanged(fake_upstream, start_gateway):
+def test_with_reuse_off_the_body_reaches_the_upstream_with_a_tenant_only_plan(fake_upstream, start_gateway):
     fake = fake_upstream()
     gw = start_gateway([fake.url])
     with gw.client() as http:
         assert http.post("/v1/chat/completions", json=CHAT, headers={"X-Kvrelay-Reuse": "off"}).status_code == 200
-    assert fake.received[-1].body == CHAT
+    received = dict(fake.received[-1].body)
+    plan = received.pop("kv_transfer_params")["kvrelay"]
+    assert received == CHAT  # the client's body, untouched
+    assert plan["segments"] == [] and plan["round"] is None and plan["tenant"] == "app:default"
     assert gw.rows(1)[0].plan is not None  # still inferred and recorded
 
 

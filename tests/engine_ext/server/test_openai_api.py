@@ -249,15 +249,16 @@ def _client_params(echoed: dict) -> dict:
     return {k: v for k, v in echoed.items() if k != "kvrelay_ttft"}
 
 
-def test_kv_transfer_params_echoed(http):
-    params = {"kvrelay": {"version": 1, "segments": [{"message": 0, "start": 0, "end": 5}]}}
+def test_kv_transfer_params_echoed_without_the_plan(http):
+    plan = {"kvrelay": {"version": 1, "segments": [{"message": 0, "start": 0, "end": 5}]}}
+    params = {"connector": {"remote_block_ids": [1, 2]}}  # a caller's own entry comes back; its plan never does
     body = {"model": MODEL, "messages": msgs("Hello there"), "max_tokens": 3, "temperature": 0,
-            "kv_transfer_params": params}
+            "kv_transfer_params": {**plan, **params}}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200
     assert _client_params(r.json()["kv_transfer_params"]) == params
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello there", "max_tokens": 2,
-                                          "kv_transfer_params": params})
+                                          "kv_transfer_params": {**plan, **params}})
     assert _client_params(r.json()["kv_transfer_params"]) == params
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
         events = sse_events(r)

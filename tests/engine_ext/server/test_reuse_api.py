@@ -3,6 +3,8 @@ tokens out; a plan that cannot be followed never fails the request."""
 
 from __future__ import annotations
 
+import json
+
 import hashlib
 
 import httpx
@@ -69,8 +71,10 @@ def test_streamed_response_reports_reuse_on_the_final_chunk(http):
     with http.stream("POST", "/v1/chat/completions",
                      json=body("You are a third agent.", "Why?", method="blend", stream=True)) as resp:
         chunks = [line for line in resp.iter_lines() if line.startswith("data: {")]
-    final = [c for c in chunks if "kv_transfer_params" in c]
-    assert len(final) == 1 and '"method":"blend"' in final[0]
+    final = [json.loads(c[len("data: "):]) for c in chunks if "kv_transfer_params" in c]
+    assert len(final) == 1
+    params = final[0]["kv_transfer_params"]
+    assert [s["method"] for s in params["kvrelay_reuse"]["segments"]] and "kvrelay" not in params
 
 
 def test_malformed_plan_is_ignored(http):
