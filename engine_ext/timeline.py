@@ -92,6 +92,14 @@ class Timeline:
                      if any(step.holds(p) for step in self.prefill_steps))
         return sum(step.seconds for step in self.prefill_steps) - inside
 
+    def assembly_s(self) -> float:
+        """Seconds of every KV placement, all methods."""
+        return sum(p.seconds for placements in self.assembly.values() for p in placements)
+
+    def prefill_wait_s(self, prefill: Interval) -> float:
+        """The part of the prefill stage spent neither placing KV nor computing its chunks."""
+        return max(prefill.seconds - self.prefill_compute_s() - self.assembly_s(), 0.0)
+
     def stages(self, until: float | None = None) -> dict[str, Interval]:
         """The stages passed so far, in order (see the module docstring). With `until`
         (a failed or abandoned request), the stage it was in ends there."""
@@ -168,9 +176,9 @@ def breakdown(line: Timeline, num_prompt_tokens: int, tokens_per_s: float | None
         return out
     compute = line.prefill_compute_s()
     out["prefill_compute_s"] = compute
-    out["prefill_wait_s"] = max(stages["prefill"].seconds - compute - sum(assembly.values()), 0.0)
+    out["prefill_wait_s"] = line.prefill_wait_s(stages["prefill"])
     if tokens_per_s:
-        dense = line.ttft - compute - sum(assembly.values()) + num_prompt_tokens / tokens_per_s
+        dense = line.ttft - compute - line.assembly_s() + num_prompt_tokens / tokens_per_s
         out["dense_ttft_s"] = dense
         out["saved_s"] = dense - line.ttft
     return out

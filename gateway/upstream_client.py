@@ -115,9 +115,7 @@ class UpstreamClient:
             except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
                 upstream.in_flight -= 1
                 last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
-                if upstream.record_failure(time.monotonic()):
-                    logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
-                                   upstream.url, upstream.consecutive_failures, last_error)
+                _failed(upstream, last_error)
                 continue
             except BaseException:
                 upstream.in_flight -= 1
@@ -126,9 +124,7 @@ class UpstreamClient:
                 response.close()
                 upstream.in_flight -= 1
                 last_error = f"{upstream.url}: HTTP {response.status}"
-                if upstream.record_failure(time.monotonic()):
-                    logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
-                                   upstream.url, upstream.consecutive_failures, last_error)
+                _failed(upstream, last_error)
                 continue
             if response.status >= 500:
                 upstream.record_failure(time.monotonic())
@@ -182,3 +178,10 @@ class UpstreamClient:
         while True:
             await self.check_health()
             await asyncio.sleep(self.settings.health_interval_s)
+
+
+def _failed(upstream: Upstream, why: str) -> None:
+    """Count a failed attempt; say so when it opens the upstream's breaker."""
+    if upstream.record_failure(time.monotonic()):
+        logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
+                       upstream.url, upstream.consecutive_failures, why)

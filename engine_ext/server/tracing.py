@@ -59,10 +59,8 @@ def emit_request_spans(tracer: Tracer, headers: Mapping[str, str], operation: st
     if line.ttft is not None:
         root.set_attribute("kvrelay.ttft_s", line.ttft)
     if "prefill" in stages:
-        compute = line.prefill_compute_s()
-        assembly = sum(p.seconds for placements in line.assembly.values() for p in placements)
-        root.set_attribute("kvrelay.prefill.compute_s", compute)
-        root.set_attribute("kvrelay.prefill.wait_s", max(stages["prefill"].seconds - compute - assembly, 0.0))
+        root.set_attribute("kvrelay.prefill.compute_s", line.prefill_compute_s())
+        root.set_attribute("kvrelay.prefill.wait_s", line.prefill_wait_s(stages["prefill"]))
     if error is not None:
         root.set_status(Status(StatusCode.ERROR, error))
         root.set_attribute("error.type", error)
