@@ -131,7 +131,12 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Abort):
                 self._sinks.pop(cmd.request_id, None)
-                self.engine.abort(cmd.request_id)
+                try:
+                    self.engine.abort(cmd.request_id)
+                except Exception:
+                    # Releasing its blocks failed half way: the pool's bookkeeping is suspect.
+                    logger.exception("aborting request %s failed; failing the running requests", cmd.request_id)
+                    self._fail_all(EngineError("the engine failed while cancelling a request"))
                 continue
             try:
                 self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
@@ -139,6 +144,14 @@ class AsyncEngine:
                                         timeline=cmd.timeline)
             except EngineError as exc:
                 _deliver(cmd, exc)
+                continue
+            except Exception as exc:
+                # A bug admitting one request fails that request, never the loop. Admission
+                # computes nothing into the KV pool, so nothing shared needs resetting; a
+                # half-queued sequence is taken back out.
+                logger.exception("adding request %s failed; failing it alone", cmd.request_id)
+                self.engine.abort(cmd.request_id)
+                _deliver(cmd, EngineError(f"the engine failed to admit the request ({type(exc).__name__})"))
                 continue
             self._sinks[cmd.request_id] = cmd
 

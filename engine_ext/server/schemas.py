@@ -9,10 +9,37 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
+from kvrelay.text_checks import UNENCODABLE, describe, encodable, first_unencodable
+
+INT32_MAX = 2**31 - 1
+
+
+def _utf8(text: str) -> str:
+    if not encodable(text):
+        raise ValueError(UNENCODABLE)
+    return text
+
+
+def _utf8_json(value: Any) -> Any:
+    path = first_unencodable(value)
+    if path is not None:
+        raise ValueError(describe(path))
+    return value
+
+
+# Every string a request carries reaches the tokenizer, a hash or a JSON response: each
+# must have a UTF-8 form. Every number must fit what the engine computes with (torch's
+# int64 seeds, int32 counts and token ids), checked here, before the engine thread.
+Text = Annotated[str, AfterValidator(_utf8)]
+Json = Annotated[Any, AfterValidator(_utf8_json)]
+JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_json)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class StreamOptions(BaseModel):
@@ -21,15 +48,16 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json]  # other fields reach the chat template: checked too
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -50,13 +78,13 @@ class ChatMessage(BaseModel):
 class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    model: str
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    model: Text
+    max_tokens: TokenCount | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    top_k: Annotated[int, Field(ge=0)] = 0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    top_k: Annotated[int, Field(ge=0, le=INT32_MAX)] = 0
+    seed: Seed | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -65,7 +93,7 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: JsonObject | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -99,8 +127,8 @@ class _GenerationRequest(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: TokenCount | None = None
+    tools: list[JsonObject] | None = None
 
     @property
     def resolved_max_tokens(self) -> int | None:
@@ -108,9 +136,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[TokenId] | list[Text] | list[list[TokenId]]
     echo: bool = False
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def prompt_input(self) -> str | list[int]:
         """The single prompt, as text or token ids; batches are refused."""

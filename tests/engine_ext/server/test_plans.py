@@ -98,13 +98,17 @@ def test_requests_nobody_vouched_for_share_no_cache(srv):
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
-def test_a_plan_the_engine_cannot_even_encode_is_ignored_not_a_500(srv):
+def test_a_plan_the_engine_cannot_even_encode_is_a_400_naming_it(srv):
     # JSON allows a lone surrogate escape; Python strings hold it; UTF-8 cannot encode it.
     raw = (b'{"model": "smollm2", "prompt": "Surrogates", "max_tokens": 1, "kv_transfer_params": '
            b'{"kvrelay": {"version": 1, "session_id": "\\ud800", "segments": []}, '
            b'"kvrelay_seal": {"t": 1, "mac": "\\ud800"}}}')
     r = httpx.post(f"{srv.v1}/completions", content=raw, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 200, r.text
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "kv_transfer_params" and "kvrelay.session_id" in error["message"]
+    body = {"model": MODEL, "prompt": "Surrogates", "max_tokens": 1, "temperature": 0}
+    assert httpx.post(f"{srv.v1}/completions", json=body, timeout=60).status_code == 200
 
 
 def test_the_engine_never_echoes_a_plan_or_seal(srv):
