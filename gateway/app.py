@@ -64,8 +64,9 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
         seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
             if settings.plan_secret is not None else None
-        metrics = GatewayMetrics()
+        metrics = GatewayMetrics(pool.served)
         metrics.count_bounds(inference.bounded)
+        metrics.count_records(writer)
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
                                          inference, store, hold, seal)
         app.state.db = db
@@ -119,6 +120,8 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
             return error_response(503, f"database unavailable: {type(exc).__name__}", "service_unavailable")
         if state.upstreams.pool.healthy_count() == 0:
             return error_response(503, "no healthy upstream", "service_unavailable")
+        if not state.writer.alive:  # requests would be served but not recorded until it restarts
+            return error_response(503, "the record writer is not running", "service_unavailable")
         return JSONResponse({"status": "ready", "record_backlog": state.writer.backlog})
 
     @app.get("/metrics", response_class=PlainTextResponse)

@@ -39,6 +39,7 @@ from gateway.engine_params import (event_without_params, hidden_from_client, wit
                                    without_params)
 from gateway.ttft import clean_breakdown
 from kvrelay.openai_errors import error_body, error_response
+from kvrelay.json_values import first_misfit
 
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
@@ -145,6 +146,8 @@ class ProxiedCall:
             raise BadRequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise BadRequestError("the request body must be a JSON object")
+        if (misfit := first_misfit(body)) is not None:  # before anything hashes, logs or records it
+            raise BadRequestError(misfit.message, param=misfit.path)
         body = without_client_plan(body)  # the engine follows only the gateway's plans
         model = body.get("model")
         if not isinstance(model, str) or not model:
@@ -307,7 +310,7 @@ class ProxiedCall:
         elapsed = time.perf_counter() - self.received
         self.record.ttft_ms = elapsed * 1e3
         self.record.first_token_at = self.started_at + timedelta(seconds=elapsed)
-        self.state.metrics.ttft.labels(self.record.model or "").observe(elapsed)
+        self.state.metrics.ttft.labels(self.state.metrics.model_label(self.record.model)).observe(elapsed)
 
     def _take_engine_reports(self, params: Any) -> None:
         """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the record."""
@@ -340,7 +343,7 @@ class ProxiedCall:
         metrics = self.state.metrics
         metrics.in_flight.dec()
         metrics.requests.labels(rec.status).inc()
-        metrics.latency.labels(rec.model or "", rec.status).observe(elapsed)
+        metrics.latency.labels(metrics.model_label(rec.model), rec.status).observe(elapsed)
         for kind, value in (("prompt", rec.prompt_tokens), ("completion", rec.completion_tokens),
                             ("cached", rec.cached_tokens)):
             if isinstance(value, int):

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from kvrelay.json_values import encodable
+
 SESSION_HEADERS = (
     "x-kvrelay-session-id", "x-kvrelay-session", "x-session-id",
     "x-claude-code-session-id", "x-dynamo-session-id", "x-litellm-session-id",
@@ -53,14 +55,7 @@ def _first(values: Any) -> str | None:
     """The first usable id: a non-blank string that is valid Unicode (a lone surrogate,
     which JSON allows, could not be stored, traced or sealed)."""
     for value in values:
-        if isinstance(value, str) and value.strip() and _encodable(value):
+        if isinstance(value, str) and value.strip() and encodable(value):
             return value.strip()[:_MAX_ID_CHARS]
     return None
 
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True

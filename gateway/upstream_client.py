@@ -26,8 +26,10 @@ from gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedE
                             UpstreamUnreachableError)
 from gateway.settings import GatewaySettings
 from gateway.upstreams import Upstream, UpstreamPool
+from kvrelay.json_values import encodable
 
 logger = logging.getLogger(__name__)
+_MAX_MODELS = 1024  # models read from one upstream's listing
 _RETRYABLE_STATUS = (502, 503)
 
 
@@ -163,7 +165,9 @@ class UpstreamClient:
                 async with self.http.get(upstream.url + "/v1/models", timeout=timeout) as models:
                     if models.status == 200:
                         listing = await models.json(content_type=None)
-                        upstream.models = frozenset(m["id"] for m in listing.get("data", []))
+                        # Names become metric labels: only strings that can be written out.
+                        upstream.models = frozenset(m["id"] for m in listing.get("data", [])[:_MAX_MODELS]
+                                                    if isinstance(m["id"], str) and encodable(m["id"]))
         except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
             ok = False
         if ok and not upstream.healthy:

@@ -88,6 +88,10 @@ class UpstreamPool:
         """True when every upstream has listed its models and none lists this one."""
         return all(u.models for u in self.upstreams) and not any(model in u.models for u in self.upstreams)
 
+    def served(self, model: str) -> bool:
+        """True when some upstream lists `model` (a bounded set: the metrics' model labels)."""
+        return any(model in u.models for u in self.upstreams)
+
     def healthy_count(self) -> int:
         now = time.monotonic()
         return sum(1 for u in self.upstreams if u.available(now))

@@ -13,7 +13,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
-from kvrelay.text_checks import UNENCODABLE, describe, encodable, first_unencodable
+from kvrelay.json_values import INT64_MAX, INT64_MIN, UNENCODABLE, encodable, first_misfit
 
 INT32_MAX = 2**31 - 1
 
@@ -25,9 +25,9 @@ def _utf8(text: str) -> str:
 
 
 def _utf8_json(value: Any) -> Any:
-    path = first_unencodable(value)
-    if path is not None:
-        raise ValueError(describe(path))
+    misfit = first_misfit(value)
+    if misfit is not None:
+        raise ValueError(misfit.message)
     return value
 
 
@@ -37,7 +37,7 @@ def _utf8_json(value: Any) -> Any:
 Text = Annotated[str, AfterValidator(_utf8)]
 Json = Annotated[Any, AfterValidator(_utf8_json)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_json)]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 

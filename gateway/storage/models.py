@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from gateway.storage.types import StorableString, StorableText
 
 
 class Base(DeclarativeBase):
@@ -19,14 +21,14 @@ class Base(DeclarativeBase):
 class SessionRow(Base):
     __tablename__ = "sessions"
 
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class AgentRow(Base):
     __tablename__ = "agents"
 
-    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
@@ -34,16 +36,16 @@ class AgentRow(Base):
 class RequestRow(Base):
     __tablename__ = "requests"
 
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    id: Mapped[str] = mapped_column(StorableString(64), primary_key=True)
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id"), index=True)
     agent_id: Mapped[str | None] = mapped_column(ForeignKey("agents.id"), index=True)
-    endpoint: Mapped[str] = mapped_column(String(64))
-    model: Mapped[str | None] = mapped_column(String(256))
-    upstream: Mapped[str | None] = mapped_column(String(512))
+    endpoint: Mapped[str] = mapped_column(StorableString(64))
+    model: Mapped[str | None] = mapped_column(StorableString(256))
+    upstream: Mapped[str | None] = mapped_column(StorableString(512))
     stream: Mapped[bool] = mapped_column(Boolean)
-    status: Mapped[str] = mapped_column(String(32), index=True)
+    status: Mapped[str] = mapped_column(StorableString(32), index=True)
     http_status: Mapped[int] = mapped_column(Integer)
-    error_type: Mapped[str | None] = mapped_column(String(64))
+    error_type: Mapped[str | None] = mapped_column(StorableString(64))
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cached_tokens: Mapped[int | None] = mapped_column(Integer)
@@ -52,15 +54,15 @@ class RequestRow(Base):
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     first_token_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    prompt_sha256: Mapped[str] = mapped_column(String(64))
+    prompt_sha256: Mapped[str] = mapped_column(StorableString(64))
     prompt_chars: Mapped[int] = mapped_column(Integer)
-    completion_sha256: Mapped[str | None] = mapped_column(String(64))
+    completion_sha256: Mapped[str | None] = mapped_column(StorableString(64))
     completion_chars: Mapped[int | None] = mapped_column(Integer)
-    prompt_text: Mapped[str | None] = mapped_column(Text)
-    completion_text: Mapped[str | None] = mapped_column(Text)
-    api_key_id: Mapped[str | None] = mapped_column(String(32), index=True)
-    plan: Mapped[str | None] = mapped_column(Text)
-    ttft_breakdown: Mapped[str | None] = mapped_column(Text)  # the engine's kvrelay_ttft report, JSON
+    prompt_text: Mapped[str | None] = mapped_column(StorableText)
+    completion_text: Mapped[str | None] = mapped_column(StorableText)
+    api_key_id: Mapped[str | None] = mapped_column(StorableString(32), index=True)
+    plan: Mapped[str | None] = mapped_column(StorableText)
+    ttft_breakdown: Mapped[str | None] = mapped_column(StorableText)  # the engine's kvrelay_ttft report, JSON
 
 
 class ApiKeyRow(Base):
@@ -68,10 +70,10 @@ class ApiKeyRow(Base):
 
     __tablename__ = "api_keys"
 
-    id: Mapped[str] = mapped_column(String(32), primary_key=True)
-    name: Mapped[str] = mapped_column(String(128))
-    prefix: Mapped[str] = mapped_column(String(16))  # the secret's first characters, to recognise it
-    sha256: Mapped[str] = mapped_column(String(64), unique=True)
+    id: Mapped[str] = mapped_column(StorableString(32), primary_key=True)
+    name: Mapped[str] = mapped_column(StorableString(128))
+    prefix: Mapped[str] = mapped_column(StorableString(16))  # the secret's first characters, to recognise it
+    sha256: Mapped[str] = mapped_column(StorableString(64), unique=True)
     requests_per_minute: Mapped[int | None] = mapped_column(Integer)
     tokens_per_minute: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
@@ -86,10 +88,10 @@ class ApiKeyRow(Base):
 class InferredAgentRow(Base):
     __tablename__ = "inference_agents"
 
-    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    agent_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    model: Mapped[str] = mapped_column(String(256))
-    prefix_candidate: Mapped[str | None] = mapped_column(Text)  # the fixed system prefix being learned
+    app_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    agent_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    model: Mapped[str] = mapped_column(StorableString(256))
+    prefix_candidate: Mapped[str | None] = mapped_column(StorableText)  # the fixed system prefix being learned
     prefix_hits: Mapped[int] = mapped_column(Integer)
     fixed_prefix_chars: Mapped[int] = mapped_column(Integer)  # 0 until the prefix is confirmed
     waited_all: Mapped[int] = mapped_column(Integer)  # step-graph triggers (see StepGraph)
@@ -100,24 +102,24 @@ class InferredAgentRow(Base):
 class StepEdgeRow(Base):
     __tablename__ = "inference_edges"
 
-    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    target: Mapped[str] = mapped_column(String(128), primary_key=True)
-    source: Mapped[str] = mapped_column(String(128), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16), primary_key=True)  # dataflow | succession
+    app_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    target: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    source: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(StorableString(16), primary_key=True)  # dataflow | succession
     count: Mapped[int] = mapped_column(Integer)
 
 
 class InferredSessionRow(Base):
     __tablename__ = "inference_sessions"
 
-    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    app_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
     num_requests: Mapped[int] = mapped_column(Integer)
     question_seq: Mapped[int | None] = mapped_column(Integer)
-    last_agent: Mapped[str | None] = mapped_column(String(128))
-    series: Mapped[str] = mapped_column(Text)  # JSON: responses, tools and reads per agent (segment seqs)
+    last_agent: Mapped[str | None] = mapped_column(StorableString(128))
+    series: Mapped[str] = mapped_column(StorableText)  # JSON: responses, tools and reads per agent (segment seqs)
     last_round_size: Mapped[int | None] = mapped_column(Integer)
-    current_round: Mapped[str | None] = mapped_column(String(160))
+    current_round: Mapped[str | None] = mapped_column(StorableString(160))
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
 
@@ -129,23 +131,23 @@ class SegmentRow(Base):
 
     __tablename__ = "inference_segments"
 
-    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    app_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
     seq: Mapped[int] = mapped_column(Integer, primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16))  # response | tool | question | block
-    agent_id: Mapped[str | None] = mapped_column(String(128))
-    request_id: Mapped[str] = mapped_column(String(64))
-    content_hash: Mapped[str] = mapped_column(String(64))
-    text: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(StorableString(16))  # response | tool | question | block
+    agent_id: Mapped[str | None] = mapped_column(StorableString(128))
+    request_id: Mapped[str] = mapped_column(StorableString(64))
+    content_hash: Mapped[str] = mapped_column(StorableString(64))
+    text: Mapped[str] = mapped_column(StorableText)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 
 class RoundRow(Base):
     __tablename__ = "inference_rounds"
 
-    app_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    session_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    round_id: Mapped[str] = mapped_column(String(160), primary_key=True)
-    outputs: Mapped[str] = mapped_column(Text)  # JSON list of the segment seqs every member read
+    app_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(StorableString(128), primary_key=True)
+    round_id: Mapped[str] = mapped_column(StorableString(160), primary_key=True)
+    outputs: Mapped[str] = mapped_column(StorableText)  # JSON list of the segment seqs every member read
     expected: Mapped[int] = mapped_column(Integer)
     num_requests: Mapped[int] = mapped_column(Integer)

@@ -2,7 +2,8 @@
 
 While the database is down the writer keeps its current batch and retries with backoff,
 and new records wait in the queue, so an outage delays records but loses none (unless
-the queue itself overflows, which is counted and logged).
+the queue itself overflows, which is counted and logged). A record the database refuses
+is quarantined alone; the writer itself is supervised (RecordWriter).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy.exc import DataError, IntegrityError, ProgrammingError, SQLAlchemyError
+from sqlalchemy import text
+from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.dialect import dialect_insert
@@ -53,11 +55,28 @@ class RequestRecord:
     ttft_breakdown: str | None = None  # the engine's TTFT breakdown (kv_transfer_params["kvrelay_ttft"]), JSON
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+def sha256_text(value: str) -> str:
+    """Never raises: a lone surrogate (from an upstream's answer) hashes as its code point."""
+    return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+# Errors that mean the database is unreachable or busy, not that a record is bad: the
+# batch waits and is retried. Any other error is the batch's own.
+_OUTAGE = (OperationalError, InterfaceError, DisconnectionError, OSError, TimeoutError)
+_TRIES_BEFORE_PROBE = 5  # outage errors in a row before asking whether the database is up
+_RESTART_DELAY_S = 1.0
 
 
 class RecordWriter:
+    """Writes request records in batches, and never stops while the gateway runs.
+
+    A batch the database refuses is written again one record at a time, and a record it
+    still refuses is quarantined: logged with its id and counted, never retried, so one
+    bad record costs only itself. An outage keeps the batch and retries with backoff
+    (an outage error that persists while the database answers a probe is treated as the
+    batch's own). Should the task end anyway (a bug), a supervisor restarts it with the
+    batch it held, and `alive` says so in the meantime (`/ready`)."""
+
     def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int) -> None:
         self._engine = engine
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
@@ -67,10 +86,13 @@ class RecordWriter:
         self._insert_agent = insert(AgentRow.__table__).on_conflict_do_nothing()
         self._insert_request = insert(RequestRow.__table__).on_conflict_do_nothing()
         self._task: asyncio.Task[None] | None = None
+        self._held: list[RequestRecord] = []  # the batch being written, taken from the queue
+        self._closing = False
         self.num_written = 0
         self.num_dropped = 0
         self.num_write_errors = 0
-        self.num_rejected = 0
+        self.num_quarantined = 0
+        self.num_restarts = 0
 
     def submit(self, record: RequestRecord) -> None:
         """Never blocks the request path; on overflow the oldest record is dropped."""
@@ -83,10 +105,15 @@ class RecordWriter:
 
     @property
     def backlog(self) -> int:
-        return self._queue.qsize()
+        return self._queue.qsize() + len(self._held)
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kvrelay-record-writer")
+        self._task.add_done_callback(self._supervise)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Drain what is queued (bounded by timeout_s), then stop."""
@@ -96,49 +123,83 @@ class RecordWriter:
             await asyncio.wait_for(self._queue.join(), timeout_s)
         except TimeoutError:
             logger.error("record writer did not drain in %.0fs; %d records not written", timeout_s, self.backlog)
+        self._closing = True
         self._task.cancel()
         try:
             await self._task
         except asyncio.CancelledError:
             pass
 
+    def _supervise(self, task: asyncio.Task[None]) -> None:
+        """The task's done-callback: unless closing, an ended writer is a bug; start it again."""
+        if self._closing:
+            return
+        exc = None if task.cancelled() else task.exception()
+        logger.error("the record writer stopped (%s); restarting it in %.0fs with %d records held",
+                     "cancelled" if exc is None else repr(exc), _RESTART_DELAY_S, len(self._held),
+                     exc_info=exc)
+        self.num_restarts += 1
+        asyncio.get_running_loop().call_later(_RESTART_DELAY_S, self._restart)
+
+    def _restart(self) -> None:
+        if not self._closing and not self.alive:
+            self.start()
+
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < self._batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            await self._write_until_done(batch)
+            if not self._held:
+                self._held = [await self._queue.get()]
+                while len(self._held) < self._batch_size and not self._queue.empty():
+                    self._held.append(self._queue.get_nowait())
+            try:
+                await self._write_batch(self._held)
+            except Exception:
+                # _write_batch handles every database error; what is left is a bug of ours.
+                logger.exception("writing %d records failed unexpectedly; quarantining them", len(self._held))
+                for record in self._held:
+                    self._quarantine(record, "writer_bug")
+            batch, self._held = self._held, []
             for _ in batch:
                 self._queue.task_done()
 
-    async def _write_until_done(self, batch: list[RequestRecord]) -> None:
-        delay = 0.2
+    async def _write_batch(self, batch: list[RequestRecord]) -> None:
+        delay, failures = 0.2, 0
         while True:
             try:
                 await self._write(batch)
                 self.num_written += len(batch)
                 return
-            except (DataError, IntegrityError, ProgrammingError) as exc:
-                # Not an outage: some row can never be written. Write the rest one by one
-                # so one bad row cannot wedge every later record.
-                logger.error("a batch of %d records was rejected (%s); writing them one by one",
-                             len(batch), type(exc).__name__)
-                await self._write_one_by_one(batch)
-                return
-            except (SQLAlchemyError, OSError) as exc:
+            except _OUTAGE as exc:
                 self.num_write_errors += 1
-                logger.warning("writing %d records failed (%s); retrying in %.1fs", len(batch), type(exc).__name__, delay)
+                failures += 1
+                if failures >= _TRIES_BEFORE_PROBE and await self._database_up():
+                    error = type(exc).__name__  # the database answers, yet this batch fails
+                    break
+                logger.warning("writing %d records failed (%s); retrying in %.1fs", len(batch), type(exc).__name__,
+                               delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-
-    async def _write_one_by_one(self, batch: list[RequestRecord]) -> None:
+            except Exception as exc:  # refused: some record of the batch can never be written
+                error = type(exc).__name__
+                break
+        if len(batch) == 1:
+            self._quarantine(batch[0], error)
+            return
+        logger.error("a batch of %d records was refused (%s); writing them one by one", len(batch), error)
         for record in batch:
-            try:
-                await self._write([record])
-                self.num_written += 1
-            except (DataError, IntegrityError, ProgrammingError) as exc:
-                self.num_rejected += 1
-                logger.error("request record %s rejected by the database: %s", record.id, type(exc).__name__)
+            await self._write_batch([record])
+
+    def _quarantine(self, record: RequestRecord, error: str) -> None:
+        self.num_quarantined += 1
+        logger.error("request record %s quarantined: the database refused it (%s)", record.id, error)
+
+    async def _database_up(self) -> bool:
+        try:
+            async with self._engine.connect() as conn:
+                await asyncio.wait_for(conn.execute(text("SELECT 1")), 5.0)
+        except (SQLAlchemyError, OSError, TimeoutError):
+            return False
+        return True
 
     async def _write(self, batch: list[RequestRecord]) -> None:
         """One transaction per batch. Statements on the Core tables run as executemany:
@@ -153,4 +214,3 @@ class RecordWriter:
                 await conn.execute(self._insert_agent,
                                    [{"id": k, "session_id": s, "first_seen": t} for k, (s, t) in agents.items()])
             await conn.execute(self._insert_request, [vars(r) for r in batch])  # flat scalars: no deep copy
-

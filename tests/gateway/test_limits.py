@@ -65,11 +65,11 @@ def test_json_nested_past_the_recursion_limit_is_a_400_not_a_crash(fake_upstream
     assert row.status == "client_error"
 
 
-def test_an_id_with_a_lone_surrogate_is_not_used_and_the_request_goes_on(fake_upstream, start_gateway):
+def test_an_id_with_a_lone_surrogate_is_refused_naming_it(fake_upstream, start_gateway):
     gw = start_gateway([fake_upstream().url])
     raw = b'{"model": "fake", "user": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'
     with gw.client() as c:
         r = c.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
-    assert r.status_code == 200
+    assert r.status_code == 400 and r.json()["error"]["param"] == "user"
     (row,) = gw.rows(1)
-    assert row.status == "ok" and row.session_id.startswith("sess-")  # an inferred session, not the bad id
+    assert row.status == "client_error" and row.session_id is None

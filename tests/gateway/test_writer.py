@@ -144,3 +144,55 @@ def test_malformed_upstream_usage_does_not_wedge_the_records(fake_upstream, star
     rows = gw.rows(2, timeout=3)
     assert [r.status for r in rows] == ["ok", "ok"]
     assert (rows[1].prompt_tokens, rows[1].completion_tokens) == (7, 4)
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug"), UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogate"),
+                                   OperationalError("INSERT", {}, Exception("a poison that looks like an outage"))],
+                         ids=["bug", "unencodable", "persistent-operational"])
+async def test_a_record_the_database_refuses_is_quarantined_and_the_rest_are_written(db, monkeypatch, error):
+    engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
+    writer = RecordWriter(engine, queue_size=1000, batch_size=8)
+    real_write = writer._write
+    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+
+    async def refuse_poison(batch):
+        if any(r.id == "req-0003" for r in batch):
+            raise error
+        await real_write(batch)
+
+    monkeypatch.setattr(writer, "_write", refuse_poison)
+    writer.start()
+    for i in range(20):
+        writer.submit(record(i, session="s1"))
+    await writer.close(timeout_s=10)
+    await engine.dispose()
+    assert (writer.num_written, writer.num_quarantined) == (19, 1)
+    assert ids(db) == [f"req-{i:04d}" for i in range(20) if i != 3]
+
+
+async def _no_wait(_: float) -> None:
+    return None
+
+
+async def test_a_writer_that_dies_is_restarted_with_the_batch_it_held(db, monkeypatch):
+    engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
+    writer = RecordWriter(engine, queue_size=1000, batch_size=4)
+    monkeypatch.setattr("gateway.storage.writer._RESTART_DELAY_S", 0.01)
+    real_write = writer._write
+    died = []
+
+    async def die_once(batch):
+        if not died:
+            died.append(len(batch))
+            raise asyncio.CancelledError  # escapes every handler: the task ends
+        await real_write(batch)
+
+    monkeypatch.setattr(writer, "_write", die_once)
+    writer.start()
+    for i in range(10):
+        writer.submit(record(i))
+    await wait_for(lambda: writer.num_restarts == 1 and writer.num_written == 10)
+    assert writer.alive
+    await writer.close(timeout_s=10)
+    await engine.dispose()
+    assert ids(db) == [f"req-{i:04d}" for i in range(10)]

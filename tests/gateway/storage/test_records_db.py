@@ -74,6 +74,26 @@ async def test_writer_batches_records_with_sessions_and_agents(db_url):
     assert row.prompt_text is None and row.completion_text is None
 
 
+async def test_text_no_database_takes_as_it_is_is_stored_not_refused(db_url):
+    """NUL (PostgreSQL refuses it in text), a lone surrogate (no UTF-8 form; an upstream's
+    answer can carry one) and ids past their column's width are stored, changed only
+    in the stored copy, and found again by the same value."""
+    engine = create_async_engine(db_url)
+    writer = RecordWriter(engine, queue_size=100, batch_size=8)
+    writer.start()
+    bad = record(1, session="s\x00" + "x" * 200, agent="a\x00")
+    bad.model, bad.prompt_text, bad.completion_text = "m\x00" * 300, "p\x00q", "c\ud800d"
+    writer.submit(bad)
+    writer.submit(record(2))
+    await writer.close()
+    assert (writer.num_written, writer.num_quarantined) == (2, 0)
+    async with engine.connect() as conn:
+        row = (await conn.execute(select(RequestRow).where(RequestRow.session_id == bad.session_id))).one()
+    await engine.dispose()
+    assert row.id == "req-1" and row.prompt_text == "p\ufffdq" and row.completion_text == "c\ufffdd"
+    assert row.model == ("m\ufffd" * 300)[:256] and len(row.session_id) == 128
+
+
 @pytest.mark.slow
 @needs_pg
 async def test_no_record_lost_across_a_30_second_postgres_outage():

@@ -1,0 +1,82 @@
+"""Values JSON can carry but the stack cannot: unencodable text and unbounded integers.
+
+JSON's `\\ud800` escape decodes to a lone surrogate, a Python `str` that has no UTF-8
+form; such a string breaks everything downstream that encodes text (the tokenizer,
+hashing, SQL, OpenTelemetry, Prometheus, the JSON of a response). JSON integers are
+unbounded, and every engine computes with int64 at most (a seed of 2**70 once killed
+the engine thread). Both the gateway and the engine refuse such values at the door,
+naming the field, so they never get further.
+
+Shared by the gateway and the engine; torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UNENCODABLE = "the text is not valid Unicode (a lone surrogate such as \\ud800); it cannot be encoded as UTF-8"
+UNBOUNDED = f"the integer is outside the 64-bit range [{INT64_MIN}, {INT64_MAX}]"
+
+
+class Misfit(NamedTuple):
+    path: str  # `messages[0].content`, `tools[1].function.name`, `metadata.<key>` for a key
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def encodable(text: str) -> bool:
+    """True when `text` has a UTF-8 form (no lone surrogate)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def first_misfit(value: Any, root: str = "") -> Misfit | None:
+    """The first string (keys included) that UTF-8 cannot encode, or integer outside
+    int64, inside a parsed JSON value; None when there is none. Iterative, so nesting
+    costs no stack; linear in the size of the value (a path is spelt out only for the
+    culprit)."""
+    # Each entry: (value, its parent's link, its own label); links chain up to the root.
+    stack: list[tuple[Any, _Link | None, str]] = [(value, None, root)]
+    while stack:
+        item, parent, label = stack.pop()
+        if isinstance(item, str):
+            if not encodable(item):
+                return Misfit(_spell(_Link(parent, label)) or "body", UNENCODABLE)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            if not INT64_MIN <= item <= INT64_MAX:
+                return Misfit(_spell(_Link(parent, label)) or "body", UNBOUNDED)
+        elif isinstance(item, dict):
+            link = _Link(parent, label)
+            children = []
+            for key, child in item.items():
+                key_text = key if isinstance(key, str) else str(key)
+                if not encodable(key_text):
+                    return Misfit(_spell(_Link(link, ".<key>")), UNENCODABLE)
+                children.append((child, link, "." + key_text))
+            stack.extend(reversed(children))
+        elif isinstance(item, list):
+            link = _Link(parent, label)
+            stack.extend((child, link, f"[{i}]") for i, child in reversed(list(enumerate(item))))
+    return None
+
+
+class _Link(NamedTuple):
+    parent: _Link | None
+    label: str
+
+
+def _spell(link: _Link | None) -> str:
+    labels = []
+    while link is not None:
+        labels.append(link.label)
+        link = link.parent
+    return "".join(reversed(labels)).lstrip(".")
