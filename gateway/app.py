@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Request
@@ -27,6 +27,7 @@ from gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
 from gateway.storage.writer import RecordWriter
+from gateway.supervisor import SupervisedTask
 from gateway.tracing import build_tracer_provider, tracer_from
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
@@ -50,12 +51,14 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size)
         writer.start()
         access = await build_access(settings, db)
-        key_refresh = asyncio.create_task(access.refresh_loop(), name="kvrelay-key-refresh")
         http = build_http_client(settings)
         pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor)
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
-        health = asyncio.create_task(upstreams.health_loop(), name="kvrelay-health")
+        loops = [SupervisedTask("kvrelay-key-refresh", access.refresh_loop),
+                 SupervisedTask("kvrelay-health", upstreams.health_loop)]
+        for loop in loops:
+            loop.start()
         router = AdapterRouter.from_settings(settings.adapters)
         if router.num_rules:
             logger.info("adapter routing: %d rules", router.num_rules)
@@ -70,16 +73,15 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
                                          inference, store, hold, seal)
         app.state.db = db
+        app.state.loops = loops if saver is None else [*loops, saver]
         try:
             yield
         finally:
-            for task in (health, key_refresh):
-                task.cancel()
-                with suppress(asyncio.CancelledError):
-                    await task
+            for loop in loops:
+                await loop.stop()
             if store is not None and saver is not None:
                 store.stop()
-                await saver
+                await saver.join()
             await writer.close()
             if store is not None:
                 await final_flush(store)
@@ -122,6 +124,8 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
             return error_response(503, "no healthy upstream", "service_unavailable")
         if not state.writer.alive:  # requests would be served but not recorded until it restarts
             return error_response(503, "the record writer is not running", "service_unavailable")
+        if down := [loop.name for loop in request.app.state.loops if not loop.alive]:
+            return error_response(503, f"background tasks not running: {', '.join(down)}", "service_unavailable")
         return JSONResponse({"status": "ready", "record_backlog": state.writer.backlog})
 
     @app.get("/metrics", response_class=PlainTextResponse)
@@ -141,14 +145,16 @@ async def build_access(settings: GatewaySettings, db: AsyncEngine) -> AccessCont
 
 
 async def start_store(settings: GatewaySettings, db: AsyncEngine,
-                      inference: Inference) -> tuple[StateStore | None, asyncio.Task[None] | None]:
+                      inference: Inference) -> tuple[StateStore | None, SupervisedTask | None]:
     """Rebuild the inferred state from SQL and start saving it, unless persistence is off."""
     if not settings.inference.persist:
         return None, None
     store = StateStore(db, inference, settings.inference.flush_interval_s)
     loaded = await store.load()
     logger.info("inferred state restored: %d agents, %d sessions, %d segments", *loaded)
-    return store, asyncio.create_task(store.run(), name="kvrelay-state-saver")
+    saver = SupervisedTask("kvrelay-state-saver", store.run)
+    saver.start()
+    return store, saver
 
 
 async def final_flush(store: StateStore, attempts: int = 3) -> None:

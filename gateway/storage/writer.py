@@ -20,6 +20,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.dialect import dialect_insert
 from gateway.storage.models import AgentRow, RequestRow, SessionRow
+from gateway.supervisor import SupervisedTask
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +75,8 @@ class RecordWriter:
     still refuses is quarantined: logged with its id and counted, never retried, so one
     bad record costs only itself. An outage keeps the batch and retries with backoff
     (an outage error that persists while the database answers a probe is treated as the
-    batch's own). Should the task end anyway (a bug), a supervisor restarts it with the
-    batch it held, and `alive` says so in the meantime (`/ready`)."""
+    batch's own). Should the task end anyway (a bug), it is restarted with the batch it
+    held (gateway/supervisor.py), and `alive` says so in the meantime (`/ready`)."""
 
     def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int) -> None:
         self._engine = engine
@@ -85,14 +86,12 @@ class RecordWriter:
         self._insert_session = insert(SessionRow.__table__).on_conflict_do_nothing()
         self._insert_agent = insert(AgentRow.__table__).on_conflict_do_nothing()
         self._insert_request = insert(RequestRow.__table__).on_conflict_do_nothing()
-        self._task: asyncio.Task[None] | None = None
-        self._held: list[RequestRecord] = []  # the batch being written, taken from the queue
-        self._closing = False
+        self._runner: SupervisedTask | None = None
+        self._held: list[RequestRecord] = []  # the batch being written, kept across a restart
         self.num_written = 0
         self.num_dropped = 0
         self.num_write_errors = 0
         self.num_quarantined = 0
-        self.num_restarts = 0
 
     def submit(self, record: RequestRecord) -> None:
         """Never blocks the request path; on overflow the oldest record is dropped."""
@@ -109,41 +108,25 @@ class RecordWriter:
 
     @property
     def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+        return self._runner is not None and self._runner.alive
+
+    @property
+    def num_restarts(self) -> int:
+        return self._runner.num_restarts if self._runner is not None else 0
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="kvrelay-record-writer")
-        self._task.add_done_callback(self._supervise)
+        self._runner = SupervisedTask("kvrelay-record-writer", self._run, _RESTART_DELAY_S)
+        self._runner.start()
 
     async def close(self, timeout_s: float = 10.0) -> None:
         """Drain what is queued (bounded by timeout_s), then stop."""
-        if self._task is None:
+        if self._runner is None:
             return
         try:
             await asyncio.wait_for(self._queue.join(), timeout_s)
         except TimeoutError:
             logger.error("record writer did not drain in %.0fs; %d records not written", timeout_s, self.backlog)
-        self._closing = True
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-
-    def _supervise(self, task: asyncio.Task[None]) -> None:
-        """The task's done-callback: unless closing, an ended writer is a bug; start it again."""
-        if self._closing:
-            return
-        exc = None if task.cancelled() else task.exception()
-        logger.error("the record writer stopped (%s); restarting it in %.0fs with %d records held",
-                     "cancelled" if exc is None else repr(exc), _RESTART_DELAY_S, len(self._held),
-                     exc_info=exc)
-        self.num_restarts += 1
-        asyncio.get_running_loop().call_later(_RESTART_DELAY_S, self._restart)
-
-    def _restart(self) -> None:
-        if not self._closing and not self.alive:
-            self.start()
+        await self._runner.stop()
 
     async def _run(self) -> None:
         while True:

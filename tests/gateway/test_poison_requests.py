@@ -122,7 +122,7 @@ def test_the_record_writer_is_supervised(gateway):
     with gw.client() as http:
         assert post(http, "/v1/chat/completions", CHAT).status_code == 200
         assert wait_until(lambda: writer.num_written == 1, 5)
-        writer._task.get_loop().call_soon_threadsafe(writer._task.cancel)  # the task ends, not by close()
+        writer._runner._task.get_loop().call_soon_threadsafe(writer._runner._task.cancel)  # the task ends, not by close()
         assert wait_until(lambda: not writer.alive, 5)
         ready = http.get("/ready")
         assert ready.status_code == 503 and "record writer" in ready.json()["error"]["message"]
@@ -132,3 +132,16 @@ def test_the_record_writer_is_supervised(gateway):
         assert 'kvrelay_record_writer_restarts_total 1.0' in http.get("/metrics").text
     assert len(gw.rows(2)) == 2
     assert len(read_rows(gw.db_path)) == 2
+
+
+def test_ready_names_a_background_loop_that_is_down(gateway):
+    _, gw = gateway
+    health = next(loop for loop in gw.app.state.loops if loop.name == "kvrelay-health")
+    with gw.client() as http:
+        assert http.get("/ready").status_code == 200
+        health._task.get_loop().call_soon_threadsafe(health._task.cancel)
+        assert wait_until(lambda: not health.alive, 5)
+        ready = http.get("/ready")
+        assert ready.status_code == 503 and "kvrelay-health" in ready.json()["error"]["message"]
+        assert wait_until(lambda: health.alive, 5)
+        assert http.get("/ready").status_code == 200
