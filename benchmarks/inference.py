@@ -4,6 +4,10 @@ A session holds 100 earlier outputs of 5 agents (about 600 characters each); eac
 measured request is an agent's prompt of 2k, 16k or 64k characters that quotes three of
 those outputs amid other text. The baseline for the matcher is the obvious one: look
 for every stored output with `str.find` (C speed, but one pass per output).
+
+Then the adversarial run (benchmarks/inference_adversarial.py): 10,000 agents in one
+app, a 1,000-node step graph and 64k-character prompts of adversarial text, planned on a
+real event loop whose lag is measured meanwhile.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 import tracemalloc
 
 from benchmarks.common import BenchResult
+from benchmarks.inference_adversarial import GRAPH_NODES, NUM_AGENTS, PROMPT_CHARS, run_adversarial
 from engine_ext.protocol import attach_plan
 from gateway.identity import identify
 from gateway.inference import Inference
@@ -90,8 +95,29 @@ def run(quick: bool, model: str | None) -> BenchResult:
     metrics["state_bytes_per_session"] = _state_bytes_per_session(8 if quick else 32)
     rows.append(("state bytes per session (100 outputs)", f"{metrics['state_bytes_per_session']:.0f}",
                  f"{_NUM_OUTPUTS * _OUTPUT_CHARS} (the output text alone)", ""))
+    adversarial = run_adversarial(quick)
+    metrics["infer_p50_ms_adversarial"] = _pct(adversarial.infer_ms, 50)
+    metrics["infer_p99_ms_adversarial"] = _pct(adversarial.infer_ms, 99)
+    metrics["infer_max_ms_adversarial"] = max(adversarial.infer_ms)
+    metrics["loop_lag_p99_ms"] = _pct(adversarial.loop_lag_ms, 99)
+    metrics["loop_lag_max_ms"] = max(adversarial.loop_lag_ms)
+    metrics["plans_over_budget_adversarial"] = adversarial.bounded.get("plans_over_budget", 0)
+    metrics["full_gc_during_adversarial"] = len(adversarial.full_gc_ms)
+    metrics["full_gc_max_ms"] = max(adversarial.full_gc_ms, default=0.0)
+    rows.append(("infer p50 / p99 ms, adversarial", f"{metrics['infer_p50_ms_adversarial']:.3f} / "
+                 f"{metrics['infer_p99_ms_adversarial']:.3f}", "", "target p99 <= 5"))
+    rows.append(("event-loop lag p99 / max ms, adversarial", f"{metrics['loop_lag_p99_ms']:.3f} / "
+                 f"{metrics['loop_lag_max_ms']:.3f}", "", "target p99 <= 10"))
+    rows.append(("plans over budget, adversarial", f"{metrics['plans_over_budget_adversarial']:.0f} of "
+                 f"{len(adversarial.infer_ms)}", "", ""))
+    rows.append(("full GCs during the run (longest ms)", f"{len(adversarial.full_gc_ms)} "
+                 f"({metrics['full_gc_max_ms']:.1f})", "", "not planning: the heap's size"))
     config = {"quick": quick, "requests_per_size": num_requests, "outputs_in_session": _NUM_OUTPUTS,
-              "output_chars": _OUTPUT_CHARS, "agents": _NUM_AGENTS, "quoted_outputs_per_prompt": 3}
+              "output_chars": _OUTPUT_CHARS, "agents": _NUM_AGENTS, "quoted_outputs_per_prompt": 3,
+              "adversarial": {"agents": NUM_AGENTS, "agents_in_memory": adversarial.agents,
+                              "graph_nodes": GRAPH_NODES, "graph_edges_at_end": adversarial.graph_edges,
+                              "prompt_chars": PROMPT_CHARS, "requests": len(adversarial.infer_ms),
+                              "bounded": adversarial.bounded}}
     return BenchResult("inference", metrics, config, rows,
                        headers=("measure", "kvrelay", "baseline matcher", ""))
 

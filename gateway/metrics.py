@@ -52,8 +52,9 @@ class GatewayMetrics:
         self.registry.register(_WriterCollector(writer))
 
     def count_bounds(self, bounded: Tally[str]) -> None:
-        """Export what the inference state's bounds cut (evicted sessions and apps, texts
-        not kept, plans cut), read at each scrape."""
+        """Export what the inference state's bounds cut (evicted sessions, apps and agents,
+        texts and step-graph edges not kept, plans cut or over their time budget), read at
+        each scrape."""
         self.registry.register(_BoundsCollector(bounded))
 
     def render(self) -> bytes:
@@ -66,7 +67,8 @@ class _BoundsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("kvrelay_state_bounded", "Inference state cut by a bound, by kind", labels=["kind"])
-        for kind in ("sessions_evicted", "apps_evicted", "texts_not_kept", "plans_cut"):
+        for kind in ("sessions_evicted", "apps_evicted", "texts_not_kept", "plans_cut", "agents_evicted",
+                     "agent_matches_cut", "step_edges_not_kept", "plans_over_budget"):
             family.add_metric([kind], float(self.bounded[kind]))
         yield family
 

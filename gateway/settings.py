@@ -53,6 +53,15 @@ class InferenceSettings(BaseModel):
     max_apps: Annotated[int, Field(ge=1)] = 10_000  # apps (tenants) held in memory, least recently used out
     max_texts_per_session: Annotated[int, Field(ge=16)] = 4096  # texts a session remembers; later ones are not kept
     max_plan_segments: Annotated[int, Field(ge=1, le=MAX_PLAN_SEGMENTS)] = 1024  # a longer plan is not sent
+    # Agents per app held in memory, least recently used out (an evicted one is learned
+    # again). Workflows have tens of agents; 1,000 leaves room for per-user variants while
+    # the step graph (one node per agent) stays small enough to walk in about a millisecond.
+    max_agents: Annotated[int, Field(ge=1, le=100_000)] = 1000
+    max_step_sources: Annotated[int, Field(ge=2, le=1024)] = 64  # step-graph sources kept per agent and kind
+    max_workflow_agents: Annotated[int, Field(ge=1, le=10_000)] = 64  # agents a plan's workflow names, nearest first
+    # Planning runs on the event loop: past this, the rest of a plan is skipped and the
+    # request goes on with what was planned (counted as plans_over_budget).
+    plan_budget_ms: Annotated[float, Field(gt=0, le=1000)] = 10.0
     # Tenants whose requests may reuse each other's cached KV, as groups (a pair, or more
     # that all share); a tenant in one group at most (gateway/tenancy.py).
     shared_caches: list[list[str]] = []

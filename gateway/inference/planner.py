@@ -2,25 +2,36 @@
 
 `plan()` runs before the upstream call; `observe_response()` after it, so the answer an
 agent just produced is recognised when the next agent's prompt quotes it. Both are
-synchronous and touch only memory: the cost is a few numpy passes over the prompt.
+synchronous and touch only memory, on the gateway's event loop, so their cost is bounded:
+linear in the prompt (numpy passes, C string searches), and bounded in the app's state
+(agents found by index, not scan; a step graph of at most `max_agents` nodes walked once;
+the question looked for in linear time). On top, `plan_budget_ms`: the plan is built in
+stages (who is asking; the segments and round; the workflow), and once the budget is
+spent the stages left are skipped. The request then goes on with the plan built so far
+(its tenant always, its segments and round if they were done), counted as
+`plans_over_budget`.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import uuid
 from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from engine_ext.protocol import Segment, SegmentPlan, WorkflowInfo
 from gateway.adapters import AdapterRouter
 from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
+from gateway.inference.agenttable import AgentState
 from gateway.inference.blocks import split_blocks
+from gateway.inference.budget import Deadline
 from gateway.inference.prefix import PrefixLearner
 from gateway.inference.question import common_core
-from gateway.inference.state import AgentState, AppState, Changes, KnownText, SessionState, TextKind, TextRef
+from gateway.inference.state import AppState, Changes, KnownText, SessionState, TextKind, TextRef
 from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
 from gateway.tenancy import TenantMap
@@ -52,6 +63,7 @@ class PlanResult(NamedTuple):
     agent_id: str
     plan: SegmentPlan
     session_inferred: bool  # no header or body field named the session
+    over_budget: bool = False  # the budget ran out: the plan holds only the stages done in time
 
 
 def prompt_messages(body: dict[str, Any]) -> list[PromptMessage]:
@@ -85,7 +97,8 @@ class Inference:
         if app is None:
             s = self.settings
             app = self.apps[app_id] = AppState(s.anchor_chars, s.session_ttl_s, s.max_sessions,
-                                               s.max_texts_per_session, self.bounded)
+                                               s.max_texts_per_session, self.bounded, s.max_agents,
+                                               s.same_agent_ratio, s.max_step_sources)
             while len(self.apps) > s.max_apps:
                 self.apps.popitem(last=False)
                 self.bounded["apps_evicted"] += 1
@@ -93,6 +106,7 @@ class Inference:
         return app
 
     def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
+        deadline = Deadline(self.settings.plan_budget_ms / 1e3)
         app = self.app(ident.app_id)
         messages = prompt_messages(body)
         found = {m.index: app.index.find(m.content) for m in messages if m.content}
@@ -100,28 +114,37 @@ class Inference:
         session = app.session(session_id)
         session.num_requests += 1
         system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
-        agent = resolve_agent(app, ident.agent_id, system.content if system else None, model,
-                              self.new_learner, self.settings.same_agent_ratio)
+        agent = resolve_agent(app, ident.agent_id, system.content if system else None, model, self.new_learner)
         fixed_chars = agent.prefix.observe(system.content).fixed_chars if system and system.content else 0
-        builder = _SegmentBuilder(app, session, agent, request_id)
-        for message in messages:
-            if message.content:
-                fixed = fixed_chars if system is not None and message.index == system.index else 0
-                builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
-        builder.add_question(messages, self.settings.anchor_chars)
-        round_info = session.rounds.assign(frozenset(builder.responses_read))
-        workflow = self._step(app, session, agent.id, builder.responses_read)
+        app.agents.refile(agent)  # its candidate prefix may have moved
+        self.changes.sessions.add((ident.app_id, session_id))
+        self.changes.agents.add((ident.app_id, agent.id))
         adapter = self.router.route(model, agent.id, system.content if system else None) if model else None
-        segments = builder.segments()
-        if len(segments) > self.settings.max_plan_segments:
-            self.bounded["plans_cut"] += 1  # a prompt of countless pieces: no reuse, it runs densely
-            segments = []
+        segments: list[Segment] = []
+        round_info, workflow = None, None
+        if not deadline.expired():
+            builder = _SegmentBuilder(app, session, agent, request_id, deadline)
+            for message in messages:
+                if message.content:
+                    fixed = fixed_chars if system is not None and message.index == system.index else 0
+                    builder.add_message(message, found.get(message.index, []), fixed, self.settings.separators)
+            builder.add_question(messages, self.settings.anchor_chars)
+            round_info = session.rounds.assign(frozenset(builder.responses_read))
+            cut = builder.segments(self.settings.max_plan_segments)
+            if cut is None:
+                self.bounded["plans_cut"] += 1  # a prompt of countless pieces: no reuse, it runs densely
+            segments = cut or []
+            if not deadline.expired():
+                workflow = self._step(app, session, agent.id, builder.responses_read, deadline)
+        if workflow is None:
+            session.last_agent = agent.id  # the step graph did not learn this run; the next one follows it
+        over_budget = deadline.expired()
+        if over_budget:
+            self.bounded["plans_over_budget"] += 1
         plan = SegmentPlan(session_id=session_id, agent_id=agent.id, request_id=request_id,
                            segments=segments, round=round_info, workflow=workflow,
                            adapter=adapter, app_id=ident.app_id, tenant=self.tenants.namespace(ident.app_id))
-        self.changes.sessions.add((ident.app_id, session_id))
-        self.changes.agents.add((ident.app_id, agent.id))
-        return PlanResult(session_id, agent.id, plan, ident.session_id is None)
+        return PlanResult(session_id, agent.id, plan, ident.session_id is None, over_budget)
 
     def has_session(self, app_id: str, session_id: str) -> bool:
         app = self.apps.get(app_id)
@@ -139,16 +162,20 @@ class Inference:
             session.responses.setdefault(agent_id, []).append(seq)
             self.changes.sessions.add((app_id, session_id))
 
-    def _step(self, app: AppState, session: SessionState, agent_id: str, responses_read: set[int]) -> WorkflowInfo:
+    def _step(self, app: AppState, session: SessionState, agent_id: str, responses_read: set[int],
+              deadline: Deadline) -> WorkflowInfo:
         """Teach the app's step graph this run, and read the workflow position from it.
-        A source is fresh when this agent reads one of its outputs for the first time."""
+        A source is fresh when this agent reads one of its outputs for the first time.
+        Sources no longer in memory (evicted agents) are left out: the graph's nodes are
+        the app's agents."""
         seen = session.read_by.setdefault(agent_id, set())
-        read_from = {session.texts[seq].agent_id or "" for seq in responses_read}
-        fresh_from = {session.texts[seq].agent_id or "" for seq in responses_read - seen}
+        read_from = {a for seq in responses_read if (a := session.texts[seq].agent_id or "") in app.agents}
+        fresh_from = {a for seq in responses_read - seen if (a := session.texts[seq].agent_id or "") in app.agents}
         seen |= responses_read
-        app.graph.observe(agent_id, read_from, fresh_from, session.last_agent)
+        previous = session.last_agent if session.last_agent in app.agents else None
+        app.graph.observe(agent_id, read_from, fresh_from, previous)
         session.last_agent = agent_id
-        return app.graph.workflow(agent_id)
+        return app.graph.workflow(agent_id, self.settings.max_workflow_agents, deadline)
 
     def _linked_session(self, app: AppState, found: dict[int, list[Match]]) -> str | None:
         """The live session whose texts cover most of the prompt, if any."""
@@ -169,9 +196,11 @@ class Inference:
 class _SegmentBuilder:
     """Collects the named spans of each message, then fills the gaps with private ones."""
 
-    def __init__(self, app: AppState, session: SessionState, agent: AgentState, request_id: str) -> None:
+    def __init__(self, app: AppState, session: SessionState, agent: AgentState, request_id: str,
+                 deadline: Deadline) -> None:
         self.app, self.session, self.agent, self.request_id = app, session, agent, request_id
-        self._spans: dict[int, list[_Span]] = {}
+        self.deadline = deadline
+        self._spans: dict[int, _Spans] = {}
         self._texts: dict[int, str] = {}
         self.responses_read: set[int] = set()  # seqs of this session's responses found in the prompt
 
@@ -179,16 +208,18 @@ class _SegmentBuilder:
                     separators: list[str]) -> None:
         content = message.content or ""
         self._texts[message.index] = content
-        spans = self._spans.setdefault(message.index, [])
+        spans = self._spans.setdefault(message.index, _Spans())
         if fixed_chars:
-            spans.append(_Span(0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
+            spans.add(_Span(0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
         for match in matches:
             if match.start >= fixed_chars and (span := self._span(match)) is not None:
-                spans.append(span)
+                spans.add(span)
         if message.role == "tool" and not matches:
             self._add_new(spans, 0, len(content), content, "tool")
         for block in split_blocks(content, tuple(separators)):
-            if block.start >= fixed_chars and not _overlaps(spans, block.start, block.end):
+            if self.deadline.expired():
+                break  # thousands of blocks cost microseconds each: the rest stay private this time
+            if block.start >= fixed_chars and not spans.overlaps(block.start, block.end):
                 self._add_new(spans, block.start, block.end, content, "block")
 
     def add_question(self, messages: list[PromptMessage], anchor_chars: int) -> None:
@@ -203,7 +234,7 @@ class _SegmentBuilder:
         if session.question_seq is None:
             if session.num_requests == 1 and not self._spans.get(asks[-1].index):
                 message = asks[-1]
-                self._add_new(self._spans.setdefault(message.index, []), 0, len(message.content or ""),
+                self._add_new(self._spans.setdefault(message.index, _Spans()), 0, len(message.content or ""),
                               message.content or "", "question")
             return
         seq = session.question_seq
@@ -214,17 +245,18 @@ class _SegmentBuilder:
         message = asks[0]
         question = self.app.index.text_of(TextRef(session.id, seq)) or ""
         core = common_core(question, message.content or "", anchor_chars)
-        spans = self._spans.setdefault(message.index, [])
-        if core is None or _overlaps(spans, core.message_start, core.message_start + core.end - core.start):
+        spans = self._spans.setdefault(message.index, _Spans())
+        if core is None or spans.overlaps(core.message_start, core.message_start + core.end - core.start):
             return
         text = question[core.start:core.end]
         known = dataclasses.replace(session.texts[seq], content_hash=sha256(text))
         self.app.replace_text(session, seq, text, known)
         start = core.message_start
-        spans.append(_Span(start, start + len(text), "placeholder", None, known.content_hash, known.request_id, seq))
+        spans.add(_Span(start, start + len(text), "placeholder", None, known.content_hash, known.request_id, seq))
 
-    def segments(self) -> list[Segment]:
-        """Every message cut into segments. A quoted text is named relative to the newest
+    def segments(self, limit: int) -> list[Segment] | None:
+        """Every message cut into segments; None past `limit` segments (such a plan is not
+        sent, so the rest is not built). A quoted text is named relative to the newest
         text of the session this prompt holds, not to the newest text there is: every
         agent of an All-Gather round names the previous round's outputs alike, even when
         some agents of the round have already answered."""
@@ -233,7 +265,7 @@ class _SegmentBuilder:
         out: list[Segment] = []
         for index in sorted(self._texts):
             text, cursor = self._texts[index], 0
-            for span in sorted(self._spans.get(index, [])):
+            for span in self._spans.get(index, ()):
                 if span.seq is not None:
                     span = self._named(span, span.seq, horizon)
                 if span is None or span.start < cursor:
@@ -244,11 +276,13 @@ class _SegmentBuilder:
                                    kind=span.kind, name=span.name, content_hash=span.content_hash,  # type: ignore[arg-type]
                                    source_request=span.source_request))
                 cursor = span.end
+                if len(out) > limit:
+                    return None
             if cursor < len(text):
                 out.append(_private(index, text, cursor, len(text)))
-        return out
+        return out if len(out) <= limit else None
 
-    def _add_new(self, spans: list[_Span], start: int, end: int, content: str, kind: TextKind) -> None:
+    def _add_new(self, spans: _Spans, start: int, end: int, content: str, kind: TextKind) -> None:
         """A text seen for the first time: remember it and plan it as what it will be."""
         text = content[start:end]
         stripped = text.strip()
@@ -262,7 +296,7 @@ class _SegmentBuilder:
             self.session.tools.setdefault(self.agent.id, []).append(seq)
         elif kind == "question":
             self.session.question_seq = seq
-        spans.append(_Span(start, end, "placeholder", None, known.content_hash, self.request_id, seq))
+        spans.add(_Span(start, end, "placeholder", None, known.content_hash, self.request_id, seq))
 
     def _span(self, match: Match) -> _Span | None:
         """The span of a match: a text of this session first, else a block of another."""
@@ -287,8 +321,29 @@ class _SegmentBuilder:
         return span._replace(name=name) if name is not None else None
 
 
-def _overlaps(spans: list[_Span], start: int, end: int) -> bool:
-    return any(span.start < end and start < span.end for span in spans)
+class _Spans:
+    """The named spans of one message, by start. They never overlap (each is added only
+    where none lies), so an overlap test is one bisection: only the last span starting
+    before `end` can reach past `start`. A prompt of thousands of blocks stays linear."""
+
+    def __init__(self) -> None:
+        self._spans: list[_Span] = []
+        self._starts: list[int] = []
+
+    def add(self, span: _Span) -> None:
+        at = bisect.bisect_left(self._starts, span.start)
+        self._starts.insert(at, span.start)
+        self._spans.insert(at, span)
+
+    def overlaps(self, start: int, end: int) -> bool:
+        before = bisect.bisect_left(self._starts, end) - 1
+        return before >= 0 and self._spans[before].end > start
+
+    def __iter__(self) -> Iterator[_Span]:
+        return iter(self._spans)
+
+    def __len__(self) -> int:
+        return len(self._spans)
 
 
 def _private(index: int, text: str, start: int, end: int) -> Segment:

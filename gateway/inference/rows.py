@@ -12,9 +12,10 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.inference.agenttable import AgentState
 from gateway.inference.prefix import PrefixLearner
 from gateway.inference.rounds import RoundState
-from gateway.inference.state import AgentState, AppState, KnownText, SessionState, TextRef
+from gateway.inference.state import AppState, KnownText, SessionState, TextRef
 from gateway.inference.stepgraph import StepNode
 
 Row = dict[str, Any]
@@ -67,16 +68,18 @@ def round_rows(app_id: str, session: SessionState, keys: set[frozenset[int]]) ->
 
 
 def restore_agent(app: AppState, row: Any, learner: PrefixLearner) -> None:
+    """An agent saved in SQL, as the app's most recently used (rows come oldest first, so
+    past `max_agents` the longest unused stay out)."""
     learner.candidate, learner.hits = row.prefix_candidate, row.prefix_hits
-    app.agents[row.agent_id] = AgentState(row.agent_id, row.model, learner)
-    node = app.graph.nodes.setdefault(row.agent_id, StepNode())
-    node.waited_all, node.waited_some = row.waited_all, row.waited_some
+    app.agents.add(AgentState(row.agent_id, row.model, learner))
+    app.graph.restore_waits(row.agent_id, row.waited_all, row.waited_some)
 
 
 def restore_edge(app: AppState, row: Any) -> None:
-    node = app.graph.nodes.setdefault(row.target, StepNode())
-    app.graph.nodes.setdefault(row.source, StepNode())
-    (node.dataflow if row.kind == "dataflow" else node.succession)[row.source] = row.count
+    """A step-graph edge saved in SQL, kept only between agents in memory (the graph's
+    nodes are the app's agents)."""
+    if row.target in app.agents and row.source in app.agents:
+        app.graph.restore_edge(row.target, row.source, row.kind, row.count)
 
 
 def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[Any]) -> SessionState:

@@ -2,18 +2,21 @@
 
 Everything is per app (API key or client id), so two apps never share agents, sessions
 or texts. Sessions are bounded: one idle for `session_ttl_s` or pushed out by
-`max_sessions` (least recently used first) is dropped with its texts.
+`max_sessions` (least recently used first) is dropped with its texts. Agents are
+bounded too (`max_agents`, least recently used first, agenttable.py); the step graph
+forgets an evicted agent with it, so its size follows the agents'.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, OrderedDict
 from dataclasses import InitVar, dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, NamedTuple
 
-from gateway.inference.prefix import PrefixLearner
+from gateway.inference.agenttable import AgentTable
 from gateway.inference.rounds import RoundDetector, RoundEvidence
 from gateway.inference.stepgraph import StepGraph
 from gateway.inference.textindex import TextIndex
@@ -32,13 +35,6 @@ class KnownText:
     agent_id: str | None  # who produced it (response) or received it (tool)
     request_id: str  # the request that produced or first carried it
     content_hash: str
-
-
-@dataclass
-class AgentState:
-    id: str
-    model: str
-    prefix: PrefixLearner
 
 
 @dataclass
@@ -83,10 +79,11 @@ class SessionState:
         if known.kind == "block":
             return None
         series = (self.responses if known.kind == "response" else self.tools).get(known.agent_id or "", [])
-        if seq not in series:
+        at = bisect.bisect_left(series, seq)  # a series is in seq order: bisections, not scans
+        if at == len(series) or series[at] != seq:
             return None
         horizon = self.next_seq() if horizon is None else horizon
-        back = sum(1 for later in series if seq < later <= horizon)
+        back = max(0, bisect.bisect_right(series, horizon) - at - 1)  # outputs in (seq, horizon]
         stem = "agent" if known.kind == "response" else "condition"
         return f"{stem}_{known.agent_id}_{'current' if back == 0 else f'history_{back}'}"
 
@@ -114,16 +111,17 @@ class Changes:
 
 class AppState:
     def __init__(self, anchor_chars: int, session_ttl_s: float, max_sessions: int,
-                 max_texts_per_session: int = 4096, bounded: Counter[str] | None = None) -> None:
-        self.agents: dict[str, AgentState] = {}
-        self.graph = StepGraph()
+                 max_texts_per_session: int = 4096, bounded: Counter[str] | None = None,
+                 max_agents: int = 1000, same_agent_ratio: float = 0.9, max_step_sources: int = 64) -> None:
+        self.bounded: Counter[str] = bounded if bounded is not None else Counter()  # what a bound cut, by kind
+        self.graph = StepGraph(max_step_sources, self.bounded)
+        self.agents = AgentTable(max_agents, same_agent_ratio, self.graph.remove, self.bounded)
         self.round_evidence = RoundEvidence()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._ttl_s = session_ttl_s
         self._max_sessions = max_sessions
         self._max_texts = max_texts_per_session
-        self.bounded: Counter[str] = bounded if bounded is not None else Counter()  # what a bound cut, by kind
 
     def session(self, session_id: str, now: float | None = None) -> SessionState:
         """The live session (created if new), marked as just used."""

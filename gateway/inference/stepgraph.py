@@ -10,19 +10,43 @@ the triggers observed: each time the agent runs, which predecessors produced fre
 output since its previous run. Always all of them means AND; once fewer, OR.
 
 Steps-to-execution from the current position (the requesting agent is at step 0) are
-the fixed point of that recurrence, computed by relaxation (at most one round per
-agent, so cycles, like a reviewer feeding the planner again, terminate).
+computed in one pass in step order, as Dijkstra's algorithm does with unit steps
+(Knuth's generalisation to max and min): an OR agent gets its step when its first
+predecessor is reached, an AND agent when the last one it waits for is (a counter per
+AND agent). An AND agent waits only for the predecessors that can still run before it:
+those reachable from the current agent without passing through it, that is, those it
+does not dominate (dominators.py); so in a loop, like a reviewer feeding the planner
+again, it does not wait for itself. When nobody can go on (AND agents of a loop waiting
+on each other), the one that usually follows the current agent goes first, after its
+predecessors that have been reached.
+
+Cost: O(E log V) for the dominator tree, kept per current agent until the graph's edges
+change, and O((V + E) log V) for the pass, which stops after `limit` agents (a plan names
+only the nearest) or at the request's deadline. The graph itself is bounded: its nodes
+are the app's agents in memory (an evicted agent's node leaves with its edges) and a node
+keeps at most `max_sources` sources of each kind (further ones are counted, not kept).
+
+A step once given stands. The fixed-point relaxation this replaced lowered it again when
+an agent that went first out of a waiting loop offered a shorter way to an agent reached
+before; here that agent keeps the step it was reached with. Without such a loop both give
+the same steps.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import heapq
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
 
 from engine_ext.protocol import WorkflowInfo
+from gateway.inference.budget import NO_DEADLINE, Deadline, OutOfTime
+from gateway.inference.dominators import Dominators
 
 Aggregation = Literal["and", "or"]
+EdgeKind = Literal["dataflow", "succession"]
+_KEPT_DOMINATOR_TREES = 16  # current agents whose dominator tree is kept (per app)
+_DEADLINE_EVERY = 64  # agents reached between two looks at the clock
 
 
 @dataclass
@@ -34,20 +58,28 @@ class StepNode:
 
 
 class StepGraph:
-    def __init__(self) -> None:
+    def __init__(self, max_sources: int = 64, bounded: Counter[str] | None = None) -> None:
         self.nodes: dict[str, StepNode] = {}
+        self.max_sources = max_sources
+        self.bounded: Counter[str] = bounded if bounded is not None else Counter()
+        # Kept in step with `nodes` by every change, so no query rebuilds them:
+        self._preds: dict[str, frozenset[str]] = {}  # agent -> its predecessors
+        self._succ: dict[str, set[str]] = {}  # agent -> the agents it is a predecessor of
+        self._named_by: dict[str, set[str]] = {}  # agent -> the nodes whose counters name it
+        self._version = 0  # bumped whenever a predecessor set changes
+        self._dominators: OrderedDict[str, tuple[int, Dominators[str]]] = OrderedDict()
 
+    # -- learning -------------------------------------------------------------------------------
     def observe(self, agent: str, read_from: set[str], fresh_from: set[str], previous: str | None) -> None:
         """Agent `agent` runs; it read outputs of `read_from`, of which `fresh_from` are new
         since its previous run; `previous` ran just before it in the session."""
-        node = self.nodes.setdefault(agent, StepNode())
-        for source in read_from - {agent}:
-            self.nodes.setdefault(source, StepNode())
-            node.dataflow[source] += 1
+        node = self._node(agent)
+        for source in sorted(read_from - {agent}):
+            self._count(agent, node.dataflow, source, 1)
         if previous is not None and previous != agent:
-            self.nodes.setdefault(previous, StepNode())
-            node.succession[previous] += 1
-        predecessors = self.predecessors(agent)
+            self._count(agent, node.succession, previous, 1)
+        self._refresh(agent)
+        predecessors = self._preds[agent]
         fresh = fresh_from & predecessors
         if len(predecessors) >= 2 and fresh:
             if fresh == predecessors:
@@ -55,11 +87,37 @@ class StepGraph:
             else:
                 node.waited_some += 1
 
-    def predecessors(self, agent: str) -> set[str]:
-        node = self.nodes.get(agent)
+    def restore_edge(self, target: str, source: str, kind: EdgeKind, count: int) -> None:
+        """An edge saved in SQL (rows.py)."""
+        node = self._node(target)
+        self._count(target, node.dataflow if kind == "dataflow" else node.succession, source, count, replace=True)
+        self._refresh(target)
+
+    def restore_waits(self, agent: str, waited_all: int, waited_some: int) -> None:
+        node = self._node(agent)
+        node.waited_all, node.waited_some = waited_all, waited_some
+
+    def remove(self, agent: str) -> None:
+        """Forget an agent (evicted from memory): its node and every edge naming it."""
+        node = self.nodes.pop(agent, None)
         if node is None:
-            return set()
-        return set(node.dataflow) - {agent} or set(node.succession) - {agent}
+            return
+        for source in (*node.dataflow, *node.succession):
+            self._named_by.get(source, set()).discard(agent)
+        for source in self._preds.pop(agent, frozenset()):
+            self._succ.get(source, set()).discard(agent)
+        for target in self._named_by.pop(agent, set()):
+            other = self.nodes[target]
+            other.dataflow.pop(agent, None)
+            other.succession.pop(agent, None)
+            self._refresh(target)
+        self._succ.pop(agent, None)
+        self._version += 1
+        self._dominators.pop(agent, None)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def predecessors(self, agent: str) -> frozenset[str]:
+        return self._preds.get(agent, frozenset())
 
     def aggregation(self, agent: str) -> Aggregation:
         node = self.nodes.get(agent)
@@ -72,54 +130,56 @@ class StepGraph:
                 if src != dst and src not in n.dataflow]
         return sorted(out)
 
-    def steps_to_execution(self, current: str) -> dict[str, int]:
-        """Steps until each reachable agent runs, with `current` running now (step 0).
-
-        An AND agent waits only for the predecessors that can still run before it: those
-        reachable from `current` without passing through the agent itself (in a loop, the
-        others have already produced their output this time around)."""
-        preds = {agent: self.predecessors(agent) for agent in self.nodes}
-        successors: dict[str, set[str]] = {agent: set() for agent in self.nodes}
-        for agent, sources in preds.items():
-            for source in sources:
-                successors.setdefault(source, set()).add(agent)
-        steps: dict[str, int] = {current: 0}
-        for _ in range(2 * len(self.nodes) + 1):
-            changed = False
-            for agent in self.nodes:
-                if agent == current or not preds[agent]:
+    def steps_to_execution(self, current: str, limit: int | None = None,
+                           deadline: Deadline = NO_DEADLINE) -> dict[str, int]:
+        """Steps until each reachable agent runs, with `current` running now (step 0): all
+        of them, or the first `limit` reached (nearest first), or those reached before
+        the deadline."""
+        steps: dict[str, int] = {}
+        if current not in self.nodes:
+            return {current: 0}
+        dominators: Dominators[str] | None = None  # built when the first AND agent is reached
+        queue: list[tuple[int, str]] = [(0, current)]  # (step, agent): reached, not yet settled
+        offered: dict[str, int] = {}  # OR agent -> the step queued for it
+        waiting: dict[str, int] = {}  # AND agent -> predecessors it still waits for
+        last_wait: dict[str, int] = {}  # AND agent -> the latest step among those it waited for
+        stuck: list[tuple[int, int, str]] = []  # AND agents to go first out of a loop, best first (lazy)
+        while True:
+            while queue:
+                step, agent = heapq.heappop(queue)
+                if agent in steps:
                     continue
-                if self.aggregation(agent) == "and":
-                    ahead = _reachable(successors, current, avoid=agent) | {current}
-                    waits_for = preds[agent] & ahead
-                    if not waits_for or not waits_for <= steps.keys():
+                steps[agent] = step
+                if len(steps) == limit or (len(steps) % _DEADLINE_EVERY == 0 and deadline.expired()):
+                    return steps
+                for target in self._succ.get(agent, ()):
+                    if target in steps:
                         continue
-                    value = max(steps[p] for p in waits_for) + 1
-                else:
-                    known = [steps[p] for p in preds[agent] if p in steps]
-                    if not known:
+                    if self.aggregation(target) == "or":
+                        if step + 1 < offered.get(target, step + 2):
+                            offered[target] = step + 1
+                            heapq.heappush(queue, (step + 1, target))
                         continue
-                    value = min(known) + 1
-                if agent not in steps or value < steps[agent]:
-                    steps[agent], changed = value, True
-            if not changed and not self._break_wait(steps, preds, current):
-                break
-        return steps
+                    if target not in waiting:
+                        try:
+                            dominators = dominators or self._dominators_from(current, deadline)
+                        except OutOfTime:
+                            return steps
+                        waiting[target] = sum(1 for p in self._preds[target]
+                                              if dominators.reachable(p) and not dominators.dominates(target, p))
+                    # A predecessor reached is always one it waits for: it was reached without passing through it.
+                    waiting[target] -= 1
+                    last_wait[target] = max(last_wait.get(target, 0), step)
+                    if waiting[target] == 0:
+                        heapq.heappush(queue, (last_wait[target] + 1, target))
+                    else:
+                        order = -self.nodes[target].succession[current]
+                        heapq.heappush(stuck, (last_wait[target], order, target))
+            if not self._go_first(stuck, steps, last_wait, queue):
+                return steps
 
-    def _break_wait(self, steps: dict[str, int], preds: dict[str, set[str]], current: str) -> bool:
-        """AND agents can wait on each other in a loop where every agent reads every other
-        (a full transcript). Let the one that usually follows `current` go first, after
-        the predecessors that are known; False when nobody is waiting."""
-        waiting = [a for a in self.nodes if a not in steps and preds[a] & steps.keys()]
-        if not waiting:
-            return False
-        agent = min(waiting, key=lambda a: (max(steps[p] for p in preds[a] & steps.keys()),
-                                            -self.nodes[a].succession[current], a))
-        steps[agent] = max(steps[p] for p in preds[agent] & steps.keys()) + 1
-        return True
-
-    def workflow(self, current: str) -> WorkflowInfo:
-        steps = self.steps_to_execution(current)
+    def workflow(self, current: str, limit: int | None = None, deadline: Deadline = NO_DEADLINE) -> WorkflowInfo:
+        steps = self.steps_to_execution(current, limit, deadline)
         return WorkflowInfo(steps_to_execution=steps, next=sorted(a for a, s in steps.items() if s == 1))
 
     def mermaid(self, agents: set[str] | None = None) -> str:
@@ -136,12 +196,61 @@ class StepGraph:
                 lines.append(f"    {ids[src]} {'-->' if kind == 'dataflow' else '-.->'} {ids[dst]}")
         return "\n".join(lines)
 
+    # -- inside -----------------------------------------------------------------------------------
+    def _node(self, agent: str) -> StepNode:
+        node = self.nodes.get(agent)
+        if node is None:
+            node = self.nodes[agent] = StepNode()
+            self._preds[agent] = frozenset()
+        return node
 
-def _reachable(successors: dict[str, set[str]], start: str, avoid: str) -> set[str]:
-    seen, frontier = {start}, [start]
-    while frontier:
-        for nxt in successors.get(frontier.pop(), ()):
-            if nxt != avoid and nxt not in seen:
-                seen.add(nxt)
-                frontier.append(nxt)
-    return seen - {start}
+    def _count(self, target: str, counter: Counter[str], source: str, count: int, replace: bool = False) -> None:
+        """Count an edge source -> target, unless it is new and the counter is full."""
+        if source == target:
+            return
+        if source not in counter:
+            if len(counter) >= self.max_sources:
+                self.bounded["step_edges_not_kept"] += 1
+                return
+            self._node(source)
+            self._named_by.setdefault(source, set()).add(target)
+        counter[source] = count if replace else counter[source] + count
+
+    def _refresh(self, agent: str) -> None:
+        """Recompute an agent's predecessors after its counters changed."""
+        node = self.nodes[agent]
+        now = frozenset(node.dataflow) or frozenset(node.succession)
+        before = self._preds.get(agent, frozenset())
+        if now == before:
+            return
+        for source in before - now:
+            self._succ[source].discard(agent)
+        for source in now - before:
+            self._succ.setdefault(source, set()).add(agent)
+        self._preds[agent] = now
+        self._version += 1
+
+    def _dominators_from(self, current: str, deadline: Deadline) -> Dominators[str]:
+        kept = self._dominators.get(current)
+        if kept is not None and kept[0] == self._version:
+            self._dominators.move_to_end(current)
+            return kept[1]
+        tree = Dominators(current, self._succ, self._preds, deadline)
+        self._dominators[current] = (self._version, tree)
+        self._dominators.move_to_end(current)
+        while len(self._dominators) > _KEPT_DOMINATOR_TREES:
+            self._dominators.popitem(last=False)
+        return tree
+
+    @staticmethod
+    def _go_first(stuck: list[tuple[int, int, str]], steps: dict[str, int], last_wait: dict[str, int],
+                  queue: list[tuple[int, str]]) -> bool:
+        """Nobody can go on: the waiting AND agent whose reached predecessors ran earliest
+        goes first (ties: the one that most often followed the current agent, then by
+        name), one step after them. False when nobody is waiting."""
+        while stuck:
+            after, _, agent = heapq.heappop(stuck)
+            if agent not in steps and after == last_wait[agent]:  # else settled, or an outdated entry
+                heapq.heappush(queue, (after + 1, agent))
+                return True
+        return False

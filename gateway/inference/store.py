@@ -66,7 +66,9 @@ class StateStore:
         inference = self._inference
         cutoff = datetime.now(UTC) - timedelta(seconds=inference.settings.session_ttl_s)
         async with self._engine.connect() as conn:
-            agents = (await conn.execute(select(InferredAgentRow.__table__))).all()
+            # Oldest first: past max_agents per app, the least recently updated stay out.
+            agents = (await conn.execute(select(InferredAgentRow.__table__)
+                                         .order_by(InferredAgentRow.updated_at))).all()
             edges = (await conn.execute(select(StepEdgeRow.__table__))).all()
             sessions = (await conn.execute(select(InferredSessionRow.__table__)
                                            .where(InferredSessionRow.last_seen >= cutoff)

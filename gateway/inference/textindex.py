@@ -56,6 +56,20 @@ def _anchor_hash(codes: np.ndarray) -> int:
         return int(np.sum(codes * _POWERS.pow[: len(codes)], dtype=np.uint64))
 
 
+def window_hashes(text: str, k: int) -> np.ndarray:
+    """The hash of every window of `k` characters of `text` (len(text) - k + 1 of them, by
+    start), equal to the hash of the same characters anywhere else: one linear numpy pass."""
+    codes = _codes(text)
+    n = len(codes)
+    if n < k:
+        return np.zeros(0, dtype=np.uint64)
+    _POWERS.ensure(n + 1)
+    with np.errstate(over="ignore"):
+        prefix = np.zeros(n + 1, dtype=np.uint64)
+        np.cumsum(codes * _POWERS.pow[:n], out=prefix[1:])
+        return (prefix[k:] - prefix[: n - k + 1]) * _POWERS.inv[: n - k + 1]
+
+
 class TextIndex(Generic[Ref]):
     def __init__(self, anchor_chars: int = 32) -> None:
         if anchor_chars < 4:
@@ -109,13 +123,7 @@ class TextIndex(Generic[Ref]):
         k = self.anchor_chars
         if len(prompt) < k or not self._by_anchor:
             return []
-        codes = _codes(prompt)
-        n = len(codes)
-        _POWERS.ensure(n + 1)
-        with np.errstate(over="ignore"):
-            prefix = np.zeros(n + 1, dtype=np.uint64)
-            np.cumsum(codes * _POWERS.pow[:n], out=prefix[1:])
-            windows = (prefix[k:] - prefix[: n - k + 1]) * _POWERS.inv[: n - k + 1]  # (n-k+1,) hash per start
+        windows = window_hashes(prompt, k)
         filter_, mask = self._filter()
         candidates = np.flatnonzero(filter_[windows & mask])  # a superset: low hash bits only
         matches: list[Match[Ref]] = []

@@ -72,3 +72,31 @@ def test_any_messages_are_planned_and_every_segment_lies_in_its_message(conversa
             content = messages[segment.message_index]["content"]
             assert isinstance(content, str) and 0 <= segment.char_start < segment.char_end <= len(content)
         inference.observe_response("default", "s", plan.agent_id or "a", f"r{i}", f"answer {i} " * 5)
+
+
+def _unbudgeted(**settings) -> Inference:
+    """Planning without the time budget, so a complexity ratio sees all the work."""
+    return Inference(InferenceSettings(plan_budget_ms=1000, **settings))
+
+
+def test_thousands_of_blocks_are_planned_in_linear_time():
+    def run(num_blocks: int) -> Callable[[], None]:
+        content = "<TTSEP>".join(f"block {i:06d} of the long survey of the harbour" for i in range(num_blocks))
+        body = {"messages": [{"role": "user", "content": content}]}
+        return lambda: _unbudgeted().plan(identify({"x-session-id": "s"}, body, None), body, "r", "m")
+
+    ratio = cpu_ratio(run(800), run(3_200))
+    assert ratio < LINEAR_RATIO_BOUND, f"4x the blocks took {ratio:.1f}x the time"
+
+
+def test_a_prompt_quoting_thousands_of_one_agents_outputs_is_planned_in_linear_time():
+    def run(num_outputs: int) -> Callable[[], None]:
+        inference = _unbudgeted(max_plan_segments=4096)
+        outputs = [f"Output {i:05d} of the scribe: the granary holds {i} sacks." for i in range(num_outputs)]
+        for i, output in enumerate(outputs):
+            inference.observe_response("default", "s", "scribe", f"r{i}", output)
+        body = {"messages": [{"role": "user", "content": "\n".join(outputs)}]}
+        return lambda: inference.plan(identify({"x-session-id": "s"}, body, None), body, "q", "m")
+
+    ratio = cpu_ratio(run(500), run(2_000))
+    assert ratio < LINEAR_RATIO_BOUND, f"4x the quoted outputs took {ratio:.1f}x the time"

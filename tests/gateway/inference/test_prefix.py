@@ -1,10 +1,13 @@
 """PrefixLearner: the fixed part of an agent's system prompt, learned from repeated prompts,
-cut back to whitespace boundaries, or ended at once by an explicit delimiter."""
+cut back to whitespace boundaries, or ended at once by an explicit delimiter; in time
+linear in the prompt."""
 
 from __future__ import annotations
 
+import random
 
-from gateway.inference.prefix import PrefixLearner, PrefixObservation
+from gateway.inference.prefix import PrefixLearner, PrefixObservation, common_prefix_len
+from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 PLANNER = "You are the planner. Follow the rules below carefully."
 MONDAY = "You are the planner. Today is Monday"
@@ -138,3 +141,29 @@ def test_fixed_prefix_never_ends_inside_a_word_of_the_prompt():
     prompt = "You are a helpful agent named Bobby"
     assert learner.observe(prompt).fixed_chars == len("You are a helpful agent named ")
     assert learner.fixed == "You are a helpful agent named "
+
+
+def test_common_prefix_len_equals_a_character_walk_at_any_offsets():
+    rng = random.Random(3)
+    for _ in range(5000):
+        a = "".join(rng.choice("ab ") for _ in range(rng.randrange(12)))
+        b = "".join(rng.choice("ab ") for _ in range(rng.randrange(12)))
+        i, j = rng.randrange(len(a) + 2), rng.randrange(len(b) + 2)
+        walk = 0
+        while i + walk < len(a) and j + walk < len(b) and a[i + walk] == b[j + walk]:
+            walk += 1
+        assert common_prefix_len(a, b, i, j) == walk, (a, b, i, j)
+
+
+def test_an_endless_system_prompt_is_learned_in_linear_time():
+    def learn(n: int):
+        first, second = "x" * n + "1", "x" * n + "2"  # one endless word, differing at its end
+
+        def run() -> None:
+            learner = PrefixLearner()
+            learner.observe(first)
+            learner.observe(second)
+        return run
+
+    ratio = cpu_ratio(learn(500_000), learn(2_000_000))
+    assert ratio < LINEAR_RATIO_BOUND, f"4x the prompt took {ratio:.1f}x the time"

@@ -1,8 +1,14 @@
-"""StepGraph: edges, AND/OR aggregation learned from triggers, steps-to-execution."""
+"""StepGraph: edges, AND/OR aggregation learned from triggers, steps-to-execution (equal to
+references written from the definitions, linear in the graph), and its bounds."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
+
+from gateway.inference.budget import Deadline
 from gateway.inference.stepgraph import StepGraph
+from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 
 def test_dataflow_edges_win_over_succession_and_self_reads_are_ignored():
@@ -70,3 +76,162 @@ def test_mermaid_keeps_free_text_agent_ids_from_breaking_the_chart_and_can_show_
     assert len({line.split("[")[0] for line in text.splitlines()[1:4]}) == 3  # distinct node ids
     part = g.mermaid({"a-b", "a_b", "absent"})
     assert "say" not in part and part.count("-->") == 1
+
+
+# -- steps-to-execution against references written from the definitions -----------------------
+
+def _random_graph(rng: random.Random) -> tuple[StepGraph, list[str]]:
+    """A small graph learned through `observe`, with loops, AND joins and succession edges."""
+    names = [f"a{i}" for i in range(rng.randrange(1, 8))]
+    g = StepGraph()
+    for _ in range(rng.randrange(0, 18)):
+        read = set(rng.sample(names, rng.randrange(0, min(3, len(names)) + 1)))
+        fresh = {a for a in read if rng.random() < 0.7}
+        g.observe(rng.choice(names), read, fresh, rng.choice([*names, None]))
+    return g, names
+
+
+def _reachable_avoiding(g: StepGraph, start: str, avoid: str) -> set[str]:
+    seen, todo = {start}, [start]
+    while todo:
+        at = todo.pop()
+        for agent in g.nodes:
+            if at in g.predecessors(agent) and agent != avoid and agent not in seen:
+                seen.add(agent)
+                todo.append(agent)
+    return seen
+
+
+def _waits_for(g: StepGraph, agent: str, current: str) -> set[str]:
+    return set(g.predecessors(agent)) & _reachable_avoiding(g, current, agent)
+
+
+def _reference_steps(g: StepGraph, current: str) -> dict[str, int]:
+    """The documented semantics, by brute force: repeatedly give the smallest step any
+    agent can get from the agents already given one (OR: first predecessor + 1, AND: last
+    of those it waits for + 1); when none can, the waiting AND agent whose reached
+    predecessors ran earliest (then: most often after `current`, then name) goes first."""
+    steps = {current: 0}
+    while True:
+        offers = {}
+        for agent in g.nodes:
+            preds = g.predecessors(agent)
+            if agent in steps or not preds:
+                continue
+            if g.aggregation(agent) == "or":
+                known = [steps[p] for p in preds if p in steps]
+                if known:
+                    offers[agent] = min(known) + 1
+            else:
+                waits = _waits_for(g, agent, current)
+                if waits and waits <= steps.keys():
+                    offers[agent] = max(steps[p] for p in waits) + 1
+        if offers:
+            low = min(offers.values())
+            steps.update({agent: step for agent, step in offers.items() if step == low})
+            continue
+        waiting = [a for a in g.nodes if a not in steps and g.predecessors(a) & steps.keys()]
+        if not waiting:
+            return steps
+        first = min(waiting, key=lambda a: (max(steps[p] for p in g.predecessors(a) & steps.keys()),
+                                            -g.nodes[a].succession[current], a))
+        steps[first] = max(steps[p] for p in g.predecessors(first) & steps.keys()) + 1
+
+
+def _relaxed_steps(g: StepGraph, current: str) -> dict[str, int] | None:
+    """The fixed point of the step equations by plain relaxation; None when it leaves an
+    agent waiting that some reached agent feeds (a loop only a tie-break can open)."""
+    steps = {current: 0}
+    changed = True
+    while changed:
+        changed = False
+        for agent in g.nodes:
+            preds = g.predecessors(agent)
+            if agent == current or not preds:
+                continue
+            if g.aggregation(agent) == "or":
+                known = [steps[p] for p in preds if p in steps]
+                value = min(known) + 1 if known else None
+            else:
+                waits = _waits_for(g, agent, current)
+                value = max(steps[p] for p in waits) + 1 if waits and waits <= steps.keys() else None
+            if value is not None and value < steps.get(agent, value + 1):
+                steps[agent], changed = value, True
+    if any(a not in steps and g.predecessors(a) & steps.keys() for a in g.nodes):
+        return None
+    return steps
+
+
+def test_steps_equal_the_brute_force_reference_on_random_graphs():
+    rng = random.Random(11)
+    for _ in range(1500):
+        g, names = _random_graph(rng)
+        for current in names:
+            if current in g.nodes:
+                assert g.steps_to_execution(current) == _reference_steps(g, current), (g.edges(), current)
+
+
+def test_without_a_waiting_loop_the_steps_are_the_fixed_point_of_the_equations():
+    rng = random.Random(12)
+    compared = 0
+    for _ in range(1500):
+        g, names = _random_graph(rng)
+        for current in names:
+            relaxed = _relaxed_steps(g, current) if current in g.nodes else None
+            if relaxed is not None:
+                assert g.steps_to_execution(current) == relaxed
+                compared += 1
+    assert compared > 1000
+
+
+def _ring(n: int) -> StepGraph:
+    """A ring of n agents where every third one also reads from one 2-20 places back and
+    waits for both (AND): each joins a loop back through itself."""
+    g = StepGraph()
+    for i in range(n):
+        sources = {f"r{(i - 1) % n}"} | ({f"r{(i - 2 - i % 19) % n}"} if i % 3 == 0 else set())
+        g.observe(f"r{i}", sources, sources, None)
+    return g
+
+
+def test_a_limit_keeps_the_nearest_agents_with_their_full_steps():
+    g = _ring(300)
+    full = g.steps_to_execution("r5")
+    assert len(full) == 300
+    near = g.steps_to_execution("r5", limit=40)
+    assert len(near) == 40 and all(full[a] == s for a, s in near.items())
+    assert max(near.values()) <= min(s for a, s in full.items() if a not in near)
+    assert len(g.workflow("r5", limit=40).steps_to_execution) == 40
+
+
+def test_a_passed_deadline_returns_what_was_reached():
+    g = _ring(300)
+    steps = g.steps_to_execution("r5", deadline=Deadline(0.0))
+    assert 1 <= len(steps) < 300 and steps["r5"] == 0
+
+
+def test_steps_cost_time_linear_in_the_graph():
+    small, large = _ring(1_000), _ring(4_000)
+    ratio = cpu_ratio(lambda: small.steps_to_execution("r0"), lambda: large.steps_to_execution("r0"))
+    assert ratio < LINEAR_RATIO_BOUND, f"4x the agents took {ratio:.1f}x the time"
+
+
+# -- bounds ------------------------------------------------------------------------------------
+
+def test_removing_an_agent_takes_its_edges_and_predecessors_fall_back_to_succession():
+    g = StepGraph()
+    g.observe("a", set(), set(), None)
+    g.observe("b", set(), set(), "a")
+    g.observe("c", {"a"}, {"a"}, "b")  # dataflow from a; succession from b
+    assert g.predecessors("c") == {"a"}
+    g.remove("a")
+    assert "a" not in g.nodes and ("a", "b", "succession") not in g.edges()
+    assert g.predecessors("c") == {"b"} and g.predecessors("b") == set()
+    assert g.steps_to_execution("b") == {"b": 0, "c": 1}
+
+
+def test_a_node_keeps_at_most_max_sources_of_each_kind_and_counts_the_rest():
+    bounded: Counter[str] = Counter()
+    g = StepGraph(max_sources=3, bounded=bounded)
+    g.observe("join", {f"s{i}" for i in range(5)}, set(), None)
+    assert len(g.predecessors("join")) == 3 and bounded["step_edges_not_kept"] == 2

@@ -122,7 +122,7 @@ def test_a_session_out_of_memory_is_restored_on_demand_and_a_missing_one_is_not(
 
 
 def _agent(inference: Inference, role: str) -> str:
-    return next(a.id for a in inference.app("a").agents.values() if a.prefix.candidate and role in a.prefix.candidate)
+    return _agent_of(inference, "a", role)
 
 
 def test_a_failed_save_keeps_its_changes_for_the_next(tmp_path):
@@ -186,3 +186,34 @@ def test_sessions_idle_past_the_ttl_are_not_loaded_at_start(db_url):
         assert loaded.num_sessions == 0 and loaded.num_agents == 3
 
     asyncio.run(run())
+
+
+def test_agents_evicted_between_saves_do_not_break_them_and_a_restart_keeps_the_latest(db_url):
+    async def run() -> None:
+        crowded = Inference(InferenceSettings(max_agents=2))  # three agents take turns: one is always out
+        _converse(crowded, "a", "s1", 2)
+        assert crowded.bounded["agents_evicted"] > 0 and len(crowded.changes.agents) == 3
+        async with _store(db_url, crowded) as store:
+            assert await store.flush() > 0  # the evicted agent's row is simply not rebuilt
+            assert not crowded.changes
+
+        live = Inference(InferenceSettings())
+        transcript = _converse(live, "b", "s2", 1)
+        async with _store(db_url, live) as store:
+            await store.flush()
+            await asyncio.sleep(0.01)  # the next save's rows are newer
+            for agent in ("Booker", "Critic"):
+                _request(live, agent, 1, transcript, "b", "s2")
+            await store.flush()
+        rebuilt = Inference(InferenceSettings(max_agents=2))
+        async with _store(db_url, rebuilt) as store:
+            await store.load()
+        app = rebuilt.app("b")
+        assert sorted(app.agents) == sorted(_agent_of(live, "b", role) for role in ("Booker", "Critic"))
+        assert set(app.graph.nodes) <= set(app.agents)
+
+    asyncio.run(run())
+
+
+def _agent_of(inference: Inference, app: str, role: str) -> str:
+    return next(a.id for a in inference.app(app).agents.values() if a.prefix.candidate and role in a.prefix.candidate)

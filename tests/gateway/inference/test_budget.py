@@ -1,0 +1,75 @@
+"""The planning budget: once `plan_budget_ms` is spent, the stages of the plan not yet
+begun are skipped and the request goes on with what was planned (its tenant always),
+counted as plans_over_budget; through the gateway, the upstream gets that plan."""
+
+from __future__ import annotations
+
+import re
+
+from engine_ext.protocol import read_plan
+from gateway.identity import identify
+from gateway.inference import Inference, planner
+from gateway.inference.budget import Deadline
+from gateway.settings import InferenceSettings
+
+SYSTEM = "You are the archivist of the harbour office. Answer from the ledgers."
+LEDGER = "The ledger of the third quarter lists forty ships and their cargo of grain."
+
+
+def _plan(inference: Inference, user: str, request_id: str = "r"):
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]}
+    return inference.plan(identify({"x-session-id": "s", "x-kvrelay-app": "harbour"}, body, None), body,
+                          request_id, "m")
+
+
+class _ExpiresAfter(Deadline):
+    """A deadline that passes after `checks` looks at it: no clock in the test."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__(0.0)
+        self.checks = checks
+
+    def expired(self) -> bool:
+        self.checks -= 1
+        return self.checks < 0
+
+
+def test_a_plan_over_budget_is_forwarded_with_its_tenant_only_and_counted():
+    inference = Inference(InferenceSettings(plan_budget_ms=1e-6))  # spent before the segments begin
+    result = _plan(inference, LEDGER)
+    assert result.over_budget and inference.bounded["plans_over_budget"] == 1
+    plan = result.plan
+    assert plan.segments == [] and plan.round is None and plan.workflow is None
+    assert plan.tenant is not None and plan.agent_id == result.agent_id and plan.session_id == "s"
+    assert inference.apps["harbour"].sessions["s"].last_agent == result.agent_id  # the next run still follows it
+
+
+def test_a_budget_spent_after_the_segments_keeps_them_and_drops_the_workflow(monkeypatch):
+    inference = Inference(InferenceSettings())
+    # Looked at before the segments (in time), then before the step graph (spent); the
+    # message has no blocks, so nothing looks in between.
+    monkeypatch.setattr(planner, "Deadline", lambda budget_s: _ExpiresAfter(1))
+    result = _plan(inference, LEDGER)
+    assert result.over_budget and inference.bounded["plans_over_budget"] == 1
+    assert result.plan.segments and result.plan.workflow is None
+
+
+def test_a_plan_within_budget_is_whole_and_not_counted():
+    inference = Inference(InferenceSettings())
+    result = _plan(inference, LEDGER)
+    assert not result.over_budget and "plans_over_budget" not in inference.bounded
+    assert result.plan.segments and result.plan.workflow is not None
+
+
+def test_through_the_gateway_the_upstream_gets_the_tenant_only_plan_and_metrics_count_it(
+        fake_upstream, start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url], inference={"plan_budget_ms": 1e-6})
+    chat = {"model": "fake", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LEDGER}]}
+    with gw.client() as http:
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        text = http.get("/metrics").text
+    plan = read_plan(fake.received[-1].body)
+    assert plan is not None and plan.tenant is not None
+    assert plan.segments == [] and plan.round is None and plan.workflow is None
+    assert re.search(r'^kvrelay_state_bounded_total\{kind="plans_over_budget"\} 1\.0$', text, re.M)
