@@ -1,14 +1,28 @@
 """Gateway overhead: the same streaming load straight to a fast fake upstream and through
 the gateway, in one run, at concurrency 1 and 64.
 
-The fake upstream and the gateway each run in their own process (one uvicorn worker);
-this process generates the load. Overhead is the difference of the latency percentiles
-(to the last byte) between the two paths.
+Four processes: the fake upstream, the gateway (one uvicorn worker), the load generator
+(benchmarks/gateway_load.py) and this driver, which only sends commands and reads
+/proc. With two CPUs or more, the gateway is pinned to a CPU of its own and the rest
+share the others, so the load generator and the upstream cannot starve the gateway
+(nor the gateway them); the placement is in the config and the table.
+
+Two figures:
+- overhead: the difference of the latency percentiles (to the last byte) of the two
+  paths, measured in alternating rounds so drift hits both alike. A difference of
+  percentiles is not a percentile of the per-request overhead: when one path's tail is
+  set by a few stray pauses of the load generator, it can even come out negative. The
+  warm-up (connections opened before any measured round, kept alive across rounds), the
+  load generator's collector being off during a load, and enough requests per figure
+  are there to keep the tail about the servers.
+- the gateway's CPU time per request (user + system, all threads, from /proc), summed
+  over the through-gateway rounds: what one streamed request costs the gateway,
+  whatever the scheduler did. At 64 streams on one worker it bounds the throughput
+  (1 / cpu per request) and, with 64 requests queued on that core, the latency.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import statistics
@@ -18,22 +32,23 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import IO
 
-import aiohttp
 import httpx
 
 from benchmarks.common import BenchResult, free_port
+from benchmarks.cpu import Placement, cpu_seconds, pin_self, pinned, settled_cpu_seconds, split_cpus
 
-_ROUNDS = 4
-BODY = {"model": "fake", "messages": [{"role": "user", "content": "hello"}], "stream": True}
-_BODY_BYTES = json.dumps(BODY).encode()
-_JSON = {"content-type": "application/json"}
+_NUM_CHUNKS = 16
 
 
 @contextmanager
-def _process(args: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[None]:
+def _server(args: list[str], port: int, cpus: frozenset[int],
+            env: dict[str, str] | None = None) -> Iterator[subprocess.Popen[bytes]]:
     proc = subprocess.Popen([sys.executable, *args], env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=partial(pin_self, cpus))
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -45,36 +60,80 @@ def _process(args: list[str], port: int, env: dict[str, str] | None = None) -> I
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{args} did not start: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
             time.sleep(0.1)
-        yield
+        yield proc
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-async def _load(url: str, concurrency: int, num_requests: int) -> tuple[list[float], float]:
-    """Latencies (s, to the last byte) of num_requests streams, `concurrency` at a time; and wall time."""
-    latencies: list[float] = []
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(num_requests):
-        queue.put_nowait(i)
-    # aiohttp, not httpx: httpx's pool costs so much CPU at 64 connections that the load
-    # generator, not the server, would set the latency of both paths.
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as client:
-        async def worker() -> None:
-            while not queue.empty():
-                queue.get_nowait()
-                start = time.perf_counter()
-                async with client.post(url, data=_BODY_BYTES, headers=_JSON) as response:
-                    if response.status != 200:
-                        raise RuntimeError(f"{url} answered {response.status}")
-                    async for _ in response.content.iter_any():
-                        pass
-                latencies.append(time.perf_counter() - start)
+class _LoadGenerator:
+    """The load generator process, driven one command at a time over its stdin/stdout."""
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return latencies, time.perf_counter() - start
+    def __init__(self, cpus: frozenset[int]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.gateway_load"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, preexec_fn=partial(pin_self, cpus))
+        self.pid = self.proc.pid
+
+    def load(self, url: str, concurrency: int, num_requests: int) -> tuple[list[float], float]:
+        stdin, stdout = self._pipes()
+        stdin.write((json.dumps({"url": url, "concurrency": concurrency, "requests": num_requests}) + "\n").encode())
+        stdin.flush()
+        line = stdout.readline()
+        if not line:
+            raise RuntimeError(f"the load generator exited ({self.proc.wait()}) on {url}")
+        answer = json.loads(line)
+        return answer["latencies"], answer["wall_s"]
+
+    def _pipes(self) -> tuple[IO[bytes], IO[bytes]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        return self.proc.stdin, self.proc.stdout
+
+    def close(self) -> None:
+        self._pipes()[0].close()
+        self.proc.wait(10)
+
+
+@dataclass
+class _Level:
+    """What one concurrency level measured, summed over its rounds."""
+
+    direct: list[float] = field(default_factory=list)
+    through: list[float] = field(default_factory=list)
+    round_p50_overheads: list[float] = field(default_factory=list)  # s, one per alternation round
+    through_wall_s: float = 0.0
+    gateway_cpu_s: float = 0.0  # settled: includes the records written after the load
+    gateway_busy_s: float = 0.0  # during the loads only
+    others_busy_s: float = 0.0  # load generator + fake upstream, during the through loads
+
+
+def _measure(load: _LoadGenerator, gateway_pid: int, upstream_pid: int, direct_url: str, gateway_url: str,
+             concurrency: int, num_requests: int, rounds: int) -> _Level:
+    level = _Level()
+    warmup = max(4 * concurrency, 32)  # opens every connection, warms both servers' code paths
+    load.load(gateway_url, concurrency, warmup)
+    load.load(direct_url, concurrency, warmup)
+    settled_cpu_seconds(gateway_pid)
+    for _ in range(rounds):  # alternate the paths so drift on a busy machine hits both
+        direct = load.load(direct_url, concurrency, num_requests // rounds)[0]
+        gw_before = settled_cpu_seconds(gateway_pid)
+        others_before = _cpu_sum(load.pid, upstream_pid)
+        latencies, wall = load.load(gateway_url, concurrency, num_requests // rounds)
+        others_after, gw_after = _cpu_sum(load.pid, upstream_pid), cpu_seconds(gateway_pid)
+        gw_settled = settled_cpu_seconds(gateway_pid)
+        level.round_p50_overheads.append(_pct(latencies, 50) - _pct(direct, 50))
+        level.direct += direct
+        level.through += latencies
+        level.through_wall_s += wall
+        if None not in (gw_before, gw_after, gw_settled, others_before, others_after):
+            level.gateway_cpu_s += gw_settled - gw_before  # type: ignore[operator]
+            level.gateway_busy_s += gw_after - gw_before  # type: ignore[operator]
+            level.others_busy_s += others_after - others_before  # type: ignore[operator]
+    return level
+
+
+def _cpu_sum(*pids: int) -> float | None:
+    times = [cpu_seconds(pid) for pid in pids]
+    return None if None in times else sum(times)  # type: ignore[arg-type]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -83,39 +142,70 @@ def _pct(values: list[float], q: float) -> float:
 
 def run(quick: bool, model: str | None) -> BenchResult:
     del model  # the fake upstream serves no real model
-    num_requests = {1: 100 if quick else 400, 64: 640 if quick else 3200}
-    num_chunks = 16
+    num_requests = {1: 400 if quick else 1600, 64: 2560 if quick else 12800}
+    rounds = 4 if quick else 8
+    placement = split_cpus()
+    with pinned(placement.others):  # the driver too keeps off the gateway's CPU
+        rows, metrics = _run_all(placement, num_requests, rounds)
+    rows.append(("CPU placement", *placement.describe(), ""))
+    config = {"quick": quick, "num_requests": num_requests, "rounds": rounds, "chunks_per_stream": _NUM_CHUNKS,
+              "gateway_workers": 1, "records": "sqlite", "keep_alive": True,
+              "cpu_placement": {"gateway": sorted(placement.tested),
+                                "load_generator_fake_upstream_driver": sorted(placement.others)}}
+    return BenchResult("gateway", metrics, config, rows,
+                       headers=("measure", "through gateway", "direct", "overhead"))
+
+
+def _run_all(placement: Placement, num_requests: dict[int, int],
+             rounds: int) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
+    """Start the fake upstream, the gateway and the load generator; measure each concurrency level."""
     up_port, gw_port = free_port(), free_port()
     db = tempfile.mkdtemp(prefix="kvrelay-bench-")
     gw_env = {"KVRELAY_UPSTREAMS": f'["http://127.0.0.1:{up_port}"]',
               "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{db}/records.db"}
-    rows, metrics = [], {}
-    with _process(["-m", "benchmarks.fake_upstream", "--port", str(up_port), "--chunks", str(num_chunks)], up_port), \
-         _process(["-m", "uvicorn", "gateway.app:create_app", "--factory", "--port", str(gw_port),
-                   "--log-level", "warning", "--no-access-log"], gw_port, gw_env):
-        direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
-        gateway_url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
-        for concurrency, n in num_requests.items():
-            asyncio.run(_load(gateway_url, concurrency, min(n, 64)))  # warm both paths
-            asyncio.run(_load(direct_url, concurrency, min(n, 64)))
-            direct, through, wall = [], [], 0.0
-            for _ in range(_ROUNDS):  # alternate the paths so drift on a busy machine hits both
-                direct += asyncio.run(_load(direct_url, concurrency, n // _ROUNDS))[0]
-                lat, seconds = asyncio.run(_load(gateway_url, concurrency, n // _ROUNDS))
-                through += lat
-                wall += seconds
-            for q in (50, 99):
-                d, g = _pct(direct, q) * 1e3, _pct(through, q) * 1e3
-                rows.append((f"p{q} latency ms @ {concurrency} streams", f"{g:.2f}", f"{d:.2f}", f"+{g - d:.2f} ms"))
-                if concurrency == 64:
-                    metrics[f"overhead_p{q}_ms"] = g - d
-            rps = len(through) / wall
-            rows.append((f"requests/s @ {concurrency} streams", f"{rps:.0f}", "", ""))
-            if concurrency == 64:
-                metrics["gateway_rps"] = rps
-            else:
-                metrics["overhead_p50_ms_c1"] = _pct(through, 50) * 1e3 - _pct(direct, 50) * 1e3
-    config = {"quick": quick, "num_requests": num_requests, "chunks_per_stream": num_chunks,
-              "gateway_workers": 1, "records": "sqlite"}
-    return BenchResult("gateway", metrics, config, rows,
-                       headers=("measure", "through gateway", "direct", "overhead"))
+    rows: list[tuple[str, str, str, str]] = []
+    metrics: dict[str, float] = {}
+    with _server(["-m", "benchmarks.fake_upstream", "--port", str(up_port), "--chunks", str(_NUM_CHUNKS)],
+                 up_port, placement.others) as upstream, \
+         _server(["-m", "uvicorn", "gateway.app:create_app", "--factory", "--port", str(gw_port),
+                  "--log-level", "warning", "--no-access-log"], gw_port, placement.tested, gw_env) as gateway:
+        load = _LoadGenerator(placement.others)
+        try:
+            direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+            gateway_url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+            for concurrency, n in num_requests.items():
+                level = _measure(load, gateway.pid, upstream.pid, direct_url, gateway_url, concurrency, n, rounds)
+                rows += _rows(level, concurrency)
+                metrics.update(_metrics(level, concurrency))
+        finally:
+            load.close()
+    return rows, metrics
+
+
+def _rows(level: _Level, concurrency: int) -> list[tuple[str, str, str, str]]:
+    rows = []
+    for q in (50, 99):
+        d, g = _pct(level.direct, q) * 1e3, _pct(level.through, q) * 1e3
+        rows.append((f"p{q} latency ms @ {concurrency} streams", f"{g:.2f}", f"{d:.2f}", f"{g - d:+.2f} ms"))
+    spread = level.round_p50_overheads
+    rows.append((f"p50 overhead per round @ {concurrency} streams", "", "",
+                 f"{min(spread) * 1e3:+.2f} .. {max(spread) * 1e3:+.2f} ms"))
+    rows.append((f"requests/s @ {concurrency} streams", f"{len(level.through) / level.through_wall_s:.0f}", "", ""))
+    if level.gateway_cpu_s:
+        wall = level.through_wall_s
+        rows.append((f"gateway CPU ms/request @ {concurrency} streams",
+                     f"{level.gateway_cpu_s * 1e3 / len(level.through):.3f}", "", ""))
+        rows.append((f"CPU busy during its loads @ {concurrency} streams", f"gateway {level.gateway_busy_s / wall:.0%}",
+                     f"load gen + upstream {level.others_busy_s / wall:.0%}", ""))
+    return rows
+
+
+def _metrics(level: _Level, concurrency: int) -> dict[str, float]:
+    suffix = "" if concurrency == 64 else f"_c{concurrency}"
+    metrics = {f"overhead_p50_ms{suffix}": (_pct(level.through, 50) - _pct(level.direct, 50)) * 1e3}
+    if concurrency == 64:
+        metrics["overhead_p99_ms"] = (_pct(level.through, 99) - _pct(level.direct, 99)) * 1e3
+        metrics["gateway_rps"] = len(level.through) / level.through_wall_s
+    if level.gateway_cpu_s:
+        metrics[f"gateway_cpu_ms_per_request{suffix}"] = level.gateway_cpu_s * 1e3 / len(level.through)
+    return metrics

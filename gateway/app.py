@@ -171,7 +171,7 @@ async def final_flush(store: StateStore, attempts: int = 3) -> None:
             await asyncio.sleep(0.2 * attempt)
 
 
-def get_state(request: Request) -> GatewayState:
+async def get_state(request: Request) -> GatewayState:
     return request.app.state.gateway
 
 

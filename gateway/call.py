@@ -44,6 +44,7 @@ from kvrelay.json_values import first_misfit
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
 
 
 @dataclass
@@ -205,7 +206,7 @@ class ProxiedCall:
             if not options.get("include_usage"):
                 self.strip_usage = True
                 body = {**body, "stream_options": {**options, "include_usage": True}}
-        return json.dumps(body, separators=(",", ":")).encode()
+        return _COMPACT_JSON.encode(body).encode()
 
     def _headers(self) -> dict[str, str]:
         """Content headers, and the trace context: the client's, continued by our span."""
@@ -268,8 +269,10 @@ class ProxiedCall:
                     info = inspect(event)
                     if info.has_content and self.record.first_token_at is None:
                         self._mark_first_token()
-                    self._completion.append(info.text)
-                    self._finish_reasons.extend(info.finish_reasons)
+                    if info.text:
+                        self._completion.append(info.text)
+                    if info.finish_reasons:
+                        self._finish_reasons.extend(info.finish_reasons)
                     if info.usage is not None:
                         self._take_usage(info.usage)
                     if info.kv_transfer_params is not None:

@@ -25,6 +25,7 @@ class EventInfo(NamedTuple):
 
 
 _NOTHING = EventInfo(False, "", None, False, None, ())
+_DECODE = json.JSONDecoder().decode  # what json.loads uses for a str, without its checks
 
 
 class EventTooLargeError(ValueError):
@@ -46,6 +47,14 @@ class EventReader:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events completed by `chunk`, each with its trailing blank line."""
+        if not self._buffer and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # The usual read: whole LF-separated events and nothing pending. Without a CR
+            # the only boundary is LF LF, and bytes.split finds the same leftmost,
+            # non-overlapping boundaries as the pattern, without copying into the buffer.
+            # (A read ending in LF LF LF ends with an unfinished "\n": the general path.)
+            parts = chunk.split(b"\n\n")
+            if not parts[-1]:
+                return [chunk] if len(parts) == 2 else [part + b"\n\n" for part in parts[:-1]]
         self._buffer += chunk
         events, start = [], 0
         for match in _BOUNDARY.finditer(self._buffer, max(self._scanned - 3, 0)):
@@ -71,26 +80,47 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
 
 
 def inspect(event: bytes) -> EventInfo:
-    data = b"".join(
-        line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:")
-    )
+    """What the gateway needs from one event. Called for every event of every stream, so
+    the usual shapes take short paths (one data line; one choice) that give the same
+    answer as the general ones."""
+    if event.startswith(b"data:") and event.find(b"\n") == len(event) - 2 and b"\r" not in event:
+        data = event[5:-2].lstrip()  # one line, "data: ...\n\n"
+    else:
+        data = b"".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
     if not data or data == b"[DONE]":
         return _NOTHING
     try:
-        body = json.loads(data)
+        body = _loads(data)
     except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
         return _NOTHING
     if not isinstance(body, dict):
         return _NOTHING
     listed = body.get("choices")
-    choices = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
-    has_content = any(_choice_has_content(c) for c in choices)
-    text = "".join(_choice_text(c) for c in choices)
-    usage = body.get("usage") if isinstance(body.get("usage"), dict) else None
-    error = body.get("error") if isinstance(body.get("error"), dict) else None
-    finish_reasons = finish_reasons_of(choices)
-    params = body.get("kv_transfer_params") if isinstance(body.get("kv_transfer_params"), dict) else None
-    return EventInfo(has_content, text, usage, usage is not None and not choices, error, finish_reasons, params)
+    if isinstance(listed, list) and len(listed) == 1 and isinstance(listed[0], dict):
+        choice = listed[0]
+        choices = listed
+        has_content = _choice_has_content(choice)
+        text = _choice_text(choice)
+        reason = choice.get("finish_reason")
+        finish_reasons: tuple[str, ...] = (reason,) if isinstance(reason, str) else ()
+    else:
+        choices = [c for c in listed if isinstance(c, dict)] if isinstance(listed, list) else []
+        has_content = any(_choice_has_content(c) for c in choices)
+        text = "".join(_choice_text(c) for c in choices)
+        finish_reasons = finish_reasons_of(choices)
+    usage, error, params = body.get("usage"), body.get("error"), body.get("kv_transfer_params")
+    usage = usage if isinstance(usage, dict) else None
+    return EventInfo(has_content, text, usage, usage is not None and not choices,
+                     error if isinstance(error, dict) else None, finish_reasons,
+                     params if isinstance(params, dict) else None)
+
+
+def _loads(data: bytes) -> Any:
+    """json.loads(data), skipping its encoding detection when it would pick UTF-8 anyway
+    (data opening with "{" then a non-zero byte: what every upstream sends)."""
+    if data[:1] == b"{" and data[1:2] != b"\x00":
+        return _DECODE(data.decode("utf-8", "surrogatepass"))
+    return json.loads(data)
 
 
 def finish_reasons_of(choices: list[Any]) -> tuple[str, ...]:

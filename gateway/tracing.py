@@ -15,7 +15,8 @@ from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer, set_span_in_context
+from opentelemetry.trace import (INVALID_SPAN_CONTEXT, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer,
+                                 set_span_in_context)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from engine_ext.otel import TracingConfigError, build_provider
@@ -85,6 +86,8 @@ def describe_plan(span: Span, plan: SegmentPlan, session_inferred: bool) -> None
 def trace_headers(span: Span) -> dict[str, str]:
     """traceparent/tracestate that make the upstream's work a child of this span."""
     carrier: dict[str, str] = {}
+    if span.get_span_context() == INVALID_SPAN_CONTEXT:
+        return carrier  # what inject would write: nothing (no trace, tracing off)
     _PROPAGATOR.inject(carrier, context=set_span_in_context(span))
     return carrier
 

@@ -24,6 +24,7 @@ import aiohttp
 
 from gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedError, UpstreamTimeoutError,
                             UpstreamUnreachableError)
+from gateway.idle_watch import IdleTimeout, IdleWatch
 from gateway.settings import GatewaySettings
 from gateway.upstreams import Upstream, UpstreamPool
 from kvrelay.json_values import encodable
@@ -55,17 +56,21 @@ class UpstreamResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; no chunk may take longer than idle_s."""
         content = self._raw.content
+        watch = IdleWatch(content, self._idle_s)  # one timer per idle period, not one per chunk
         try:
             while True:
-                async with asyncio.timeout(self._idle_s):
-                    chunk = await content.readany()
+                watch.reading()
+                chunk = await content.readany()
+                watch.done()
                 if not chunk:
                     return
                 yield chunk
-        except TimeoutError as exc:
+        except IdleTimeout as exc:
             raise UpstreamTimeoutError(f"{self._url} stalled mid-stream") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamFailedError(f"{self._url} broke the stream: {type(exc).__name__}") from exc
+        finally:
+            watch.close()
 
     def close(self) -> None:
         """Keep the connection for reuse when the body was read to the end; otherwise drop

@@ -1,0 +1,48 @@
+"""`kvrelay bench gateway` reports its metrics, its CPU placement and the gateway's CPU
+time per request; benchmarks.cpu reads a process's CPU time. No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from benchmarks import run_benchmark
+from benchmarks.cpu import cpu_seconds, split_cpus
+
+
+def test_gateway_bench_quick_writes_the_issue_metrics(tmp_path):
+    out = tmp_path / "gateway.json"
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    run_benchmark("gateway", quick=True, json_path=out, model=None)
+    if affinity is not None:
+        assert os.sched_getaffinity(0) == affinity  # the driver's pinning is undone
+    data = json.loads(out.read_text())
+    assert data["name"] == "gateway" and set(data) >= {"metrics", "config", "machine"}
+    metrics = data["metrics"]
+    assert {"overhead_p50_ms", "overhead_p99_ms", "overhead_p50_ms_c1", "gateway_rps"} <= set(metrics)
+    assert metrics["gateway_rps"] > 0
+    if os.path.exists("/proc/self/stat"):
+        assert metrics["gateway_cpu_ms_per_request"] > 0 and metrics["gateway_cpu_ms_per_request_c1"] > 0
+    placement = data["config"]["cpu_placement"]
+    assert not set(placement["gateway"]) & set(placement["load_generator_fake_upstream_driver"])
+
+
+def test_split_cpus_gives_the_tested_process_a_cpu_of_its_own():
+    placement = split_cpus()
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+    if len(available) < 2:
+        assert not placement.tested and not placement.others
+    else:
+        assert len(placement.tested) == 1 and placement.tested | placement.others == available
+        assert not placement.tested & placement.others
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs Linux /proc")
+def test_cpu_seconds_counts_this_process():
+    before = cpu_seconds(os.getpid())
+    sum(i * i for i in range(3_000_000))  # some CPU, however fast the machine
+    after = cpu_seconds(os.getpid())
+    assert before is not None and after is not None and after >= before >= 0
+    assert cpu_seconds(2**22 + 12345) is None  # no such process
