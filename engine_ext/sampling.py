@@ -9,9 +9,12 @@ import torch
 from engine_ext.errors import InvalidRequestError
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request decoding settings; temperature 0 means greedy."""
+    """Per-request decoding settings; temperature 0 (or under GREEDY_BELOW) means greedy."""
 
     max_tokens: int | None = None
     temperature: float = 1.0
@@ -36,7 +39,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float32 (inf, then NaN probabilities
+        # that fail the whole step); the distribution is argmax long before that.
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:

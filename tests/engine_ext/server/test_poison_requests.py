@@ -96,6 +96,17 @@ def test_a_poison_request_is_refused_and_the_next_one_works(srv, endpoint, body,
         assert http.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 5.592550987874534e-69, 1e-6])
+def test_a_vanishing_temperature_samples_greedily_and_fails_nothing(srv, temperature):
+    """logits / 5e-324 overflows float32: such a request once failed its whole step (and
+    every request batched with it). Under 1e-5 it is greedy, as temperature 0 is."""
+    with httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        greedy = post(http, "text", text(max_tokens=4, ignore_eos=True)).json()
+        tiny = post(http, "text", text(max_tokens=4, ignore_eos=True, temperature=temperature))
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["text"] == greedy["choices"][0]["text"]
+
+
 def test_an_unexpected_failure_in_one_request_fails_only_that_request(srv, monkeypatch):
     """A bug the engine did not foresee, raised while one request is added, fails that
     request with an OpenAI 500 body; the engine thread goes on serving."""
