@@ -59,8 +59,9 @@ class InferenceSettings(BaseModel):
     max_agents: Annotated[int, Field(ge=1, le=100_000)] = 1000
     max_step_sources: Annotated[int, Field(ge=2, le=1024)] = 64  # step-graph sources kept per agent and kind
     max_workflow_agents: Annotated[int, Field(ge=1, le=10_000)] = 64  # agents a plan's workflow names, nearest first
-    # Planning runs on the event loop: past this, the rest of a plan is skipped and the
-    # request goes on with what was planned (counted as plans_over_budget).
+    # Planning runs on the event loop: past this much CPU time (plus 0.05 ms per message),
+    # the rest of a plan is skipped and the request goes on with what was planned
+    # (counted as plans_over_budget).
     plan_budget_ms: Annotated[float, Field(gt=0, le=1000)] = 10.0
     # Tenants whose requests may reuse each other's cached KV, as groups (a pair, or more
     # that all share); a tenant in one group at most (gateway/tenancy.py).

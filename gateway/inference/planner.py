@@ -36,6 +36,7 @@ from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
 from gateway.tenancy import TenantMap
 
+PER_MESSAGE_MS = 0.05  # planning budget per message, on top of plan_budget_ms (about 3x the measured cost)
 _LINKING_KINDS: frozenset[TextKind] = frozenset({"response", "tool", "question"})
 
 
@@ -106,9 +107,12 @@ class Inference:
         return app
 
     def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
-        deadline = Deadline(self.settings.plan_budget_ms / 1e3)
-        app = self.app(ident.app_id)
         messages = prompt_messages(body)
+        # The budget grows with the transcript: planning is linear in it, and a long but
+        # ordinary one (hundreds of turns) must keep its plan; only what is beyond
+        # linear cost is cut.
+        deadline = Deadline((self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3)
+        app = self.app(ident.app_id)
         found = {m.index: app.index.find(m.content) for m in messages if m.content}
         session_id = ident.session_id or self._linked_session(app, found) or f"sess-{uuid.uuid4().hex[:16]}"
         session = app.session(session_id)

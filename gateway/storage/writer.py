@@ -14,8 +14,7 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import text
-from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError, SQLAlchemyError, StatementError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.dialect import dialect_insert
@@ -61,10 +60,22 @@ def sha256_text(value: str) -> str:
     return hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-# Errors that mean the database is unreachable or busy, not that a record is bad: the
-# batch waits and is retried. Any other error is the batch's own.
-_OUTAGE = (OperationalError, InterfaceError, DisconnectionError, OSError, TimeoutError)
-_TRIES_BEFORE_PROBE = 5  # outage errors in a row before asking whether the database is up
+# Errors that say a record can never be written (bad data, a constraint, a value the
+# driver cannot bind, a bug of ours). Every other database or OS error may pass (a lost
+# connection, a full pool, a lock, a deadlock, a failover): the records wait for it.
+_REFUSALS = (DataError, IntegrityError, ProgrammingError)
+_TRIES_BEFORE_SPLIT = 5  # failures in a row before the records are tried one by one
+_STRIKES = 3  # times a record fails alone while others are written before it is quarantined
+
+
+def _refused(exc: Exception) -> bool:
+    if isinstance(exc, _REFUSALS):
+        return True
+    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
+        return True  # raised while binding a value, before the database saw anything
+    return not isinstance(exc, (SQLAlchemyError, OSError, TimeoutError))
+
+
 _RESTART_DELAY_S = 1.0
 
 
@@ -73,9 +84,9 @@ class RecordWriter:
 
     A batch the database refuses is written again one record at a time, and a record it
     still refuses is quarantined: logged with its id and counted, never retried, so one
-    bad record costs only itself. An outage keeps the batch and retries with backoff
-    (an outage error that persists while the database answers a probe is treated as the
-    batch's own). Should the task end anyway (a bug), it is restarted with the batch it
+    bad record costs only itself. An outage keeps the batch and retries with backoff; an
+    error that persists is also tried record by record, and a record that still fails
+    while others are written is quarantined. Should the task end anyway (a bug), it is restarted with the batch it
     held (gateway/supervisor.py), and `alive` says so in the meantime (`/ready`)."""
 
     def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int) -> None:
@@ -88,6 +99,7 @@ class RecordWriter:
         self._insert_request = insert(RequestRow.__table__).on_conflict_do_nothing()
         self._runner: SupervisedTask | None = None
         self._held: list[RequestRecord] = []  # the batch being written, kept across a restart
+        self._strikes: dict[str, int] = {}  # record id -> times it failed alone while others were written
         self.num_written = 0
         self.num_dropped = 0
         self.num_write_errors = 0
@@ -135,9 +147,9 @@ class RecordWriter:
                 while len(self._held) < self._batch_size and not self._queue.empty():
                     self._held.append(self._queue.get_nowait())
             try:
-                await self._write_batch(self._held)
+                await self._write_held()
             except Exception:
-                # _write_batch handles every database error; what is left is a bug of ours.
+                # _write_held handles every database error; what is left is a bug of ours.
                 logger.exception("writing %d records failed unexpectedly; quarantining them", len(self._held))
                 for record in self._held:
                     self._quarantine(record, "writer_bug")
@@ -145,44 +157,73 @@ class RecordWriter:
             for _ in batch:
                 self._queue.task_done()
 
-    async def _write_batch(self, batch: list[RequestRecord]) -> None:
+    async def _write_held(self) -> None:
+        """Write the held batch. Through an outage: retry with backoff, as long as it
+        takes. After errors that persist, or one that says a record is refused: one
+        record at a time, so the database itself tells which records are at fault."""
+        todo = list(self._held)
         delay, failures = 0.2, 0
-        while True:
+        while todo:
             try:
-                await self._write(batch)
-                self.num_written += len(batch)
+                await self._write(todo)
+                self.num_written += len(todo)
                 return
-            except _OUTAGE as exc:
+            except Exception as exc:
+                error = exc
+            if not _refused(error):
                 self.num_write_errors += 1
                 failures += 1
-                if failures >= _TRIES_BEFORE_PROBE and await self._database_up():
-                    error = type(exc).__name__  # the database answers, yet this batch fails
-                    break
-                logger.warning("writing %d records failed (%s); retrying in %.1fs", len(batch), type(exc).__name__,
-                               delay)
+                if failures < _TRIES_BEFORE_SPLIT:
+                    logger.warning("writing %d records failed (%s); retrying in %.1fs", len(todo),
+                                   type(error).__name__, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                if len(todo) == 1 and not self._queue.empty():
+                    todo.append(self._hold_one_more())  # another record shows whether writes go through
+            logger.error("%d records failed (%s); writing them one by one", len(todo), type(error).__name__)
+            todo, failures = await self._one_by_one(todo), 0
+            if todo:  # nothing could be written: an outage after all
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
-            except Exception as exc:  # refused: some record of the batch can never be written
-                error = type(exc).__name__
-                break
-        if len(batch) == 1:
-            self._quarantine(batch[0], error)
-            return
-        logger.error("a batch of %d records was refused (%s); writing them one by one", len(batch), error)
-        for record in batch:
-            await self._write_batch([record])
+
+    async def _one_by_one(self, records: list[RequestRecord]) -> list[RequestRecord]:
+        """Write each record alone; quarantine those refused. The ones that failed as in
+        an outage come back to be retried; one that keeps failing while others are
+        written (`_STRIKES` times) is at fault itself and is quarantined."""
+        stuck: list[tuple[RequestRecord, Exception]] = []
+        written = 0
+        for record in records:
+            try:
+                await self._write([record])
+                written += 1
+                self._strikes.pop(record.id, None)
+            except Exception as exc:
+                if _refused(exc):
+                    self._quarantine(record, type(exc).__name__)
+                else:
+                    stuck.append((record, exc))
+        self.num_written += written
+        if not written:
+            return [record for record, _ in stuck]
+        retry = []
+        for record, exc in stuck:
+            self._strikes[record.id] = strikes = self._strikes.get(record.id, 0) + 1
+            if strikes >= _STRIKES:
+                self._quarantine(record, type(exc).__name__)
+            else:
+                retry.append(record)
+        return retry
+
+    def _hold_one_more(self) -> RequestRecord:
+        record = self._queue.get_nowait()
+        self._held.append(record)  # marked done with the rest of the held batch
+        return record
 
     def _quarantine(self, record: RequestRecord, error: str) -> None:
+        self._strikes.pop(record.id, None)
         self.num_quarantined += 1
         logger.error("request record %s quarantined: the database refused it (%s)", record.id, error)
-
-    async def _database_up(self) -> bool:
-        try:
-            async with self._engine.connect() as conn:
-                await asyncio.wait_for(conn.execute(text("SELECT 1")), 5.0)
-        except (SQLAlchemyError, OSError, TimeoutError):
-            return False
-        return True
 
     async def _write(self, batch: list[RequestRecord]) -> None:
         """One transaction per batch. Statements on the Core tables run as executemany:

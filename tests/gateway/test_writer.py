@@ -196,3 +196,51 @@ async def test_a_writer_that_dies_is_restarted_with_the_batch_it_held(db, monkey
     await writer.close(timeout_s=10)
     await engine.dispose()
     assert ids(db) == [f"req-{i:04d}" for i in range(10)]
+
+
+async def test_errors_that_may_pass_lose_nothing_even_when_they_persist(db, monkeypatch):
+    """A full pool, a deadlock or a read-only failover arrive as plain DBAPI errors: the
+    records wait for them, however long, and none is quarantined."""
+    from sqlalchemy.exc import DBAPIError, TimeoutError as PoolTimeout
+
+    engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
+    writer = RecordWriter(engine, queue_size=1000, batch_size=4)
+    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+    real_write = writer._write
+    errors = iter([PoolTimeout("QueuePool limit reached")] * 7
+                  + [DBAPIError("INSERT", {}, Exception("deadlock detected"))] * 9)
+
+    async def flaky(batch):
+        if (error := next(errors, None)) is not None:
+            raise error
+        await real_write(batch)
+
+    monkeypatch.setattr(writer, "_write", flaky)
+    writer.start()
+    for i in range(10):
+        writer.submit(record(i))
+    await writer.close(timeout_s=10)
+    await engine.dispose()
+    assert (writer.num_written, writer.num_quarantined) == (10, 0)
+    assert ids(db) == [f"req-{i:04d}" for i in range(10)]
+
+
+async def test_a_lone_record_that_always_fails_does_not_hold_up_the_ones_behind_it(db, monkeypatch):
+    engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
+    writer = RecordWriter(engine, queue_size=1000, batch_size=1)
+    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+    real_write = writer._write
+
+    async def poison_first(batch):
+        if any(r.id == "req-0000" for r in batch):
+            raise OperationalError("INSERT", {}, Exception("fails only for this record"))
+        await real_write(batch)
+
+    monkeypatch.setattr(writer, "_write", poison_first)
+    for i in range(5):
+        writer.submit(record(i))
+    writer.start()
+    await writer.close(timeout_s=10)
+    await engine.dispose()
+    assert (writer.num_written, writer.num_quarantined) == (4, 1)
+    assert ids(db) == [f"req-{i:04d}" for i in range(1, 5)]

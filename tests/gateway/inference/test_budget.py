@@ -34,7 +34,8 @@ class _ExpiresAfter(Deadline):
         return self.checks < 0
 
 
-def test_a_plan_over_budget_is_forwarded_with_its_tenant_only_and_counted():
+def test_a_plan_over_budget_is_forwarded_with_its_tenant_only_and_counted(monkeypatch):
+    monkeypatch.setattr(planner, "PER_MESSAGE_MS", 0.0)
     inference = Inference(InferenceSettings(plan_budget_ms=1e-6))  # spent before the segments begin
     result = _plan(inference, LEDGER)
     assert result.over_budget and inference.bounded["plans_over_budget"] == 1
@@ -54,6 +55,17 @@ def test_a_budget_spent_after_the_segments_keeps_them_and_drops_the_workflow(mon
     assert result.plan.segments and result.plan.workflow is None
 
 
+def test_the_budget_grows_with_the_transcript(monkeypatch):
+    """Planning is linear in the messages: a long transcript gets a budget in proportion."""
+    budgets = []
+    monkeypatch.setattr(planner, "Deadline", lambda budget_s: budgets.append(budget_s) or Deadline(budget_s))
+    inference = Inference(InferenceSettings(plan_budget_ms=10))
+    _plan(inference, LEDGER)
+    body = {"messages": [{"role": "user", "content": f"turn {i}"} for i in range(1000)]}
+    inference.plan(identify({"x-session-id": "long"}, body, None), body, "r-long", "m")
+    assert budgets == [(10 + 2 * planner.PER_MESSAGE_MS) / 1e3, (10 + 1000 * planner.PER_MESSAGE_MS) / 1e3]
+
+
 def test_a_plan_within_budget_is_whole_and_not_counted():
     inference = Inference(InferenceSettings())
     result = _plan(inference, LEDGER)
@@ -62,7 +74,8 @@ def test_a_plan_within_budget_is_whole_and_not_counted():
 
 
 def test_through_the_gateway_the_upstream_gets_the_tenant_only_plan_and_metrics_count_it(
-        fake_upstream, start_gateway):
+        fake_upstream, start_gateway, monkeypatch):
+    monkeypatch.setattr(planner, "PER_MESSAGE_MS", 0.0)
     fake = fake_upstream()
     gw = start_gateway([fake.url], inference={"plan_budget_ms": 1e-6})
     chat = {"model": "fake", "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": LEDGER}]}
