@@ -60,7 +60,7 @@ FIELD_KINDS: dict[str, str] = {
     "model": "text", "content": "text", "text": "text", "name": "text", "tool_call_id": "text", "user": "text",
     "suffix": "text", "id": "text", "arguments": "text", "url": "text", "type": "text", "prompt_cache_key": "text",
     "role": "role", "stop": "stop", "prompt": "prompt",
-    "max_tokens": "int", "max_completion_tokens": "int", "top_k": "int", "seed": "int", "n": "int",
+    "max_tokens": "count", "max_completion_tokens": "count", "top_k": "int", "seed": "int", "n": "int",
     "top_logprobs": "int", "index": "int",
     "temperature": "float", "top_p": "float", "presence_penalty": "float", "frequency_penalty": "float",
     "stream": "bool", "echo": "bool", "include_usage": "bool", "ignore_eos": "bool", "parallel_tool_calls": "bool",
@@ -166,6 +166,15 @@ def ints() -> st.SearchStrategy[Any]:
 
 
 @functools.cache
+def counts() -> st.SearchStrategy[Any]:
+    """Token counts: the hostile ints, but a random count that is valid stays small. A
+    valid 6,000-token answer is no robustness case, only minutes of generation on the
+    real model (and a 504 at the gateway's first-byte timeout, as configured)."""
+    return st.one_of(st.sampled_from(EDGE_INTS), st.integers().map(lambda v: v % 4 + 1 if 5 <= v <= 2**17 else v),
+                     st.sampled_from(NUMBER_LITERALS).map(Raw))
+
+
+@functools.cache
 def floats() -> st.SearchStrategy[Any]:
     # Near zero on either side, subnormals included: what a divisor (a temperature) must survive.
     tiny = st.floats(min_value=-1e-30, max_value=1e-30)
@@ -224,6 +233,7 @@ def _typed_strategies() -> dict[str, st.SearchStrategy[Any]]:
         "text": texts(),
         "role": st.sampled_from(ROLES) | texts(),
         "int": ints(),
+        "count": counts(),
         "float": floats(),
         "bool": st.sampled_from([True, False, "true", 0, 1, None, "yes"]),
         "stop": st.one_of(texts(), st.lists(texts(), max_size=6), st.lists(ints(), max_size=3)),

@@ -1,10 +1,12 @@
-"""Values JSON can carry but the stack cannot: unencodable text and unbounded integers.
+"""Values a parsed JSON body can hold but the stack cannot: unencodable text, unbounded
+integers, and the NaN and Infinity that Python's json reads though JSON has neither.
 
 JSON's `\\ud800` escape decodes to a lone surrogate, a Python `str` that has no UTF-8
 form; such a string breaks everything downstream that encodes text (the tokenizer,
 hashing, SQL, OpenTelemetry, Prometheus, the JSON of a response). JSON integers are
 unbounded, and every engine computes with int64 at most (a seed of 2**70 once killed
-the engine thread). Both the gateway and the engine refuse such values at the door,
+the engine thread). NaN echoed back in kv_transfer_params made a response that could
+not be written (a 500). Both the gateway and the engine refuse such values at the door,
 naming the field, so they never get further.
 
 Shared by the gateway and the engine; torch-free.
@@ -12,11 +14,13 @@ Shared by the gateway and the engine; torch-free.
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 UNENCODABLE = "the text is not valid Unicode (a lone surrogate such as \\ud800); it cannot be encoded as UTF-8"
 UNBOUNDED = f"the integer is outside the 64-bit range [{INT64_MIN}, {INT64_MAX}]"
+NONFINITE = "NaN and Infinity are not JSON numbers"
 
 
 class Misfit(NamedTuple):
@@ -40,8 +44,8 @@ def encodable(text: str) -> bool:
 
 
 def first_misfit(value: Any, root: str = "") -> Misfit | None:
-    """The first string (keys included) that UTF-8 cannot encode, or integer outside
-    int64, inside a parsed JSON value; None when there is none. Iterative, so nesting
+    """The first string (keys included) that UTF-8 cannot encode, integer outside int64,
+    or NaN or infinite float inside a parsed JSON value; None when there is none. Iterative, so nesting
     costs no stack; linear in the size of the value (a path is spelt out only for the
     culprit)."""
     # Each entry: (value, its parent's link, its own label); links chain up to the root.
@@ -54,6 +58,9 @@ def first_misfit(value: Any, root: str = "") -> Misfit | None:
         elif isinstance(item, int) and not isinstance(item, bool):
             if not INT64_MIN <= item <= INT64_MAX:
                 return Misfit(_spell(_Link(parent, label)) or "body", UNBOUNDED)
+        elif isinstance(item, float):
+            if not math.isfinite(item):  # Python's json reads them; no response could carry them back
+                return Misfit(_spell(_Link(parent, label)) or "body", NONFINITE)
         elif isinstance(item, dict):
             link = _Link(parent, label)
             children = []

@@ -44,6 +44,8 @@ REFUSED = [
     ("/v1/chat/completions", chat(logit_bias={"5": 2**80}), "logit_bias.5"),
     ("/v1/completions", {**TEXT, "prompt": "Hi" + LONE}, "prompt"),
     ("/v1/completions", {**TEXT, "prompt": [1, 2, 2**64]}, "prompt[2]"),
+    ("/v1/completions", {**TEXT, "kv_transfer_params": {"note": float("nan")}}, "kv_transfer_params.note"),
+    ("/v1/chat/completions", chat(x_unknown=float("-inf")), "x_unknown"),
 ]
 
 # Valid Unicode that databases, labels and logs must take as it is (a model no upstream

@@ -62,6 +62,8 @@ POISON = [
     ("text", text(prompt=[[5, 2**64]]), "prompt"),
     ("text", text(seed=2**70), "seed"),
     ("text", text(suffix=LONE), "suffix"),
+    ("text", text(kv_transfer_params={"note": float("nan")}), "kv_transfer_params"),
+    ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "x": float("inf")}}]), "tools"),
 ]
 
 
