@@ -3,12 +3,15 @@
 A session keeps going to the upstream it first landed on, because that upstream holds
 its KV cache; it moves only when that upstream is unhealthy or carries more than
 `load_guard_factor` times the mean load (one hot session must not pin a replica).
+A new session goes to the least loaded upstream, and among equally loaded ones to the
+one that is home to the fewest sessions: sessions that start together spread even when
+none of their requests is in flight yet.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from gateway.settings import Breaker
@@ -55,6 +58,7 @@ class UpstreamPool:
         self.load_guard_factor = load_guard_factor
         # session -> upstream, least recently used first; bounded so idle sessions age out.
         self._affinity: OrderedDict[str, Upstream] = OrderedDict()
+        self._homes: Counter[str] = Counter()  # upstream url -> sessions living there
 
     def candidates(self, model: str, session_id: str | None, hold: bool = False) -> list[Upstream]:
         """Upstreams to try in order: the session's own first (unless overloaded), then
@@ -68,12 +72,18 @@ class UpstreamPool:
             return by_load
         home = self._affinity.get(session_id)
         if home is None or home not in usable or (not hold and self._overloaded(home, usable)):
-            home = by_load[0]
-        self._affinity[session_id] = home
+            home = min(by_load, key=lambda u: (u.in_flight, self._homes[u.url]))
+            self._settle(session_id, home)
         self._affinity.move_to_end(session_id)
-        if len(self._affinity) > _MAX_SESSIONS:
-            self._affinity.popitem(last=False)
         return [home] + [u for u in by_load if u is not home]
+
+    def _settle(self, session_id: str, home: Upstream) -> None:
+        self.forget_session(session_id)
+        self._affinity[session_id] = home
+        self._homes[home.url] += 1
+        if len(self._affinity) > _MAX_SESSIONS:
+            _, oldest = self._affinity.popitem(last=False)
+            self._homes[oldest.url] -= 1
 
     def _overloaded(self, upstream: Upstream, usable: list[Upstream]) -> bool:
         """More than load_guard_factor x the mean load of the *other* upstreams (the home
@@ -97,4 +107,6 @@ class UpstreamPool:
         return sum(1 for u in self.upstreams if u.available(now))
 
     def forget_session(self, session_id: str) -> None:
-        self._affinity.pop(session_id, None)
+        home = self._affinity.pop(session_id, None)
+        if home is not None:
+            self._homes[home.url] -= 1

@@ -41,7 +41,31 @@ def test_session_keeps_its_home_upstream():
     assert urls(p.candidates("m", "s1"))[0] == "http://b"
     assert urls(p.candidates("m", "s2"))[0] == "http://a"  # a new session goes by load
     p.forget_session("s1")
+    assert urls(p.candidates("m", "s1"))[0] == "http://c"  # as idle as a, and home to no session
+
+
+def test_sessions_that_start_together_spread_before_any_request_is_in_flight():
+    """The gateway plans before it counts a request in flight: two sessions whose first
+    requests arrive together see equal load, and the second must still go elsewhere."""
+    p = pool(2)
     assert urls(p.candidates("m", "s1"))[0] == "http://a"
+    assert urls(p.candidates("m", "s2"))[0] == "http://b"  # equal load, a already home to s1
+    assert urls(p.candidates("m", "s3"))[0] == "http://a"
+    p.forget_session("s1")
+    p.forget_session("s3")
+    assert urls(p.candidates("m", "s4"))[0] == "http://a"  # a is home to none again
+    p.upstreams[0].in_flight = 1
+    assert urls(p.candidates("m", "s5"))[0] == "http://b"  # load first, homes only break ties
+
+
+def test_a_moved_session_counts_at_its_new_home_only():
+    p = pool(2)
+    a, b = p.upstreams
+    assert p.candidates("m", "s1")[0] is a
+    a.in_flight = 8  # the load guard moves s1 to b
+    assert p.candidates("m", "s1")[0] is b
+    a.in_flight = b.in_flight = 0
+    assert p.candidates("m", "s2")[0] is a  # a is home to no session now, b to s1
 
 
 def test_load_guard_moves_a_hot_session_with_three_upstreams():
