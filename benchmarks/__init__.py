@@ -15,6 +15,7 @@ from benchmarks.common import BenchResult, report
 BENCHMARKS: dict[str, str] = {
     "collective": "benchmarks.collective",
     "engine": "benchmarks.engine",
+    "faithful": "benchmarks.faithful",
     "gateway": "benchmarks.gateway",
     "icarus": "benchmarks.icarus",
     "inference": "benchmarks.inference",

@@ -155,11 +155,13 @@ def drive(engine: LLMEngine, load: Workload, num_adapters: int, arrivals: list[f
 
 def write_adapters(model_dir: Path, out: Path, num_adapters: int) -> list[Path]:
     """Random PEFT LoRA adapters on every projection (rank 8): an adapter's weights do not
-    change the work, only which K/V it may share."""
+    change the work, only which K/V it may share. They stand in for `kvrelay train icarus`
+    adapters and are marked so (icarus mode refuses unmarked ones); multi_lora serves
+    any adapter, so both modes run the same files."""
     model = load_model(model_dir, ModelConfig.from_dir(model_dir))
     paths = []
     for i in range(num_adapters):
-        factors = LoraFactors(model, rank=8, alpha=16.0, modules=_MODULES, seed=i)
+        factors = LoraFactors(model, rank=8, alpha=16.0, modules=_MODULES, seed=i, trained_as="icarus")
         gen = torch.Generator().manual_seed(1000 + i)
         with torch.no_grad():
             for b in factors.b.values():

@@ -17,6 +17,7 @@ from typing import Any
 
 from engine_ext.engine import LLMEngine, RequestOutput
 from engine_ext.errors import EngineDeadError, EngineError
+from engine_ext.probes import Probes
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.timeline import Timeline
@@ -36,6 +37,7 @@ class _Add:
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
     timeline: Timeline  # stamped from when the caller asked, so the wait for the engine thread counts as queue
+    probe: bool = False  # the gateway's fidelity guard asked for a dense re-score (engine_ext/probes.py)
 
 
 @dataclass
@@ -44,8 +46,9 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, probes: Probes | None = None) -> None:
         self.engine = engine
+        self.probes = probes if probes is not None else Probes()
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
@@ -76,6 +79,7 @@ class AsyncEngine:
         scope: ReuseScope | None = None,
         adapter: str | None = None,
         timeline: Timeline | None = None,
+        probe: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
         errors on first iteration; leaving the iteration early aborts the request.
@@ -87,7 +91,7 @@ class AsyncEngine:
         line = timeline if timeline is not None else Timeline()
         line.enqueue()
         self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
-                                sink, loop, line))
+                                sink, loop, line, probe))
         finished = False
         try:
             while not finished:
@@ -108,9 +112,12 @@ class AsyncEngine:
                 # A step that could run nothing (a round held for its siblings) waits a
                 # moment for new requests instead of spinning.
                 waiting = self.engine.has_work and self.engine.last_step_empty
-                timeout = 0.5 if not self.engine.has_work else (0.001 if waiting else 0.0)
+                idle = not self.engine.has_work and not self.probes.has_jobs
+                timeout = 0.5 if idle else (0.001 if waiting else 0.0)
                 if not self._drain_commands(timeout):
                     break
+                if self.probes.has_jobs:  # dense re-scores run only while no request is in flight
+                    self.probes.tick(self.engine, busy=bool(self._sinks))
                 if self.engine.has_work:
                     self._step()
         except BaseException as exc:  # the thread must report why it died, then stop serving
@@ -131,6 +138,7 @@ class AsyncEngine:
                 return False
             if isinstance(cmd, _Abort):
                 self._sinks.pop(cmd.request_id, None)
+                self.probes.forget(cmd.request_id)
                 try:
                     self.engine.abort(cmd.request_id)
                 except Exception:
@@ -139,7 +147,7 @@ class AsyncEngine:
                     self._fail_all(EngineError("the engine failed while cancelling a request"))
                 continue
             try:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
+                seq = self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
                                         segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter,
                                         timeline=cmd.timeline)
             except EngineError as exc:
@@ -154,6 +162,8 @@ class AsyncEngine:
                 _deliver(cmd, EngineError(f"the engine failed to admit the request ({type(exc).__name__})"))
                 continue
             self._sinks[cmd.request_id] = cmd
+            if cmd.probe:
+                self.probes.watch(seq)
 
     def _step(self) -> None:
         try:
@@ -164,12 +174,14 @@ class AsyncEngine:
             logger.exception("engine step failed; failing its requests")
             self._fail_all(EngineError(f"engine step failed: {exc}"))
             return
+        self.probes.after_step()
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if target is None:
                 continue
             if out.finished:
                 del self._sinks[out.request_id]
+                self.probes.finished(out.request_id)
             _deliver(target, out)
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -177,6 +189,7 @@ class AsyncEngine:
             self.engine.abort(request_id)
             _deliver(target, exc)
         self._sinks.clear()
+        self.probes.reset(self.engine)
         # Lower KV tiers keep their copies: each was made from a published (fully
         # computed) block after a step that succeeded.
         self.engine.kv.pool.reset_cache()

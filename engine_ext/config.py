@@ -250,8 +250,10 @@ class ReuseConfig:
     """How the engine reuses a cached segment's KV away from the prompt's prefix.
 
     `default_method` applies to reusable segments (fixed prefixes, placeholders, shared
-    blocks) whose plan names no method: `shift` re-encodes positions only (fastest,
-    least faithful), `blend` also recomputes the `blend_ratio` of tokens whose keys
+    blocks) whose plan names no method. The default, `prefix`, is exact: a segment is
+    reused only as part of an exact prefix hit, so an answer is the answer without a
+    plan. The others are approximate, for those who opt in: `shift` re-encodes
+    positions only (fastest, least faithful), `blend` also recomputes the `blend_ratio` of tokens whose keys
     deviate most on `check_layers` (CacheBlend), `link` recomputes the first
     `link_tokens` tokens of each segment that follows other text (KVLink's boundary
     repair), `kvcomm` corrects placeholders with offsets learned from anchors (KVCOMM,
@@ -259,7 +261,7 @@ class ReuseConfig:
     """
 
     enabled: bool = True
-    default_method: ReuseMethod = "blend"
+    default_method: ReuseMethod = "prefix"
     blend_ratio: float = 0.15
     check_layers: tuple[int, ...] = (1,)
     link_tokens: int = 8
@@ -281,7 +283,7 @@ class ReuseConfig:
             raise ValueError("min_segment_tokens must be >= 1")
 
 
-AdapterMode = Literal["icarus", "multi_lora"]
+AdapterMode = Literal["auto", "icarus", "multi_lora"]
 FirstToken = Literal["adapter", "base"]
 
 
@@ -294,23 +296,29 @@ class AdapterSpec:
     the same token in one pass and samples from the adapter (the first token too, or
     from the base with `first_token="base"`, the paper's variant). `multi_lora`: the
     adapter produces its own K/V, cached under its own prefix namespace (vLLM's way).
+    `auto` (the default): icarus for an adapter `kvrelay train icarus` marked as trained
+    for it, multi_lora for any other, since only an adapter trained over the base's K/V
+    is the same model in icarus mode; resolved when the adapter is loaded
+    (engine_ext/adapters/marks.py), where an explicit `icarus` on an unmarked adapter
+    is refused.
     """
 
     name: str
     path: str
-    mode: AdapterMode = "icarus"
+    mode: AdapterMode = "auto"
     first_token: FirstToken = "adapter"
 
     def __post_init__(self) -> None:
         if not self.name or ":" in self.name or "/" in self.name:
             raise ValueError(f"adapter name {self.name!r} must be non-empty, without ':' or '/'")
         if self.mode not in get_args(AdapterMode):
-            raise ValueError(f"unknown adapter mode {self.mode!r} (icarus | multi_lora)")
+            raise ValueError(f"unknown adapter mode {self.mode!r} (auto | icarus | multi_lora)")
         if self.first_token not in get_args(FirstToken):
             raise ValueError(f"unknown first_token {self.first_token!r} (adapter | base)")
 
 
 EvictionPolicyName = Literal["lru", "workflow"]
+DEFAULT_LOAD_AHEAD = 2  # KVFlow's: the agents up to two steps from running are loaded back
 
 
 @dataclass(frozen=True)
@@ -330,25 +338,36 @@ class TierConfig:
     agents that many steps from running, at most `max_prefetches` agents at a time, and
     the scheduler runs other requests while a request's prefix is still loading, for
     at most `max_load_wait_ms`; after that the request goes on and recomputes the part
-    that has not arrived.
+    that has not arrived. Steps-to-execution are kept per session (workflow instance),
+    at most `workflow_max_sessions` of them, each forgotten after `workflow_idle_s`.
+
+    The defaults are KVFlow (it never changes an output, only what is recomputed): the
+    workflow policy, a host tier sized when the engine starts (`host_bytes` None:
+    engine_ext/tiers/sizing.py) and `load_ahead` None, which is resolved at once to
+    DEFAULT_LOAD_AHEAD under the workflow policy with a (possible) lower tier, else 0.
+    `TierConfig(policy="lru", host_bytes=0)` is plain LRU prefix caching.
     """
 
-    policy: EvictionPolicyName = "lru"
-    host_bytes: int = 0
+    policy: EvictionPolicyName = "workflow"
+    host_bytes: int | None = None  # None: sized when the engine starts; 0: no host tier
     disk_path: str | None = None
     disk_bytes: int = 0
-    load_ahead: int = 0
+    load_ahead: int | None = None  # None: automatic (see above); an int once constructed
     max_prefetches: int = 4
     max_load_wait_ms: float = 2000.0
-    workflow_idle_s: float = 600.0  # an app silent this long no longer ranks its agents' prefixes
+    workflow_idle_s: float = 600.0  # a session silent this long no longer ranks its agents' prefixes
+    workflow_max_sessions: int = 1024  # sessions ranked at once; past it the least recently seen leaves
 
     def __post_init__(self) -> None:
         if self.policy not in get_args(EvictionPolicyName):
             raise ValueError(f"unknown eviction policy {self.policy!r} (lru | workflow)")
-        if self.host_bytes < 0 or self.disk_bytes < 0:
+        if (self.host_bytes is not None and self.host_bytes < 0) or self.disk_bytes < 0:
             raise ValueError("tiers.host_bytes and tiers.disk_bytes must be >= 0")
         if (self.disk_path is None) != (self.disk_bytes == 0):
             raise ValueError("a disk tier needs both tiers.disk_path and tiers.disk_bytes > 0")
+        if self.load_ahead is None:  # frozen: the automatic value is set once, here
+            automatic = DEFAULT_LOAD_AHEAD if self.policy == "workflow" and self.has_lower_tier else 0
+            object.__setattr__(self, "load_ahead", automatic)
         if not 0 <= self.load_ahead <= 64:
             raise ValueError("tiers.load_ahead must be in [0, 64]")
         if self.load_ahead and self.policy != "workflow":
@@ -361,10 +380,14 @@ class TierConfig:
             raise ValueError("tiers.max_load_wait_ms must be in [0, 60000]")
         if self.workflow_idle_s <= 0.0:
             raise ValueError("tiers.workflow_idle_s must be > 0")
+        if self.workflow_max_sessions < 1:
+            raise ValueError("tiers.workflow_max_sessions must be >= 1")
 
     @property
     def has_lower_tier(self) -> bool:
-        return self.host_bytes > 0 or self.disk_path is not None
+        """A host or disk tier; an automatic host tier counts (the engine turns
+        prefetching off if it finds no memory to size it from)."""
+        return self.host_bytes is None or self.host_bytes > 0 or self.disk_path is not None
 
 
 @dataclass(frozen=True)

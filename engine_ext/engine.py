@@ -28,6 +28,7 @@ from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.kvcomm import AnchorBank
 from engine_ext.model import load_model
 from engine_ext.model_runner import ModelRunner
+from engine_ext.reuse.answers import Ending, answer_tokens
 from engine_ext.reuse.assembler import Assembler
 from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.reuse.segments import (
@@ -38,10 +39,10 @@ from engine_ext.reuse.segments import (
 )
 from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
-from engine_ext.scheduler import Scheduler
+from engine_ext.scheduler import ScheduledChunk, Scheduler
 from engine_ext.sequence import Sequence
-from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable
-from engine_ext.timeline import Interval, PrefillRate, Timeline
+from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable, with_sized_host_tier
+from engine_ext.timeline import Interval, PrefillRate, PrefixShadow, Timeline
 from engine_ext.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,7 +83,8 @@ class LLMEngine:
         self.model = load_model(self.model_dir, self.model_config, config.dtype)
         self.adapters = AdapterRegistry(config.adapters, self.model_config, self.model_name, TORCH_DTYPES[config.dtype])
         self.kv_cache = KVCache(self.model_config, config)
-        self.workflows = WorkflowTable(config.tiers.workflow_idle_s)  # KVFlow's view of the workflows (engine_ext/tiers)
+        # KVFlow's view of the workflows, per session (engine_ext/tiers)
+        self.workflows = WorkflowTable(config.tiers.workflow_idle_s, config.tiers.workflow_max_sessions)
         policy = WorkflowPolicy(self.workflows) if config.tiers.policy == "workflow" else None
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, self.model_name, policy)
         self.tiers, self.prefetcher = self._tiers()
@@ -94,7 +96,10 @@ class LLMEngine:
                  if self.segment_index else None)
         self.collector, collective, self.diff_store, restorer = self._collective()
         self.last_step_empty = False
-        self.prefill_rate = PrefillRate()  # prices the tokens reuse saved (TTFT breakdowns)
+        # TTFT breakdowns price reuse against prefix caching alone: its dense prefill time,
+        # and the prefix cache it would hold (engine_ext/timeline.py).
+        self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
+        self.prefix_shadow = PrefixShadow(self.kv_cache.num_blocks)
         self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
                                   collective, self.diff_store)
@@ -141,7 +146,9 @@ class LLMEngine:
         return KVCollector(settings), collective, store, Restorer(store, self.kv_cache, self.config.reuse.default_method)
 
     def _tiers(self) -> tuple[TieredStore | None, Prefetcher | None]:
-        """KVFlow's lower KV tiers and prefetcher, when configured."""
+        """KVFlow's lower KV tiers and prefetcher, when configured. An automatic host tier
+        is sized here (engine_ext/tiers/sizing.py), and the engine's config says its size."""
+        self.config = with_sized_host_tier(self.config, self.kv_cache.bytes_per_block)
         settings = self.config.tiers
         if not settings.has_lower_tier:
             return None, None
@@ -231,21 +238,23 @@ class LLMEngine:
         return AgentKey(scope.app_id, scope.agent_id)
 
     def _observe_workflow(self, seq: Sequence) -> None:
-        """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution."""
+        """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution,
+        which are its session's: each session (workflow instance) is at its own step."""
         agent = self._workflow_agent(seq)
         if agent is None:
             return
         fixed = next((s for s in seq.segments if s.kind == "fixed_prefix"), None)
         prefix = tuple(self.kv.prefix_hashes(seq, fixed.end)) if fixed is not None else None
         workflow = seq.scope.workflow
-        self.workflows.observe(agent, prefix, workflow.steps_to_execution if workflow is not None else None)
+        self.workflows.observe(agent, prefix, workflow.steps_to_execution if workflow is not None else None,
+                               seq.scope.session_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.timeline.finished = time.monotonic()
         self.scheduler.finish(seq, reason)
         agent = self._workflow_agent(seq)
         if agent is not None:
-            self.workflows.finished(agent)
+            self.workflows.finished(agent, seq.scope.session_id)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)
@@ -256,7 +265,10 @@ class LLMEngine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        """Requests to run, or KV transfers in flight: step() applies a landed transfer
+        (a backed-up block is unpinned, a prefetched prefix published, the next prefetch
+        started), so a loop that stops stepping when idle would leave them hanging."""
+        return self.scheduler.has_work or (self.tiers is not None and self.tiers.worker.num_in_flight > 0)
 
     # -- the loop body ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -274,11 +286,7 @@ class LLMEngine:
         started = time.monotonic()
         sampled = self.runner.run(step)
         computed = self.runner.last_forward_end  # the forward passes; sampling follows
-        if all(seq.timeline.prefilled is None and seq.group is None and
-               (seq.assembly is None or not seq.assembly.placed) for seq, _ in step.chunks):
-            # Dense prefill chunks alone: a decode row or a reused prefill (which computes
-            # fewer tokens than its chunk) would skew the rate.
-            self.prefill_rate.observe(sum(n for _, n in step.chunks), computed - started)
+        self._observe_prefill(step.chunks, computed - started)
         for seq, num_tokens in step.chunks:
             seq.num_computed_tokens += num_tokens
             if seq.timeline.prefilled is None:
@@ -289,8 +297,32 @@ class LLMEngine:
             if self.tiers is not None:
                 self.tiers.backup(published)
             if seq.segments and seq.reuse_outcomes is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                kept = time.monotonic()
                 self._after_prefill(seq)
+                seq.timeline.keep_s = time.monotonic() - kept  # reuse's bookkeeping, before its first token
         return [self._append(seq, token) for seq, token in sampled]
+
+    def _observe_prefill(self, chunks: list[ScheduledChunk], seconds: float) -> None:
+        """What TTFT breakdowns price reuse against (engine_ext/timeline.py), before the
+        step's chunks count as computed: at a prompt's first step, the longest prefix
+        that prefix caching alone would have served then and the price of computing the
+        rest; the dense prefill time, from steps of dense prefill chunks alone (a decode
+        row or a reused prefill, which computes fewer tokens than its chunk, would skew
+        it); and the blocks prefix caching alone would now hold."""
+        bs = self.config.block_size
+        for seq, _ in chunks:
+            if seq.timeline.num_prefix_hit is None:
+                exact = seq.restore.region_start if seq.restore is not None else seq.num_cached_tokens
+                shadow = self.prefix_shadow.hit(self.kv.prefix_hashes(seq, (seq.num_prompt_tokens - 1) // bs * bs))
+                hit = max(exact, shadow * bs)
+                seq.timeline.baseline(hit, exact, self.prefill_rate.seconds(seq.num_prompt_tokens - hit, hit))
+        if all(seq.timeline.prefilled is None and "collective" not in seq.timeline.assembly and
+               (seq.assembly is None or not seq.assembly.placed) for seq, _ in chunks):
+            self.prefill_rate.observe([(n, seq.num_computed_tokens) for seq, n in chunks], seconds)
+        for seq, n in chunks:
+            first, end = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
+            if seq.publish and end > first:  # blocks this step fills
+                self.prefix_shadow.add(self.kv.prefix_hashes(seq, end * bs)[first:])
 
     def _after_prefill(self, seq: Sequence) -> None:
         """Record what each segment got, and keep the reusable ones in the segment index."""
@@ -309,34 +341,56 @@ class LLMEngine:
                                             seq.tenant)
         self.assembler.commit(assembly, slots)
         self.assembler.release(assembly)
-        if seq.restore is not None and assembly.collective is None:  # a round group stored itself already
+        approximate = seq.restore is not None or bool(assembly.placed)
+        if approximate and assembly.collective is None:  # a round group stored itself already
             self._store_turn(seq, slots)
 
     def _store_turn(self, seq: Sequence, slots: torch.Tensor) -> None:
-        """Keep a prompt that started from a stored round cache, as a mirror of that
-        cache's master: the agent's next turn then restores all of it, not just the
-        older part. Only an optimisation: a failure is logged."""
+        """Keep a prompt that holds approximate KV (placed segments, or a restored round
+        cache): its blocks from the first approximate token on are never published, so
+        without this the agent's next turn, which extends this prompt, would lose its
+        prefix hits there and compute (or place) all of it again. Stored, it restores
+        the KV this prompt ran on. A mirror of the cache it was restored from when there
+        is one. Only an optimisation: a failure is logged."""
         if self.diff_store is None or not seq.publish:
             return
         region_start = seq.num_exact_tokens // self.config.block_size * self.config.block_size
         spans = tuple((seg.start, seg.end) for seg in seq.segments)
         image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans, seq.tenant)
         try:
-            self.diff_store.store(image, like=seq.restore.stored)
+            self.diff_store.store(image, like=seq.restore.stored if seq.restore is not None else None)
         except Exception:
             logger.exception("storing request %s's turn failed; it goes on without it", seq.request_id)
 
-    def _register_output(self, seq: Sequence) -> None:
+    def _register_output(self, seq: Sequence, ending: Ending) -> None:
         """Keep a finished answer as a segment: the next agent reading it reuses its KV
-        without ever prefilling it alone. Only answers that ended on a stop token: their
-        text is exactly the tokens before it, each of which has its KV computed."""
+        without ever prefilling it alone. The tokens kept are exactly the answer's text
+        (engine_ext/reuse/answers.py); a last token that was sampled but never computed
+        (an answer cut by length) is computed first, in one row of its own."""
         if self.segment_index is None or not self.config.reuse.register_outputs or not seq.segments:
             return
-        start, end = seq.num_prompt_tokens, seq.num_computed_tokens
-        if end - start < self.config.reuse.min_segment_tokens:
+        count = answer_tokens(seq.output_token_ids, seq.detokenizer.text, ending, self.tokenizer)
+        if count < self.config.reuse.min_segment_tokens:
+            return
+        start = seq.num_prompt_tokens
+        end = start + count
+        if end > seq.num_computed_tokens and not self._compute_tail(seq, end):
             return
         slots = self.kv.slots(seq, end)[start:]  # (n,)
         self.segment_index.register(seq.token_ids[start:end], slots, start, seq.tenant)
+
+    def _compute_tail(self, seq: Sequence, end: int) -> bool:
+        """Compute the KV of the sequence's tokens up to `end` (its sampled, never
+        computed last tokens) and publish it; False when the pool has no room now."""
+        num_new = end - seq.num_computed_tokens
+        if not self.kv.allocate(seq, num_new):
+            return False
+        self.runner.compute(seq, num_new)
+        seq.num_computed_tokens = end
+        published = self.kv.publish(seq)
+        if self.tiers is not None:
+            self.tiers.backup(published)
+        return True
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -352,9 +406,8 @@ class LLMEngine:
         text = seq.detokenizer.update(seq.output_token_ids, final=reason is not None)
         if text.stopped:
             reason = "stop"
-        if ended_on_token and not text.stopped:
-            self._register_output(seq)
         if reason is not None:
+            self._register_output(seq, "stop_string" if text.stopped else "stop_token" if ended_on_token else "length")
             self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,

@@ -7,6 +7,11 @@ DESIGN.md defines them:
 - `kl`: mean KL(dense || reuse) of the next-token distributions over those positions;
 - `greedy_match`: whether free-running greedy decoding gives the identical tokens.
 
+The reference runs on the canonical tokenization of the prompt's text (the ids the
+engine gives the same text without a plan), not on the ids the reuse path runs: a path
+that tokenizes differently (pieces tokenized apart, say) then pays for it in these
+figures instead of hiding it. `tokens_drifted` says how many prompt ids differed.
+
 Both paths run through the real engine (scheduler, assembler, reuse prefill), not a
 side model, so what is measured is what is served. The dense runs never publish to the
 prefix cache: they must not hand the reuse runs an exact copy of the prompt.
@@ -28,11 +33,13 @@ class FidelityResult(NamedTuple):
     kl: float
     greedy_match: bool
     reuse_outcomes: list[SegmentOutcome]  # of the teacher-forced run: what was actually reused
+    tokens_drifted: int = 0  # prompt ids of the reuse path that differ from the canonical ones
 
 
 class DenseReference(NamedTuple):
     continuation: list[int]  # dense greedy tokens after the prompt
     logits: torch.Tensor  # (num_tokens, vocab): the logits that chose them
+    prompt_ids: list[int] = []  # the canonical ids the reference ran on
 
 
 def compare_logits(dense: torch.Tensor, reuse: torch.Tensor) -> tuple[float, float]:
@@ -54,9 +61,16 @@ class FidelityHarness:
     def _greedy(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.num_tokens, temperature=0.0, ignore_eos=True)
 
+    def canonical(self, prompt_ids: list[int]) -> list[int]:
+        """The ids the engine gives the text of `prompt_ids` when it tokenizes it whole."""
+        tok = self.engine.tokenizer
+        return tok.encode(tok.decode(prompt_ids, skip_special_tokens=False))
+
     def reference(self, prompt_ids: list[int]) -> DenseReference:
-        seq = self.engine.generate(prompt_ids, self._greedy(), publish=False, record_logits=True)
-        return DenseReference(seq.output_token_ids, torch.stack(seq.logits))
+        """Dense greedy decoding of the prompt's text, tokenized canonically."""
+        canonical = self.canonical(prompt_ids)
+        seq = self.engine.generate(canonical, self._greedy(), publish=False, record_logits=True)
+        return DenseReference(seq.output_token_ids, torch.stack(seq.logits), canonical)
 
     def measure(self, prompt_ids: list[int], segments: list[TokenSegment],
                 reference: DenseReference) -> FidelityResult:
@@ -64,4 +78,11 @@ class FidelityHarness:
         scored = self.engine.score(prompt_ids, reference.continuation, segments, publish=False)
         top1, kl = compare_logits(reference.logits, scored.logits)
         free = self.engine.generate(prompt_ids, self._greedy(), segments=segments, publish=False)
-        return FidelityResult(top1, kl, free.output_token_ids == reference.continuation, scored.reuse_outcomes)
+        drifted = _differing(prompt_ids, reference.prompt_ids)
+        return FidelityResult(top1, kl, free.output_token_ids == reference.continuation, scored.reuse_outcomes,
+                              drifted)
+
+
+def _differing(a: list[int], b: list[int]) -> int:
+    """Positions where two id lists differ, a length difference counted in full."""
+    return sum(x != y for x, y in zip(a, b)) + abs(len(a) - len(b))

@@ -87,6 +87,12 @@ class ModelRunner:
                 tokens[i] = seq.forced_token_ids[len(seq.output_token_ids)]
         return list(zip(seqs, tokens))
 
+    def compute(self, seq: Sequence, num_tokens: int) -> None:
+        """Write the KV of the sequence's next `num_tokens` tokens (slots allocated), and
+        sample nothing: an answer cut by length has its last token's KV computed so the
+        answer can be kept whole."""
+        self._run_batch([ScheduledChunk(seq, num_tokens)])
+
     def _run_reuse(self, seq: Sequence) -> torch.Tensor:
         assembly = seq.assembly
         try:

@@ -120,6 +120,9 @@ class SegmentPlan(_Frozen):
     # None: the app's. Set by the gateway from the API key; tenants configured to share
     # get one name.
     tenant: str | None = Field(default=None, min_length=1, max_length=256)
+    # The gateway's fidelity guard asks the engine to score this (approximate) request
+    # again densely on spare capacity and report top-1 agreement and KL (engine_ext/probes.py).
+    probe: bool = False
 
     @model_validator(mode="after")
     def _ordered(self) -> SegmentPlan:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
 
+from gateway.approximation import ApproxMethod
 from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
 from gateway.inference.views import session_agents, session_detail, session_summary
@@ -90,6 +91,27 @@ def admin_router() -> APIRouter:
                  "models": sorted(u.models)} for u in state.upstreams.pool.upstreams]
         return {"object": "list", "data": data}
 
+    @router.get("/fidelity")
+    async def fidelity(state: Admin) -> dict[str, Any]:
+        """The fidelity guard's figures per (tenant, app, method), most recently scored first."""
+        guard = state.fidelity
+        return {"object": "list", "enabled": guard is not None, "data": guard.snapshot() if guard else [],
+                "settings": state.settings.approximation.guard.model_dump()}
+
+    @router.post("/fidelity/{app}/{method}/enable", responses=error_responses(404, 409))
+    async def enable_method(app: str, method: ApproxMethod, state: Admin,
+                            tenant: Annotated[str | None, Query(min_length=1, max_length=256)] = None
+                            ) -> dict[str, Any]:
+        """Switch a method the guard turned off back on for an app (for `tenant` only, else
+        for every tenant), without waiting for the re-probe."""
+        if state.fidelity is None:
+            raise AdminRefused(409, "the fidelity guard is off", code="fidelity_guard_off")
+        tenants = state.fidelity.enable(tenant, app, method)
+        if not tenants:
+            raise AdminRefused(404, f"{method} is not off for app {app!r}" + (f" (tenant {tenant!r})" if tenant else ""),
+                               code="method_not_off")
+        return {"object": "fidelity.enabled", "tenants": tenants, "app": app, "method": method, "state": "on"}
+
     @router.get("/sessions")
     async def sessions(state: Admin, app: str | None = None,
                        limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> dict[str, Any]:
@@ -113,7 +135,8 @@ def admin_router() -> APIRouter:
     @router.get("/sessions/{session_id}/ttft", response_model=None, responses=error_responses(404))
     async def session_ttft_report(session_id: str, request: Request, state: Admin,
                                   format: Literal["json", "text"] = "json") -> Response:
-        """Per request and per round: where the time to first token went, what reuse saved."""
+        """Per request and per round: where the time to first token went, what reuse saved
+        against prefix caching alone (gateway/ttft.py, the computation /ui and `kvrelay ttft` show)."""
         try:
             rows = await load_requests(request.app.state.db, session_id)
         except (SQLAlchemyError, OSError) as exc:

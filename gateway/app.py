@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
+import aiohttp
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
@@ -17,6 +18,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from engine_ext.plan_seal import PlanSeal
 from gateway.adapters import AdapterRouter
+from gateway.fidelity_guard import FidelityGuard
+from gateway.fidelity_metrics import FidelityCollector
+from gateway.fidelity_poll import FidelityPoller
+from gateway.approximation import Approximation
 from gateway.admin import install_admin
 from gateway.ui import install_ui
 from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
@@ -70,8 +75,12 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         metrics = GatewayMetrics(pool.served)
         metrics.count_bounds(inference.bounded)
         metrics.count_records(writer)
+        guard, poller = start_guard(settings, http, pool, metrics)
+        if poller is not None:
+            loops.append(poller)
+        approximation = Approximation.from_settings(settings.approximation, guard, guard)
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
-                                         inference, store, hold, seal)
+                                         inference, store, hold, seal, approximation, guard)
         app.state.db = db
         app.state.loops = loops if saver is None else [*loops, saver]
         try:
@@ -133,6 +142,21 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         return PlainTextResponse(state.metrics.render())
 
     return app
+
+
+def start_guard(settings: GatewaySettings, http: aiohttp.ClientSession, pool: UpstreamPool,
+                metrics: GatewayMetrics) -> tuple[FidelityGuard | None, SupervisedTask | None]:
+    """The fidelity guard, its figures in /metrics and the loop that feeds it engines'
+    probe scores; nothing when the guard is off."""
+    guard_settings = settings.approximation.guard
+    if not guard_settings.enabled:
+        return None, None
+    guard = FidelityGuard(guard_settings)
+    metrics.registry.register(FidelityCollector(guard))
+    poller = FidelityPoller(http, pool, guard, guard_settings.poll_interval_s)
+    task = SupervisedTask("kvrelay-fidelity-poll", poller.run)
+    task.start()
+    return guard, task
 
 
 async def build_access(settings: GatewaySettings, db: AsyncEngine) -> AccessControl:

@@ -12,7 +12,7 @@ import time
 import uuid
 from contextlib import AsyncExitStack
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,6 +20,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from opentelemetry.trace import Tracer
 
+from gateway.approximation import Approximation, HeaderChoice, parse_header
+from gateway.fidelity_guard import FidelityGuard
 from gateway.auth import AccessControl, Charge
 from gateway.errors import (BadRequestError, BodyTooLargeError, GatewayError, GatewayInternalError, UpstreamFailedError,
                             UpstreamTimeoutError)
@@ -59,6 +61,8 @@ class GatewayState:
     store: StateStore | None = None  # None: inferred state is not persisted
     round_hold: RoundHold | None = None  # None: requests of a round are never held
     plan_seal: PlanSeal | None = None  # None: plans go unsealed (an engine on loopback)
+    approximation: Approximation = field(default_factory=Approximation)  # exact unless opted in
+    fidelity: FidelityGuard | None = None  # None: the fidelity guard is off
 
 
 class ProxiedCall:
@@ -180,6 +184,7 @@ class ProxiedCall:
         """Session, agent and the SegmentPlan; the plan rides along unless reuse is off.
         The adapter the plan routes to is applied either way: routing is not reuse."""
         model = self.record.model or ""
+        choice = self._reuse_choice()
         result = self.state.inference.plan(ident, body, self.record.id, model)
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
@@ -189,13 +194,25 @@ class ProxiedCall:
         if adapter is not None and adapter.model != model:
             body = {**body, "model": adapter.model}
             self.record.model = adapter.model[:256]  # what ran, and what dispatch picks an upstream for
-        reuse = self.request.headers.get(REUSE_HEADER, "on").strip().lower() not in ("off", "0", "false")
         plan = result.plan
-        if not (self.state.settings.inference.reuse and reuse):
+        if not self.state.settings.inference.reuse or choice == "off":
             # No reuse: no segments, no round, no workflow; the plan still names the
             # tenant, whose prefix cache alone the request may read and fill.
             plan = plan.model_copy(update={"segments": [], "round": None, "workflow": None})
+        else:
+            approx, tenant = self.state.approximation, plan.tenant or ident.app_id
+            method = approx.method_for(choice, tenant, ident.app_id, plan.agent_id, self.record.model or "")
+            if method is not None:  # a sampled share is scored again by the engine (gateway/fidelity_guard.py)
+                plan = Approximation.apply(plan, method, approx.wants_probe(tenant, ident.app_id, method))
+                self.record.plan = plan.model_dump_json()  # the record says which method ran
         return with_plan(body, plan, self.state.plan_seal)
+
+    def _reuse_choice(self) -> HeaderChoice:
+        """The client's X-Kvrelay-Reuse, checked before any planning."""
+        try:
+            return parse_header(self.request.headers.get(REUSE_HEADER))
+        except ValueError as exc:
+            raise BadRequestError(f"{REUSE_HEADER} {exc}", param=REUSE_HEADER) from exc
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
         """The upstream body: usage is always requested for streams, and stripped again

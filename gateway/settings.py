@@ -18,6 +18,8 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, Vali
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from engine_ext.protocol import MAX_PLAN_SEGMENTS
+from gateway.approximation import ApproximationSettings
+from gateway.rule_files import load_rule_file
 from gateway.tenancy import TenantMap
 
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -39,7 +41,7 @@ class Breaker(BaseModel):
 class InferenceSettings(BaseModel):
     """Structure inferred from traffic, and the SegmentPlan sent to the engine."""
 
-    reuse: bool = True  # attach plans; a request can opt out with `X-Kvrelay-Reuse: off`
+    reuse: bool = True  # attach plans (exact unless approximation opts in); a request can opt out with `X-Kvrelay-Reuse: off`
     anchor_chars: Annotated[int, Field(ge=8, le=4096)] = 32  # shortest text found again in prompts
     session_ttl_s: PositiveFloat = 1800.0  # an idle session is forgotten after this
     max_sessions: Annotated[int, Field(ge=1)] = 10_000  # per app, least recently used dropped first
@@ -141,17 +143,7 @@ class AdapterSettings(BaseModel):
 
 def load_adapter_rules(path: Path) -> list[AdapterRule]:
     """The rules of an adapters file; ValueError naming the file and the problem."""
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"cannot read the adapters file {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ValueError(f"the adapters file {path} must hold a mapping with `rules`")
-    try:
-        return _AdapterFile.model_validate(data).rules
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ValueError(f"invalid adapters file {path}: {problems}") from exc
+    return load_rule_file(path, _AdapterFile, "adapters").rules
 
 
 class LimitSettings(BaseModel):
@@ -179,6 +171,7 @@ class GatewaySettings(BaseSettings):
     breaker: Breaker = Breaker()
     inference: InferenceSettings = InferenceSettings()
     adapters: AdapterSettings = AdapterSettings()  # agent -> LoRA adapter routing
+    approximation: ApproximationSettings = ApproximationSettings()  # opt-in approximate reuse and its guard
     health_interval_s: PositiveFloat = 5.0
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000

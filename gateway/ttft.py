@@ -1,9 +1,12 @@
 """A session's TTFT analysis: per request and per round, where the time to the first
-token went (the engine's breakdown kept with each request) and what reuse saved (the
-dense TTFT the engine's own prefill rate predicts, against the actual one).
+token went (the engine's breakdown kept with each request) and what reuse saved: the
+TTFT prefix caching alone would have given (the engine prices what that path would
+have computed at its measured dense prefill time, engine_ext/timeline.py), against
+the actual one.
 
-Served at GET /admin/sessions/{id}/ttft and printed by `kvrelay ttft SESSION_ID`, both
-from the request records in SQL.
+One computation for every view: GET /admin/sessions/{id}/ttft, `kvrelay ttft
+SESSION_ID` and the /ui session page all show `session_ttft` of the request records in
+SQL, each record's breakdown checked again by `clean_breakdown` as it is read.
 """
 
 from __future__ import annotations
@@ -22,20 +25,32 @@ from gateway.storage.models import RequestRow
 STAGES = ("prepare", "queue", "plan", "prefill", "first")  # up to the first token, as the engine reports them
 MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump
 NUMBERS = ("prepare_s", "queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
-           "prefill_wait_s", "prefill_tokens_per_s", "dense_ttft_s", "saved_s")
+           "prefill_wait_s", "prefix_hit_tokens", "prefix_path_tokens", "reused_tokens", "prefix_path_s",
+           "keep_s", "dense_ttft_s")
 MAX_METHODS = 16
 
 
 def clean_breakdown(report: Any) -> dict[str, Any] | None:
     """An upstream's TTFT breakdown reduced to the known keys with finite numbers (an
-    upstream is not trusted to send well-formed JSON), or None when nothing is usable."""
+    upstream is not trusted to send well-formed JSON), or None when nothing is usable.
+
+    The saving is derived here, once, for every view: `saved_s` = `dense_ttft_s` -
+    `ttft_s`, and only where the breakdown names its baseline (`prefix_hit_tokens`): a
+    dense TTFT without one is from before savings were priced against prefix caching
+    alone (it priced the whole prompt, prefix hits included) and is dropped."""
     if not isinstance(report, dict):
         return None
     out: dict[str, Any] = {key: float(report[key]) for key in NUMBERS if _finite(report.get(key))}
     methods = report.get("assembly_s")
     if isinstance(methods, dict):
         out["assembly_s"] = {str(m)[:32]: float(v) for m, v in list(methods.items())[:MAX_METHODS] if _finite(v)}
-    return out if "ttft_s" in out else None
+    if "ttft_s" not in out:
+        return None
+    if "dense_ttft_s" in out and "prefix_hit_tokens" in out:
+        out["saved_s"] = out["dense_ttft_s"] - out["ttft_s"]
+    else:
+        out.pop("dense_ttft_s", None)
+    return out
 
 
 def _finite(value: Any) -> bool:
@@ -80,7 +95,8 @@ def session_ttft(session_id: str, rows: list[Any]) -> dict[str, Any]:
 
 def format_report(report: dict[str, Any]) -> str:
     """The report as a text table, milliseconds: one line per request, then per round
-    (stages summed over its members, and its wall-clock TTFT), then the total."""
+    (stages summed over its members, and its wall-clock TTFT), then the total, and a
+    line saying what `dense` and `saved` are measured against."""
     head = ("request", "agent", "round", *(s if s != "prepare" else "prep" for s in STAGES),
             "ttft", "dense", "saved", "gateway")
     lines = [head]
@@ -88,7 +104,7 @@ def format_report(report: dict[str, Any]) -> str:
         b = r["engine"] or {}
         lines.append((r["request_id"][:12], (r["agent_id"] or "-")[:16], (r["round_id"] or "-")[-8:],
                       *(_ms(b.get(f"{s}_s")) for s in STAGES), _ms(b.get("ttft_s")), _ms(b.get("dense_ttft_s")),
-                      _ms(b.get("saved_s")), _ms(r["gateway_ttft_ms"], scale=1)))
+                      _ms(b.get("saved_s")) if "saved_s" in b or not b else "?", _ms(r["gateway_ttft_ms"], scale=1)))
     for r in report["rounds"]:
         lines.append((f"round {r['round_id'][-8:]}", f"{r['num_requests']} requests", f"wall {_ms(r['wall_ttft_s'])}",
                       *(_ms(r["stages_s"][f"{s}_s"]) for s in STAGES), _ms(r["ttft_s"]), _ms(r["dense_ttft_s"]),
@@ -100,6 +116,9 @@ def format_report(report: dict[str, Any]) -> str:
     table = "\n".join("  ".join(str(cell).ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines)
     if report.get("truncated"):
         table += f"\n(the first {MAX_REQUESTS} requests only)"
+    table += (f"\ndense: the TTFT with prefix caching alone, its prefill priced at the engine's measured dense "
+              f"prefill time; saved = dense - ttft, over {t['num_priced']} of {t['num_reported']} requests "
+              f"(?: no similar prefill measured yet); {t['reused_tokens']} tokens reused beyond the prefix cache")
     return table
 
 
@@ -109,19 +128,23 @@ def _request(row: Any) -> dict[str, Any]:
     return {"request_id": row.id, "agent_id": row.agent_id, "started_at": row.started_at.isoformat(),
             "round_id": round_info.get("id") if isinstance(round_info, dict) else None,
             "status": row.status, "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
-            "gateway_ttft_ms": row.ttft_ms if row.stream else row.latency_ms, "engine": _json(row.ttft_breakdown)}
+            "gateway_ttft_ms": row.ttft_ms if row.stream else row.latency_ms,
+            "engine": clean_breakdown(_json(row.ttft_breakdown))}
 
 
 def _totals(requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """TTFT summed over the requests the engine reported on; the dense estimate and the
-    saving over those it could also price (its prefill rate was known), so a request
-    without an estimate never counts as saving nothing. None when there are none."""
+    """TTFT summed over the requests the engine reported on; the TTFT prefix caching
+    alone would have given and the saving over those with a baseline (a request that
+    did the prefix path's own work counts, saving 0; one that reused beyond it only if
+    the engine could price it), so an unknown never counts as saving nothing, and the
+    tokens reused beyond the prefix cache. None when there are none."""
     reported = [r["engine"] for r in requests if r["engine"]]
-    priced = [b for b in reported if "dense_ttft_s" in b]
+    priced = [b for b in reported if "saved_s" in b]
     return {"num_reported": len(reported), "num_priced": len(priced),
             "ttft_s": sum(b["ttft_s"] for b in reported) if reported else None,
             "dense_ttft_s": sum(b["dense_ttft_s"] for b in priced) if priced else None,
-            "saved_s": sum(b["dense_ttft_s"] - b["ttft_s"] for b in priced) if priced else None}
+            "saved_s": sum(b["saved_s"] for b in priced) if priced else None,
+            "reused_tokens": int(sum(b.get("reused_tokens", 0) for b in reported))}
 
 
 def _wall_ttft(members: list[dict[str, Any]]) -> float | None:

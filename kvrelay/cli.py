@@ -41,11 +41,14 @@ def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_token
         raise _fail(f"invalid reuse settings: {exc}") from exc
 
 
-def _tier_config(kv_policy: str, host_kv_mb: int, disk_kv_dir: str | None, disk_kv_mb: int, load_ahead: int):
+def _tier_config(kv_policy: str, host_kv_mb: int | None, disk_kv_dir: str | None, disk_kv_mb: int,
+                 load_ahead: int | None):
+    """None for --host-kv-mb or --load-ahead: the automatic value (TierConfig's)."""
     from engine_ext.config import TierConfig
 
     try:
-        return TierConfig(policy=kv_policy, host_bytes=host_kv_mb * 2**20, disk_path=disk_kv_dir,  # type: ignore[arg-type]
+        host_bytes = None if host_kv_mb is None else host_kv_mb * 2**20
+        return TierConfig(policy=kv_policy, host_bytes=host_bytes, disk_path=disk_kv_dir,  # type: ignore[arg-type]
                           disk_bytes=disk_kv_mb * 2**20, load_ahead=load_ahead)
     except ValueError as exc:
         raise _fail(f"invalid KV tier settings: {exc}") from exc
@@ -161,7 +164,9 @@ BatchOpt = Annotated[int, typer.Option(min=1, help="tokens computed per engine s
 LenOpt = Annotated[Optional[int], typer.Option(min=2, help="cap on prompt + completion tokens")]
 DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 HostOpt = Annotated[str, typer.Option(help="address to bind")]
-ReuseOpt = Annotated[str, typer.Option(help="reuse of planned segments away from the prefix: blend | shift | link | kvcomm | prefix | dense | off")]
+ReuseOpt = Annotated[str, typer.Option(help="what a planned segment that names no method gets: prefix (exact: the prefix cache "
+                                              "and its tiers only) | dense | off, or an approximate method: blend | shift | link | kvcomm "
+                                              "(this engine's default for every request; through the gateway, opt in per app with its reuse rules)")]
 BlendOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="blend: fraction of a segment's tokens recomputed")]
 CheckOpt = Annotated[str, typer.Option(help="blend: comma-separated layers whose key deviation selects the tokens")]
 LinkOpt = Annotated[int, typer.Option(min=0, help="link: tokens recomputed at the start of each segment")]
@@ -173,13 +178,15 @@ CorrectionOpt = Annotated[str, typer.Option(help="kvcomm: rotation | placeholder
 CollectiveOpt = Annotated[bool, typer.Option(help="prefill the requests of one All-Gather round together (TokenDance)")]
 RoundWindowOpt = Annotated[float, typer.Option(min=0.0, max=10000.0, help="collective: ms a round's first request waits for its siblings")]
 DiffStoreOpt = Annotated[bool, typer.Option(help="collective: keep a round's caches as one master and block-sparse mirrors")]
-KvPolicyOpt = Annotated[str, typer.Option(help="which cached KV leaves the device first: lru | workflow (KVFlow's steps-to-execution)")]
-HostKvOpt = Annotated[int, typer.Option(min=0, help="host-memory KV tier in MiB; evicted prefixes load back from it (0: none)")]
+KvPolicyOpt = Annotated[str, typer.Option(help="which cached KV leaves the device first: workflow (KVFlow: the plan's steps-to-execution, per session; exact) | lru")]
+HostKvOpt = Annotated[Optional[int], typer.Option(min=0, help="host-memory KV tier in MiB; evicted prefixes load back from it. Default: sized at start, "
+                                                               "twice --kv-cache-mb but at most a quarter of the memory then available (MemAvailable); 0: none")]
 DiskKvDirOpt = Annotated[Optional[str], typer.Option(help="directory for a disk KV tier (a memory-mapped file, removed on exit)")]
 DiskKvOpt = Annotated[int, typer.Option(min=0, help="disk KV tier size in MiB (with --disk-kv-dir)")]
-LoadAheadOpt = Annotated[int, typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow and a lower tier; 0: off)")]
+LoadAheadOpt = Annotated[Optional[int], typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow "
+                                                                          "and a lower tier). Default: 2 with the workflow policy and a lower tier, else 0; 0: off")]
 AdapterOpt = Annotated[Optional[list[str]], typer.Option(help="serve a PEFT LoRA adapter as NAME=PATH (repeat); clients ask for model 'BASE:NAME'")]
-AdapterModeOpt = Annotated[str, typer.Option(help="adapters: icarus (one shared KV cache, needs ICaRus-trained adapters) | multi_lora")]
+AdapterModeOpt = Annotated[str, typer.Option(help="adapters: auto (icarus for adapters `kvrelay train icarus` marked, multi_lora for others) | icarus (one shared KV cache; refuses adapters not marked as ICaRus-trained) | multi_lora")]
 FirstTokenOpt = Annotated[str, typer.Option(help="icarus: sample the first token from the adapter or from the base (the paper's variant)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
@@ -196,7 +203,7 @@ def engine(
     max_num_batched_tokens: BatchOpt = 2048,
     max_model_len: LenOpt = None,
     dtype: DtypeOpt = "float32",
-    reuse_method: ReuseOpt = "blend",
+    reuse_method: ReuseOpt = "prefix",
     blend_ratio: BlendOpt = 0.15,
     check_layers: CheckOpt = "1",
     link_tokens: LinkOpt = 8,
@@ -208,13 +215,13 @@ def engine(
     collective: CollectiveOpt = True,
     round_window_ms: RoundWindowOpt = 0.0,
     diff_store: DiffStoreOpt = True,
-    kv_policy: KvPolicyOpt = "lru",
-    host_kv_mb: HostKvOpt = 0,
+    kv_policy: KvPolicyOpt = "workflow",
+    host_kv_mb: HostKvOpt = None,
     disk_kv_dir: DiskKvDirOpt = None,
     disk_kv_mb: DiskKvOpt = 0,
-    load_ahead: LoadAheadOpt = 0,
+    load_ahead: LoadAheadOpt = None,
     adapter: AdapterOpt = None,
-    adapter_mode: AdapterModeOpt = "icarus",
+    adapter_mode: AdapterModeOpt = "auto",
     adapter_first_token: FirstTokenOpt = "adapter",
     log_level: LogOpt = "info",
 ) -> None:
@@ -263,7 +270,7 @@ def up(
     kv_cache_mb: KvOpt = 512,
     max_num_seqs: SeqsOpt = 64,
     database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")] = None,
-    reuse_method: ReuseOpt = "blend",
+    reuse_method: ReuseOpt = "prefix",
     blend_ratio: BlendOpt = 0.15,
     check_layers: CheckOpt = "1",
     link_tokens: LinkOpt = 8,
@@ -275,13 +282,13 @@ def up(
     collective: CollectiveOpt = True,
     round_window_ms: RoundWindowOpt = 0.0,
     diff_store: DiffStoreOpt = True,
-    kv_policy: KvPolicyOpt = "lru",
-    host_kv_mb: HostKvOpt = 0,
+    kv_policy: KvPolicyOpt = "workflow",
+    host_kv_mb: HostKvOpt = None,
     disk_kv_dir: DiskKvDirOpt = None,
     disk_kv_mb: DiskKvOpt = 0,
-    load_ahead: LoadAheadOpt = 0,
+    load_ahead: LoadAheadOpt = None,
     adapter: AdapterOpt = None,
-    adapter_mode: AdapterModeOpt = "icarus",
+    adapter_mode: AdapterModeOpt = "auto",
     adapter_first_token: FirstTokenOpt = "adapter",
     log_level: LogOpt = "info",
 ) -> None:
@@ -364,7 +371,8 @@ def _run_migration(direction: str, revision: str, database_url: str | None) -> N
 def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see GET /admin/sessions)")],
          as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
          database_url: DbUrlOpt = None) -> None:
-    """Where each request's time to first token went, per request and per round, and what reuse saved."""
+    """Where each request's time to first token went, per request and per round, and what reuse saved
+    against prefix caching alone (the report GET /admin/sessions/{id}/ttft and /ui show)."""
     import asyncio
     import json
 
@@ -479,7 +487,8 @@ def train(
     lr: Annotated[float, typer.Option(min=0.0, help="AdamW learning rate")] = 1e-3,
     max_examples: Annotated[Optional[int], typer.Option(min=1, help="use at most this many examples")] = None,
 ) -> None:
-    """Fine-tune a LoRA adapter on CPU with the base frozen; writes it in PEFT's format."""
+    """Fine-tune a LoRA adapter on CPU with the base frozen; writes it in PEFT's format,
+    marked with the training mode (only icarus-trained adapters are served in icarus mode)."""
     from engine_ext.adapters.dataset import read_examples
     from engine_ext.adapters.training import train as fit
     from engine_ext.config import ModelConfig
@@ -501,10 +510,11 @@ def train(
     for step, loss in enumerate(losses, start=1):
         typer.echo(f"step {step}: loss {loss:.4f}")
     try:
-        factors.save(out)
+        factors.save(out)  # marked with `mode`: --adapter-mode auto serves icarus-trained adapters in icarus mode
     except OSError as exc:
         raise _fail(f"cannot write {out}: {exc.strerror or exc}") from exc
-    typer.echo(f"wrote {mode} adapter to {out}")
+    served = "icarus" if mode == "icarus" else "multi_lora"
+    typer.echo(f"wrote {mode} adapter to {out} (marked as {mode}-trained: --adapter-mode auto serves it as {served})")
 
 
 @app.command()

@@ -6,33 +6,41 @@ values. `icarus`: the frozen base (the logical encoder) computes every layer's k
 values, and the adapted model (the logical decoder) attends to those, never to its own;
 so at serving time its predictions read the one cache every ICaRus adapter shares. The
 trained factors are written in PEFT's format (adapter_config.json +
-adapter_model.safetensors), which `load_lora` reads back.
+adapter_model.safetensors), which `load_lora` reads back, with the mode they were
+trained in marked in the safetensors header (engine_ext/adapters/marks.py): only an
+`icarus`-trained adapter is served in icarus mode by default.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from engine_ext.adapters.lora import MODULES, PEFT_PARENTS, module_rows
+from engine_ext.adapters.marks import WEIGHTS_FILE, TrainedAs, training_metadata
 from engine_ext.model import CausalLM
 from kernels.rope import apply_rotary, rope_cos_sin
 
-TrainMode = Literal["lora", "icarus"]
+TrainMode = TrainedAs  # lora | icarus: how the factors are fitted, and the mark they are saved with
 
 
 class LoraFactors(torch.nn.Module):
-    """Trainable A (r, in) and B (out, r) per layer and PEFT module; B starts at zero."""
+    """Trainable A (r, in) and B (out, r) per layer and PEFT module; B starts at zero.
 
-    def __init__(self, model: CausalLM, rank: int, alpha: float, modules: tuple[str, ...], seed: int = 0) -> None:
+    `trained_as` is how they are (or, for factors a test or benchmark sets by hand, stand
+    for factors) trained; `save` marks the adapter with it, so the engine knows whether
+    icarus mode serves the model they are. None: saved as a plain, unmarked PEFT LoRA."""
+
+    def __init__(self, model: CausalLM, rank: int, alpha: float, modules: tuple[str, ...], seed: int = 0,
+                 trained_as: TrainMode | None = None) -> None:
         super().__init__()
         cfg = model.config
         self.rank, self.alpha, self.modules_ = rank, alpha, modules
+        self.trained_as = trained_as
         self.scaling = alpha / rank
         rows = module_rows(cfg)
         gen = torch.Generator().manual_seed(seed)
@@ -69,7 +77,7 @@ class LoraFactors(torch.nn.Module):
         return torch.cat(pieces, dim=1)
 
     def save(self, path: Path) -> None:
-        """Write the factors as a PEFT LoRA adapter."""
+        """Write the factors as a PEFT LoRA adapter, marked with `trained_as`."""
         path.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for key in self.a:
@@ -77,7 +85,7 @@ class LoraFactors(torch.nn.Module):
             name = f"base_model.model.model.layers.{layer}.{PEFT_PARENTS[module]}.{module}"
             tensors[f"{name}.lora_A.weight"] = self.a[key].detach().contiguous()
             tensors[f"{name}.lora_B.weight"] = self.b[key].detach().contiguous()
-        save_file(tensors, str(path / "adapter_model.safetensors"))
+        save_file(tensors, str(path / WEIGHTS_FILE), metadata=training_metadata(self.trained_as))
         config = {"peft_type": "LORA", "r": self.rank, "lora_alpha": self.alpha, "target_modules": list(self.modules_),
                   "bias": "none", "task_type": "CAUSAL_LM"}
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
@@ -145,7 +153,7 @@ def train(model: CausalLM, examples: list[tuple[list[int], list[int]]], mode: Tr
     the factors and the mean loss of each pass over the examples."""
     for param in model.parameters():
         param.requires_grad_(False)
-    factors = LoraFactors(model, rank, alpha, modules, seed)
+    factors = LoraFactors(model, rank, alpha, modules, seed, trained_as=mode)
     optimizer = torch.optim.AdamW(factors.parameters(), lr=lr)
     losses = []
     for _ in range(steps):

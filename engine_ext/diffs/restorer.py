@@ -9,8 +9,9 @@ applied while copying) is restored into the new sequence's blocks, exactly the K
 agent's previous request ran on, and counts as cached.
 
 Only requests that carry a plan are served (a plan is the client's consent to reuse),
-none whose plan asks for exact prefix or dense computation of a restored segment, and
-no lossy mirror (a DiffStore with a tolerance keeps them for accounting only).
+none that asks for exact prefix or dense computation of a reusable segment in the
+restored region (by its own method or the engine's default), and no lossy mirror (a
+DiffStore with a tolerance keeps them for accounting only).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Restore(NamedTuple):
 
 
 class Restorer:
-    def __init__(self, store: DiffStore, kv_cache: KVCache, default_method: ReuseMethod = "blend") -> None:
+    def __init__(self, store: DiffStore, kv_cache: KVCache, default_method: ReuseMethod = "prefix") -> None:
         self.store = store
         self.kv_cache = kv_cache
         self.default_method = default_method  # what a segment naming no method asks for
@@ -53,7 +54,7 @@ class Restorer:
         stored, view = found
         if isinstance(stored, StoredMirror) and self.store.tolerance > 0:
             return None  # a lossy mirror is not the KV the agent ran on
-        if any((s.method or self.default_method) in _EXACT_METHODS and s.start < view.num_tokens
+        if any(s.is_reusable and (s.method or self.default_method) in _EXACT_METHODS and s.start < view.num_tokens
                and s.end > view.region_start for s in seq.segments):
             return None
         self.store.acquire(stored)

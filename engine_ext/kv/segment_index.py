@@ -9,10 +9,16 @@ Segment KV lives in blobs (kv/blobs.py): blocks of the prefix cache's pool, so i
 the one memory budget and the one LRU eviction. A blob's key is the hash of the
 segment's tokens under a segment root (never equal to a prefix hash); one evicted block
 invalidates the entry and later lookups miss.
+
+Every registration is a new version of its content: the same tokens evicted and
+registered again get the same key (and the same block hashes) but KV computed anew,
+perhaps behind another prefix, so anything measured against the old KV (KVCOMM's
+offsets) must tell the two apart. `SegmentEntry.identity` is (content key, version).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -24,14 +30,30 @@ from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root, te
 from engine_ext.rope import RopeShifter
 
 
+class EntryIdentity(NamedTuple):
+    """Which KV an entry holds: its content and the registration that wrote it. Two
+    entries with equal identities hold the very same KV; the same tokens registered
+    again (after an eviction) keep the key but get a new version."""
+
+    key: bytes  # SegmentEntry.key: derived from the tenant and the tokens alone
+    version: int  # the registration, unique within the index and increasing
+
+
 class SegmentEntry(NamedTuple):
     token_ids: tuple[int, ...]
     blob: Blob  # the segment's KV, keys in the canonical frame
+    version: int  # which registration wrote the KV (SegmentIndex numbers them from 1 on)
 
     @property
     def key(self) -> bytes:
         """The segment's identity across prompts (the same tokens give the same key)."""
         return self.blob.block_hashes[0]
+
+    @property
+    def identity(self) -> EntryIdentity:
+        """Content and version: what a measurement against this KV must record to be
+        applied to this KV alone (the key alone survives a re-registration)."""
+        return EntryIdentity(self.key, self.version)
 
 
 class SegmentIndex:
@@ -42,6 +64,8 @@ class SegmentIndex:
         self.blobs = BlobStore(pool, kv_cache)
         self.root = namespace_root(f"{namespace}\x00segment")
         self._entries: dict[bytes, SegmentEntry] = {}
+        self._versions = itertools.count(1)  # one per registration, never reused
+        self._held: set[int] = set()  # versions of the entries in _entries
         self.num_hits = 0
         self.num_misses = 0
         self.num_registered = 0
@@ -71,6 +95,17 @@ class SegmentIndex:
             return None
         return entry if entry is not None and entry.token_ids == tokens else None  # tokens guard collisions
 
+    def peek(self, token_ids: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> SegmentEntry | None:
+        """Like `lookup`, without counting a hit or miss: for checking which version the
+        index holds (KVCOMM's offsets), not for reusing it."""
+        return self._find(tuple(token_ids), tenant)
+
+    def is_current(self, entry: SegmentEntry) -> bool:
+        """Whether the index still holds this very registration, blocks intact. A stale
+        entry's blob can look valid when a re-registration of the same tokens got its
+        old blocks (same hashes), so validity alone does not say it."""
+        return entry.version in self._held and self.blobs.valid(entry.blob)
+
     def acquire(self, entry: SegmentEntry) -> None:
         """Pin an entry's blocks (they leave the LRU) until `release`."""
         self.blobs.acquire(entry.blob)
@@ -88,7 +123,7 @@ class SegmentIndex:
         """Copy the KV at `src_slots` (tokens computed from position `src_position` on)
         into new blocks, keys shifted back to position 0, for `tenant` alone. The first
         registration of a token sequence wins; False when it is already held or no block
-        is free."""
+        is free. Each registration gets a new version (see EntryIdentity)."""
         tokens = tuple(token_ids)
         if not tokens or self._find(tokens, tenant) is not None:
             return False
@@ -99,7 +134,12 @@ class SegmentIndex:
             return False
         self.copy_shifted(src_slots, self.blobs.slots(blob), -src_position)
         self.blobs.seal(blob)
-        self._entries[key] = SegmentEntry(tokens, blob)
+        entry = SegmentEntry(tokens, blob, next(self._versions))
+        replaced = self._entries.get(key)  # only ever a hash collision: the valid ones were found above
+        if replaced is not None:
+            self._held.discard(replaced.version)
+        self._entries[key] = entry
+        self._held.add(entry.version)
         self.num_registered += 1
         self._prune()
         return True
@@ -115,6 +155,7 @@ class SegmentIndex:
     def _drop(self, key: bytes, entry: SegmentEntry) -> None:
         """Forget an entry whose blocks were (partly) evicted; its survivors are stale."""
         del self._entries[key]
+        self._held.discard(entry.version)
         self.blobs.discard(entry.blob)
 
     def _prune(self) -> None:

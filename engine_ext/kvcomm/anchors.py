@@ -10,6 +10,13 @@ placeholder lands next time.
 
 A pool holds the anchors of one placeholder name of one app, shared by every session of
 that app: a recurring workflow learns once.
+
+An offset is exact only against the KV it was measured from. The segment index may
+evict an entry and register the same tokens again with other KV (computed behind
+another prefix, or approximately), so an anchor records the identity (content and
+version, kv/segment_index.py) of the entry its base was copied from, and each prefix
+offset that of the fixed segment's entry it was measured against. The bank adds an
+offset to the index's KV only where the identities are equal (bank.py).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_ext.kv.blobs import Blob
+from engine_ext.kv.segment_index import EntryIdentity
 
 
 @dataclass
@@ -24,6 +32,18 @@ class AgentOffsets:
     placeholder: Blob  # (n tokens) real - base, keys compared in the canonical frame
     prefix_token_ids: tuple[int, ...] | None = None  # the fixed segment after the placeholder
     prefix: Blob | None = None  # its real - base, likewise
+    # The fixed segment's index entry `prefix` was measured against: the offset is added
+    # to that entry only (None: no prefix offset, or measured against no known entry).
+    prefix_base: EntryIdentity | None = None
+
+    def prefix_for(self, token_ids: tuple[int, ...], entry: EntryIdentity | None) -> bool | None:
+        """Whether the prefix offset applies to the fixed segment `token_ids` whose index
+        entry is now `entry`: True (same text, measured against that very entry), False
+        (same text, another version of it: stale, never applied), None (no offset for
+        that text, or no entry to apply it to)."""
+        if self.prefix is None or self.prefix_token_ids != token_ids or entry is None:
+            return None
+        return self.prefix_base == entry
 
     def blobs(self) -> list[Blob]:
         return [self.placeholder] + ([self.prefix] if self.prefix is not None else [])
@@ -36,6 +56,11 @@ class Anchor:
     base: Blob  # the sample's base KV when it became an anchor
     offsets: dict[str, AgentOffsets] = field(default_factory=dict)  # agent id -> offsets
     num_activations: int = 0  # predictions it took part in
+    # The index entry `base` was copied from. `base` is the anchor's own copy, so its
+    # offsets stay consistent with it for predicting other samples whatever the index
+    # holds later; but they are added to the index's KV for these very tokens only while
+    # the index holds this version (None: from no known entry, never).
+    base_identity: EntryIdentity | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,6 +73,11 @@ class Anchor:
         """Eligible for a sample of `num_tokens` read by this agent: at least as long,
         with this agent's offsets measured."""
         return self.num_tokens >= num_tokens and agent_id in self.offsets
+
+    def exact_for(self, entry: EntryIdentity) -> bool:
+        """Whether its offsets were measured against this very entry (content and
+        version), so adding them to it reproduces the measured KV."""
+        return self.base_identity == entry
 
 
 class AnchorPool:
@@ -82,3 +112,10 @@ class AnchorPool:
 
     def remove(self, anchor: Anchor) -> None:
         self.anchors.remove(anchor)
+
+    def replace(self, old: Anchor, new: Anchor) -> None:
+        """Put `new` where `old` was: a sample measured again against a new version of
+        its base keeps its place and its activations (the sample's usefulness is what
+        pruning weighs, not which version measured it)."""
+        new.num_activations = old.num_activations
+        self.anchors[self.anchors.index(old)] = new

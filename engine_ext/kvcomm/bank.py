@@ -15,6 +15,17 @@
 
 All tensors live in cache blocks through a BlobStore: anchors share the engine's one
 memory budget and LRU, and an anchor whose blocks were evicted is dropped when next seen.
+
+Offsets are keyed to the exact base they were measured against. The segment index can
+evict an entry and register the same tokens again with other KV (EntryIdentity,
+kv/segment_index.py), and real - old base added to a new base is no longer the real KV.
+So an offset is added to the index's KV only where it was measured against that very
+version: an exact anchor's placeholder offsets against the placeholder's entry, every
+anchor's prefix offsets against the fixed segment's entry. Refused ones are counted in
+the decision's detail (`stale_anchors`, `stale_prefix_offsets`), never applied silently.
+An anchor used as a neighbour for another sample is not refused: its offsets are added
+to a different text's KV by design, weighed by the distance from its own base copy, and
+that copy is the very KV they were measured against whatever the index holds now.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from engine_ext.config import AnchorConfig
 from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root
-from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
+from engine_ext.kv.segment_index import EntryIdentity, SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import offsets
 from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool
 from engine_ext.kvcomm.criterion import nucleus, predict
@@ -47,6 +58,7 @@ class Decision(NamedTuple):
     placeholder: Correction | None
     prefix: Correction | None  # None: the following segment is not corrected
     detail: dict[str, Any]  # reported per placeholder
+    prefix_base: EntryIdentity | None = None  # the fixed segment's entry `prefix` was measured against
 
 
 class Measurement(NamedTuple):
@@ -81,24 +93,41 @@ class AnchorBank:
     # -- deciding ----------------------------------------------------------------------
     def decide(self, pool_key: PoolKey, agent_id: str, token_ids: tuple[int, ...], base: SegmentEntry,
                prefix_token_ids: tuple[int, ...] | None) -> Decision:
+        """Predict or measure the sample `token_ids`, whose index entry is `base`.
+
+        An exact anchor measured against another version of `base` is refused: treated
+        as absent (neither exact nor a neighbour for its own tokens), so the sample is
+        predicted from the other anchors or measured, and a measurement then replaces the
+        stale anchor in place (`record`). Re-measuring rather than dropping keeps the pool
+        useful: until its sample is measured again, the stale anchor still serves other
+        samples as a neighbour (its base copy matches its offsets), and the re-measured
+        anchor keeps its place and activations, so a recurring sample is not pruned for
+        having been evicted from the index."""
         pool = self.pools.get(pool_key)
         if pool is not None:
             self._drop_invalid(pool)
+        stale: dict[str, int] = {}
         exact = pool.find(token_ids) if pool is not None else None
+        refused = None
+        if exact is not None and not exact.exact_for(base.identity):
+            refused, exact = exact, None
+            stale["stale_anchors"] = 1
+        prefix_base = self._current(prefix_token_ids, pool_key[0])
         if exact is not None:
             if agent_id not in exact.offsets:
                 return self._measure(pool_key, agent_id, [exact], {"anchor": "measured", "anchors_used": 0})
-            return self._predicted(pool_key, agent_id, [exact], torch.ones(1, len(token_ids)),
-                                   torch.ones(1), prefix_token_ids, {"anchor": "exact", "anchors_used": 1})
-        eligible = pool.eligible(agent_id, len(token_ids)) if pool is not None else []
+            return self._predicted(pool_key, agent_id, [exact], torch.ones(1, len(token_ids)), torch.ones(1),
+                                   prefix_token_ids, prefix_base, {"anchor": "exact", "anchors_used": 1})
+        eligible = [a for a in pool.eligible(agent_id, len(token_ids)) if a is not refused] if pool is not None else []
         if not eligible:
-            return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, "eligible": 0})
+            return self._measure(pool_key, agent_id, [],
+                                 {"anchor": "new", "anchors_used": 0, "eligible": 0, **stale})
         base_slots = self.index.slots(base)
         token_dist = offsets.token_distances(self.kv_cache, base_slots,
                                              [self.blobs.slots(a.base) for a in eligible])  # (A, n)
         pred = predict(offsets.sample_distances(token_dist), self.config.gamma, self.config.temperature)
         detail = {"eligible": len(eligible), "entropy": round(pred.entropy, 4),
-                  "threshold": round(pred.threshold, 4)}
+                  "threshold": round(pred.threshold, 4), **stale}
         if not pred.shareable:
             return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, **detail})
         # The anchors carrying the weight predict; per token, each weighs by its own distance there.
@@ -106,13 +135,24 @@ class AnchorBank:
         token_weights = torch.softmax(-token_dist[used] / self.config.temperature, dim=0)  # (U, n)
         detail = {"anchor": "hit", "anchors_used": len(used), **detail}
         return self._predicted(pool_key, agent_id, [eligible[i] for i in used], token_weights, pred.weights[used],
-                               prefix_token_ids, detail)
+                               prefix_token_ids, prefix_base, detail)
+
+    def _current(self, token_ids: tuple[int, ...] | None, tenant: str) -> EntryIdentity | None:
+        """The identity of the index's entry for a fixed segment now (None: none held).
+        A peek, not a lookup: the assembler looks it up itself when it places it."""
+        entry = self.index.peek(token_ids, tenant) if token_ids is not None else None
+        return entry.identity if entry is not None else None
 
     def _measure(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], detail: dict) -> Decision:
         return Decision(False, pool_key, agent_id, anchors, None, None, detail)
 
     def _predicted(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], token_weights: torch.Tensor,
-                   weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None, detail: dict) -> Decision:
+                   weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None,
+                   prefix_base: EntryIdentity | None, detail: dict) -> Decision:
+        """A prediction from `anchors`. The fixed segment after the placeholder (whose
+        entry is `prefix_base` now) is corrected by the prefix offsets measured against
+        that very entry; those measured against another version of it are counted and
+        left out, and with none left it is not corrected (the assembler computes it)."""
         mode = self.correction
         placeholder = None
         if mode != "rotation":
@@ -120,11 +160,16 @@ class AnchorBank:
                                      token_weights)
         prefix = None
         if mode == "full" and prefix_token_ids is not None:
-            measured = [i for i, a in enumerate(anchors) if a.offsets[agent_id].prefix_token_ids == prefix_token_ids]
+            fits = [a.offsets[agent_id].prefix_for(prefix_token_ids, prefix_base) for a in anchors]
+            measured = [i for i, fit in enumerate(fits) if fit is True]
+            num_stale = sum(1 for fit in fits if fit is False)
+            if num_stale:
+                detail = {**detail, "stale_prefix_offsets": num_stale}
             if measured:
                 w = weights[measured] / weights[measured].sum()  # (A',)
                 prefix = Correction([self.blobs.slots(anchors[i].offsets[agent_id].prefix) for i in measured], w)
-        return Decision(True, pool_key, agent_id, anchors, placeholder, prefix, detail)
+        return Decision(True, pool_key, agent_id, anchors, placeholder, prefix, detail,
+                        prefix_base if prefix is not None else None)
 
     def blobs_of(self, decision: Decision) -> list[Blob]:
         """The blobs a decision reads: pinned from admission until the prefill is done."""
@@ -142,12 +187,18 @@ class AnchorBank:
 
     def record(self, m: Measurement, prompt_slots: torch.Tensor) -> bool:
         """Record a measured placeholder's offsets from the computed prompt (slots (P,));
-        it becomes an anchor, or its anchor gains this agent. False when not recorded."""
-        if not self.learning or not self.index.blobs.valid(m.base.blob):
+        it becomes an anchor, or its anchor gains this agent. False when not recorded.
+        An anchor of these tokens measured against another version of the base is
+        replaced by this measurement (its other agents' offsets go with it: they too
+        were measured against the old version)."""
+        if not self.learning or not self.index.is_current(m.base):
             return False
         d = m.decision
         pool = self.pools.setdefault(d.pool, AnchorPool(self.config.max_anchors, self.config.prune_window))
         anchor = pool.find(m.token_ids)
+        stale = None
+        if anchor is not None and not anchor.exact_for(m.base.identity):
+            stale, anchor = anchor, None
         if anchor is not None and d.agent_id in anchor.offsets:
             return False  # another request measured it meanwhile
         n = len(m.token_ids)
@@ -180,10 +231,16 @@ class AnchorBank:
         for blob in new_blobs:
             self.blobs.seal(blob)
         if anchor is None:
-            anchor = Anchor(next(self._ids), m.token_ids, base)
-            for pruned in pool.add(anchor):
-                self._discard(pruned)
-        anchor.offsets[d.agent_id] = AgentOffsets(placeholder, m.prefix_token_ids if prefix else None, prefix)
+            anchor = Anchor(next(self._ids), m.token_ids, base, base_identity=m.base.identity)
+            if stale is not None:
+                pool.replace(stale, anchor)
+                self._discard(stale)
+            else:
+                for pruned in pool.add(anchor):
+                    self._discard(pruned)
+        prefix_base = prefix_entry.identity if prefix is not None and prefix_entry is not None else None
+        anchor.offsets[d.agent_id] = AgentOffsets(placeholder, m.prefix_token_ids if prefix else None, prefix,
+                                                  prefix_base)
         self.num_measured += 1
         return True
 

@@ -1,16 +1,18 @@
-"""Segment-aligned tokenization: a SegmentPlan's character segments as token ranges.
+"""Canonical tokenization with a SegmentPlan's character segments as token ranges.
 
-Reusing a segment's KV across requests needs two things: the same text must give the
-same token ids wherever it appears, and the engine must know where those ids sit in
-the prompt. Tokenizing the whole rendered prompt at once gives neither (BPE merges
-across the edge of a segment, so its tokens depend on its neighbours). So the rendered
-prompt is cut at every segment boundary and at the edges of each planned message, and
-each piece is tokenized alone: a segment's ids then depend only on its own text.
+A plan must never change the tokens a prompt runs on: the answer to a request with a
+plan has to be the answer to the same request without one. So the rendered prompt is
+always tokenized whole, exactly as without a plan, and each planned segment is mapped
+onto those canonical ids through the tokens' character offsets. A segment whose edge
+falls inside a token (BPE merged it with its neighbour, e.g. " The" across a space
+that ends the text before it) cannot be placed: it is computed with the rest of the
+prompt, and the note counts it. Reuse then looks a segment up by its canonical ids, so
+the same text placed in two contexts is reused only where both tokenized it alike.
 
 Where a message's content sits in the rendered prompt is found by rendering the chat
 template a second time with sentinel strings in place of the planned contents. A
 template that drops, repeats or transforms content (e.g. strips it) defeats this; the
-prompt is then tokenized whole, with no segments, and the note says why.
+prompt then runs with no segments, and the note says why.
 """
 
 from __future__ import annotations
@@ -27,8 +29,10 @@ from engine_ext.tokenizer import Tokenizer
 _OUT_OF_RANGE = "no such message"
 _BEYOND_CONTENT = "char range beyond the message"
 _HASH_MISMATCH = "content differs from the plan"
+_INSIDE_TOKEN = "an edge falls inside a token"
 
 Piece = tuple[str, int | None]  # text, and the plan index of the segment it is (None: none)
+Offsets = list[tuple[int, int]]  # each token's character span in the text
 Layout = list[str | int]  # rendered order: template text (str) or a planned message's index
 
 
@@ -73,14 +77,6 @@ def _check(seg: Segment, contents: list[str]) -> str | None:
     return None
 
 
-def _splits_cleanly(tok: Tokenizer) -> bool:
-    """Whether pieces tokenized apart decode to their concatenation. Not so for tokenizers
-    that prefix every call's text (SentencePiece's Metaspace, add_prefix_space=True)."""
-    pieces = ["ab", "cd", " e"]
-    ids = [i for piece in pieces for i in tok.encode(piece)]
-    return tok.decode(ids, skip_special_tokens=False) == "".join(pieces)
-
-
 def _skip_note(skipped: Counter[str], total: int) -> str | None:
     if not skipped:
         return None
@@ -110,12 +106,32 @@ def _message_pieces(content: str, placed: list[tuple[int, Segment]]) -> list[Pie
     return pieces
 
 
+def token_edges(offsets: Offsets, text_length: int) -> dict[int, int]:
+    """Character position -> token index, for every position where the tokens split the
+    text cleanly: every token before it ends at or before it, every token from it on
+    starts at or after it, and it is exactly an end and a start. A position inside a
+    token, or inside a character that several byte tokens share, is not an edge."""
+    n = len(offsets)
+    edges: dict[int, int] = {}
+    latest_end = 0  # the furthest end of the tokens before i
+    earliest_start = [text_length] * (n + 1)  # the earliest start of tokens i..n-1
+    for i in range(n - 1, -1, -1):
+        earliest_start[i] = min(offsets[i][0], earliest_start[i + 1])
+    for i in range(n + 1):
+        if i == n or offsets[i][0] == latest_end:
+            here = text_length if i == n else offsets[i][0]
+            if latest_end == here == earliest_start[i]:
+                edges.setdefault(here, i)
+        if i < n:
+            latest_end = max(latest_end, offsets[i][1])
+    return edges
+
+
 class PromptAligner:
-    """Tokenizes prompts segment-aligned against a SegmentPlan."""
+    """Tokenizes prompts canonically and maps a SegmentPlan's segments onto the tokens."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._splits_cleanly = _splits_cleanly(tokenizer)
 
     def chat(self, messages: list[dict], tools: list[dict] | None, plan: SegmentPlan) -> AlignedPrompt:
         messages = [{**m, "content": _content_text(m.get("content"))} for m in messages]
@@ -123,7 +139,6 @@ class PromptAligner:
         real = self._tok.render_chat(messages, tools=tools)
         by_message, skip_note = self._placeable(plan, contents)
         try:
-            self._check_tokenizer(by_message)
             layout = self._layout(messages, tools, sorted(by_message), real)
         except _Misaligned as exc:
             return self._whole(real, exc, skip_note)
@@ -131,19 +146,11 @@ class PromptAligner:
 
     def text(self, prompt: str, plan: SegmentPlan) -> AlignedPrompt:
         by_message, skip_note = self._placeable(plan, [prompt])
-        try:
-            self._check_tokenizer(by_message)
-        except _Misaligned as exc:
-            return self._whole(prompt, exc, skip_note)
         return self._assemble([0], [prompt], by_message, plan, skip_note)
 
     def _whole(self, text: str, why: _Misaligned, skip_note: str | None) -> AlignedPrompt:
-        note = f"segments not placed, prompt tokenized whole: {why}"
+        note = f"segments not placed: {why}"
         return AlignedPrompt(self._tok.encode(text), [], _join_notes(note, skip_note))
-
-    def _check_tokenizer(self, by_message: dict[int, list[tuple[int, Segment]]]) -> None:
-        if by_message and not self._splits_cleanly:
-            raise _Misaligned("the tokenizer changes text tokenized in pieces (e.g. adds a prefix space)")
 
     @staticmethod
     def _placeable(plan: SegmentPlan, contents: list[str]
@@ -194,15 +201,22 @@ class PromptAligner:
                 pieces.append((part, None))
             else:
                 pieces += _message_pieces(contents[part], by_message.get(part, []))
-        token_ids: list[int] = []
+        text = "".join(piece for piece, _ in pieces)
+        token_ids, offsets = self._tok.encode_with_offsets(text)
+        edges = token_edges(offsets, len(text))
         segments: list[TokenSegment] = []
-        for text, plan_index in pieces:
-            if not text:
+        inside = 0
+        cursor = 0
+        for piece, plan_index in pieces:
+            char_start, cursor = cursor, cursor + len(piece)
+            if plan_index is None or not piece:
                 continue
-            start = len(token_ids)
-            token_ids += self._tok.encode(text)
-            if plan_index is not None and len(token_ids) > start:
+            start, end = edges.get(char_start), edges.get(cursor)
+            if start is None or end is None:
+                inside += 1
+                continue
+            if end > start:
                 seg = plan.segments[plan_index]
-                segments.append(TokenSegment(start, len(token_ids), seg.kind, seg.name,
-                                             getattr(seg, "method", None), plan_index))
-        return AlignedPrompt(token_ids, segments, skip_note)
+                segments.append(TokenSegment(start, end, seg.kind, seg.name, seg.method, plan_index))
+        inside_note = f"{inside} of {len(plan.segments)} segments not placed: {_INSIDE_TOKEN}" if inside else None
+        return AlignedPrompt(token_ids, segments, _join_notes(skip_note, inside_note))

@@ -12,6 +12,7 @@ both are computed densely and the placeholder is measured once the prompt is don
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -171,9 +172,15 @@ class Assembler:
         # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
         corrected = decision.prefix is not None or self.bank.correction != "full"
         follower_entry = self.index.lookup(follower_ids, scope.tenant) if corrected else None
+        # Prefix offsets are added only to the version of its entry they were measured against.
+        stale = decision.prefix is None and bool(decision.detail.get("stale_prefix_offsets"))
+        if (follower_entry is not None and decision.prefix is not None
+                and follower_entry.identity != decision.prefix_base):
+            follower_entry, stale = None, True
+        reason = ("kvcomm: its prefix offsets were measured against another version of it" if stale
+                  else "kvcomm: no prefix offset measured for it")
         if follower_entry is None:
-            assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
-                                                 "kvcomm: no prefix offset measured for it"))
+            assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens, reason))
         else:
             self.index.acquire(follower_entry)
             assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix))
@@ -187,9 +194,21 @@ class Assembler:
             return "partly covered by the prefix cache"
         if seg.num_tokens < self.config.min_segment_tokens:
             return f"shorter than min_segment_tokens ({self.config.min_segment_tokens})"
+        if self._recomputed(method, seg) >= seg.num_tokens:
+            return f"{method} would compute as many tokens as computing it"
         if self.index is None:
             return self.no_index_reason
         return None
+
+    def _recomputed(self, method: ReuseMethod, seg: TokenSegment) -> int:
+        """Tokens of a placed segment the method computes anyway. Placing is worth its
+        approximation only where this is fewer than the segment (the cost model: the
+        exact prefix goes first, reuse only where it computes less than the prefix path)."""
+        if method == "blend":
+            return math.ceil(self.config.blend_ratio * seg.num_tokens)
+        if method == "link" and seg.start > 0:
+            return min(self.config.link_tokens, seg.num_tokens)
+        return 0
 
     def commit(self, assembly: Assembly, prompt_slots: torch.Tensor) -> None:
         """After the prefill: activate the anchors predictions used, record measurements."""

@@ -47,13 +47,15 @@ class ReuseScope(NamedTuple):
     """Whose prompt this is, from the plan: every cache is namespaced by tenant; KVCOMM
     keeps anchors per tenant and app and offsets per
     agent; TokenDance prefills the requests of one All-Gather round together; KVFlow
-    ranks cached prefixes by the workflow's steps-to-execution."""
+    ranks cached prefixes by the workflow's steps-to-execution, kept per session (one
+    workflow instance: several run one app's step graph at once, each at its own step)."""
 
     app_id: str
     agent_id: str | None
     round: RoundInfo | None = None
     workflow: WorkflowInfo | None = None
     tenant: str = DEFAULT_TENANT  # whose caches it may read and fill (engine_ext/kv/hashing.py)
+    session_id: str | None = None  # the plan's session; None: the app's one unnamed session
 
 
 class SegmentOutcome(NamedTuple):

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -71,6 +71,16 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
     @app.get("/v1/models")
     async def models(service: Service) -> dict[str, Any]:
         return service.models()
+
+    @app.get("/v1/kvrelay/fidelity", responses=error_responses(400))
+    async def fidelity(service: Service, after: Annotated[int, Query(ge=0)] = 0,
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 1000) -> dict[str, Any]:
+        """Fidelity probe results (engine_ext/probes.py) with seq > `after`, oldest first;
+        `next` is what to ask after next (below `after` when the engine restarted)."""
+        probes = service.engine.probes
+        results, next_seq = probes.results_after(after, limit)
+        return {"object": "list", "results": [r.to_json() for r in results], "next": next_seq,
+                "counters": probes.counters()}
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:

@@ -64,9 +64,9 @@ class CompletionService:
         return ref.name
 
     # -- prompt ----------------------------------------------------------------------
-    def _prompt(self, req: Request) -> AlignedPrompt:
+    def _prompt(self, req: Request) -> tuple[AlignedPrompt, bool]:
         """Token ids of the prompt, segment-aligned when the request carries a plan, and
-        whose caches it may use (its scope)."""
+        whose caches it may use (its scope); and whether its plan asks for a fidelity probe."""
         self._adapter(req.model)
         req.check_supported()
         plan = self.plans.read(req.kv_transfer_params)
@@ -84,7 +84,7 @@ class CompletionService:
                 prompt = AlignedPrompt(self.tokenizer.encode(text), [])
             else:
                 prompt = self.aligner.text(text, plan)
-        return prompt._replace(scope=self._scope(plan))
+        return prompt._replace(scope=self._scope(plan)), plan is not None and plan.probe
 
     def _scope(self, plan: SegmentPlan | None) -> ReuseScope | None:
         """The plan's tenant, app and agent. Without a plan: the default tenant, except
@@ -93,18 +93,18 @@ class CompletionService:
         KV for anyone."""
         if plan is not None:
             app = plan.app_id or DEFAULT_APP
-            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app)
+            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app, plan.session_id)
         if self.plans.seal is not None:
             return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
         return None
 
     def _outputs(self, req: Request, request_id: str,
                  line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None]:
-        prompt = self._prompt(req)
+        prompt, probe = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
                                        req.kv_transfer_params, prompt.segments, prompt.scope,
-                                       self._adapter(req.model), line)
+                                       self._adapter(req.model), line, probe)
         return outputs, prompt.note
 
     # -- non-streaming -----------------------------------------------------------------
@@ -224,8 +224,8 @@ class CompletionService:
             params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
         if (sent or wants_breakdown(headers)) and last.timeline is not None:
             params = params if params is not None else {}
-            params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens,
-                                         self.engine.engine.prefill_rate.tokens_per_s)
+            # Priced in the engine thread at the prompt's first step (its timeline's baseline).
+            params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens)
         return params
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:

@@ -111,6 +111,16 @@ def ui_router() -> APIRouter:
             return refuse(request)
         return page("sessions.html", title="Sessions", sessions=await _session_list(request, state))
 
+    @router.get("/fidelity", response_class=HTMLResponse, responses=html_responses(401, 403))
+    async def fidelity(request: Request) -> Response:
+        """The fidelity guard's figures (the same as GET /admin/fidelity)."""
+        state: GatewayState = request.app.state.gateway
+        if not is_allowed(request, state):
+            return refuse(request)
+        guard = state.fidelity
+        return page("fidelity.html", title="Fidelity", enabled=guard is not None,
+                    rows=guard.snapshot() if guard else [], settings=state.settings.approximation.guard)
+
     @router.get("/sessions/{session_id:path}", response_class=HTMLResponse,
                 responses=html_responses(401, 403, 404, 503))
     async def session(session_id: str, request: Request) -> Response:

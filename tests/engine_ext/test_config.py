@@ -89,12 +89,13 @@ def test_rope_config_partial_factor_from_hf():
     ({"host_bytes": -1}, "must be >= 0"),
     ({"disk_path": "/tmp/kv"}, "needs both"),
     ({"disk_bytes": 2**20}, "needs both"),
-    ({"load_ahead": 2, "host_bytes": 2**20}, "needs the workflow policy"),
-    ({"load_ahead": 2, "policy": "workflow"}, "needs a host or disk tier"),
+    ({"load_ahead": 2, "host_bytes": 2**20, "policy": "lru"}, "needs the workflow policy"),
+    ({"load_ahead": 2, "policy": "workflow", "host_bytes": 0}, "needs a host or disk tier"),
     ({"load_ahead": 65, "policy": "workflow", "host_bytes": 2**20}, "load_ahead"),
     ({"max_prefetches": 0}, "max_prefetches"),
     ({"max_load_wait_ms": -1.0}, "max_load_wait_ms"),
     ({"workflow_idle_s": 0.0}, "workflow_idle_s"),
+    ({"workflow_max_sessions": 0}, "workflow_max_sessions"),
 ])
 def test_tier_config_refusals(kwargs, message):
     from engine_ext.config import TierConfig

@@ -6,12 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine_ext.config import TierConfig
 from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestError
 from engine_ext.sampling import SamplingParams
 from engine_ext.scheduler import SchedulerOutput
 from tests.helpers import make_engine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
+# No lower KV tier: these tests count steps and free blocks, and a write-through backup
+# keeps its block pinned (and the engine stepping) until the copy lands (tests/engine_ext/tiers).
+NO_LOWER_TIER = TierConfig(host_bytes=0)
 
 
 def prompt(n: int, seed: int, vocab: int = 400) -> list[int]:
@@ -58,7 +62,7 @@ def reference(llama_dir):
 
 
 def test_continuous_batching_decodes_several_requests_per_step(llama_dir, reference):
-    engine = make_engine(llama_dir, num_blocks=32)
+    engine = make_engine(llama_dir, num_blocks=32, tiers=NO_LOWER_TIER)
     steps = record_steps(engine)
     prompts = {f"r{i}": prompt(n, i) for i, n in enumerate((10, 21, 33))}
     seqs = {rid: engine.add_request(rid, ids, SamplingParams(max_tokens=8, **GREEDY))
@@ -222,7 +226,7 @@ def test_invalid_prompts(llama_dir):
 
 
 def test_abort_frees_all_blocks(llama_dir):
-    engine = make_engine(llama_dir, num_blocks=16)
+    engine = make_engine(llama_dir, num_blocks=16, tiers=NO_LOWER_TIER)
     pool = engine.kv.pool
     a = engine.add_request("a", prompt(30, 1), SamplingParams(max_tokens=50, **GREEDY))
     b = engine.add_request("b", prompt(45, 2), SamplingParams(max_tokens=50, **GREEDY))

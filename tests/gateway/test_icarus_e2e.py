@@ -19,9 +19,12 @@ TASK = "Task: plan a three day trip to the coast, then check the plan for proble
 def srv(llama_dir, run_server, tmp_path_factory):
     cfg = ModelConfig.from_dir(llama_dir)
     root = tmp_path_factory.mktemp("adapters")
-    specs = tuple(AdapterSpec(name, str(write_adapter_for(cfg, root / name, seed=i)), mode)
-                  for i, (name, mode) in enumerate([("plan", "icarus"), ("crit", "icarus"),
-                                                    ("lplan", "multi_lora"), ("lcrit", "multi_lora")]))
+    # The icarus adapters are marked as `kvrelay train icarus` marks what it trained (their
+    # random factors stand in for trained ones); the multi-LoRA ones are plain PEFT adapters.
+    specs = tuple(AdapterSpec(name, str(write_adapter_for(cfg, root / name, seed=i, trained_as=trained_as)), mode)
+                  for i, (name, mode, trained_as) in enumerate([("plan", "icarus", "icarus"), ("crit", "icarus", "icarus"),
+                                                                ("lplan", "multi_lora", None),
+                                                                ("lcrit", "multi_lora", None)]))
     llm = make_engine(llama_dir, num_blocks=64, name=MODEL, reuse=ReuseConfig(enabled=False), adapters=specs)
     with run_server(llm, MODEL) as server:
         yield server

@@ -23,7 +23,7 @@ def srv(smollm2_dir, run_server):
 
 
 def test_the_next_agent_reuses_the_answer_it_reads(srv, start_gateway):
-    gw = start_gateway([srv.base_url])
+    gw = start_gateway([srv.base_url], approximation={"rules": [{"method": "blend"}]})  # approximate: opted in
     with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120) as client:
         first = client.chat.completions.create(
             model=MODEL, temperature=0, max_tokens=64,

@@ -1,10 +1,13 @@
-"""GET /admin/sessions/{id}/ttft and `kvrelay ttft`: a session's requests through the
+"""GET /admin/sessions/{id}/ttft, `kvrelay ttft` and /ui: a session's requests through the
 gateway to the embedded engine, each with the engine's TTFT breakdown, per round and
-in total; unknown sessions are a clear 404 or one-line error."""
+in total, the same figures in every view; unknown sessions are a clear 404 or one-line
+error. (tests/gateway/test_ttft_estimate.py checks the saving against a measured replay.)"""
 
 from __future__ import annotations
 
+import html
 import json
+import re
 
 import openai
 import pytest
@@ -40,16 +43,32 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
     assert round_["stages_s"]["queue_s"] == pytest.approx(sum(m["queue_s"] for m in members))
     # The members overlap: the round's wall-clock TTFT is under their sum, over the longest.
     assert max(m["ttft_s"] for m in members) <= round_["wall_ttft_s"] < round_["ttft_s"]
-    priced = [r["engine"] for r in report["requests"] if "dense_ttft_s" in r["engine"]]
+    engines = [r["engine"] for r in report["requests"]]
+    priced = [b for b in engines if "saved_s" in b]
     totals = report["totals"]
-    assert totals["num_priced"] == len(priced) >= 5  # the first request has no measured rate yet, at most
-    assert totals["saved_s"] == pytest.approx(sum(b["dense_ttft_s"] - b["ttft_s"] for b in priced))
+    assert totals["num_priced"] == len(priced) and all("prefix_hit_tokens" in b for b in engines)
+    assert all(b["saved_s"] == pytest.approx(b["dense_ttft_s"] - b["ttft_s"]) for b in priced)
+    assert totals["saved_s"] == pytest.approx(sum(b["saved_s"] for b in priced))
+    assert totals["reused_tokens"] == sum(b["reused_tokens"] for b in engines)
+    if totals["reused_tokens"] == 0:  # exact reuse only (the default): the prefix path's own work, saving 0
+        assert totals["num_priced"] == 6 and totals["saved_s"] == 0.0
     assert text.splitlines()[0].split()[:5] == ["request", "agent", "round", "prep", "queue"] and "total" in text
     assert "wall " in text
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "session_not_found"
     cli = run_cli("ttft", "town", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout.splitlines()[0].startswith("request") and "6 requests" in cli.stdout
+    assert cli.stdout.strip() == text.strip()  # the table the admin API prints
+    as_json = run_cli("ttft", "town", "--json", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
+    assert json.loads(as_json.stdout) == report
+    # /ui shows the same computation: the totals, and each request's saving.
+    with gw.client(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
+        page = admin.get("/ui/sessions/town").text
+    totals_line = " ".join(html.unescape(re.search(r'<p id="totals">(.*?)</p>', page, re.S).group(1)).split())
+    assert f"TTFT saved {round(totals['saved_s'] * 1e3)} ms" in totals_line
+    assert f"({totals['reused_tokens']} beyond the prefix cache)" in totals_line
+    rows_saved = re.findall(r'<tr class="request">.*?<td class="num">([^<]*)</td></tr>', page, re.S)
+    assert rows_saved == [str(round(b["saved_s"] * 1e3)) if "saved_s" in b else "?" for b in engines]
     absent = run_cli("ttft", "nobody", "--database-url", f"sqlite+aiosqlite:///{gw.db_path}")
     assert absent.returncode != 0 and absent.stderr.strip().count("\n") == 0 and "no requests" in absent.stderr
 
@@ -79,6 +98,11 @@ def test_requests_without_reuse_still_get_their_breakdown_which_clients_see_only
     ("not a dict", None),
     ({"ttft_s": True}, None),
     ({"ttft_s": 0.5, "saved_s": 10 ** 400}, {"ttft_s": 0.5}),  # past float's range: dropped, never an error
+    # The saving is derived from the baseline's TTFT, whatever the upstream claims.
+    ({"ttft_s": 0.5, "dense_ttft_s": 0.7, "saved_s": 9.0, "prefix_hit_tokens": 64},
+     {"ttft_s": 0.5, "dense_ttft_s": 0.7, "saved_s": pytest.approx(0.2), "prefix_hit_tokens": 64}),
+    # A dense TTFT without its baseline priced the whole prompt, prefix hits included: dropped.
+    ({"ttft_s": 0.5, "dense_ttft_s": 2.5, "saved_s": 2.0, "prefill_tokens_per_s": 57.0}, {"ttft_s": 0.5}),
 ])
 def test_an_upstream_s_breakdown_is_reduced_to_known_numbers(report, kept):
     from gateway.ttft import clean_breakdown

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 
-from engine_ext.config import EngineConfig
+from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 
 MODEL = "smollm2"
@@ -18,7 +18,10 @@ NUM_REQUESTS = 6
 
 
 def town_engine(smollm2_dir: Path) -> LLMEngine:
-    return LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20), model_name=MODEL)
+    """An engine whose town opted into approximate reuse (blend, with TokenDance rounds):
+    the reports and pages under test show what reuse did."""
+    return LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=ReuseConfig(default_method="blend")),
+                     model_name=MODEL)
 
 
 def _ask(client: openai.OpenAI, agent: int, content: str) -> str:

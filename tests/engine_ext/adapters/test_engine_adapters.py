@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine_ext.adapters import load_lora
+from engine_ext.adapters.marks import TrainedAs, training_metadata
 from engine_ext.config import AdapterSpec, EngineConfig, ModelConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.errors import InvalidRequestError
@@ -26,7 +27,12 @@ PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
 
-def write_adapter_for(cfg: ModelConfig, path: Path, seed: int, scale: float = 0.5) -> Path:
+def write_adapter_for(cfg: ModelConfig, path: Path, seed: int, scale: float = 0.5,
+                      trained_as: TrainedAs | None = None) -> Path:
+    """A random PEFT LoRA adapter on every projection. `trained_as` marks it as
+    `kvrelay train` marks what it trained (training_metadata): the random factors stand
+    in for trained ones, whose effect on a tiny model would be too small to see. None:
+    a plain PEFT adapter, which `auto` serves as multi_lora and `icarus` refuses."""
     q, kv, hidden, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     shapes = {"q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
               "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
@@ -38,7 +44,7 @@ def write_adapter_for(cfg: ModelConfig, path: Path, seed: int, scale: float = 0.
             tensors[f"{key}.lora_A.weight"] = scale * torch.randn((4, in_f), generator=gen)
             tensors[f"{key}.lora_B.weight"] = scale * torch.randn((out_f, 4), generator=gen)
     path.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path / "adapter_model.safetensors"))
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata=training_metadata(trained_as))
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4}))
     return path
 
@@ -81,7 +87,7 @@ def _reference_icarus(model_dir: Path, adapter_dir: Path, first_from_base: bool 
 
 @pytest.mark.parametrize("first_token", ["adapter", "base"])
 def test_icarus_generation_equals_separate_encoder_and_decoder(model_dir, tmp_path, first_token):
-    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1)
+    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1, trained_as="icarus")
     engine = _engine(model_dir, AdapterSpec("math", str(adapter_dir), "icarus", first_token))
     seq = engine.generate(PROMPT, GREEDY, adapter="math")
     assert seq.output_token_ids == _reference_icarus(model_dir, adapter_dir, first_from_base=first_token == "base")
@@ -102,9 +108,9 @@ def test_multi_lora_generation_equals_the_merged_model(model_dir, tmp_path):
 
 def test_icarus_adapters_share_the_history_and_multi_lora_ones_do_not(model_dir, tmp_path):
     cfg = ModelConfig.from_dir(model_dir)
-    specs = [AdapterSpec(name, str(write_adapter_for(cfg, tmp_path / name, seed=i)), mode)
-             for i, (name, mode) in enumerate([("plan", "icarus"), ("act", "icarus"), ("l1", "multi_lora"),
-                                               ("l2", "multi_lora")])]
+    specs = [AdapterSpec(name, str(write_adapter_for(cfg, tmp_path / name, seed=i, trained_as=trained_as)), mode)
+             for i, (name, mode, trained_as) in enumerate([("plan", "icarus", "icarus"), ("act", "icarus", "icarus"),
+                                                           ("l1", "multi_lora", None), ("l2", "multi_lora", "lora")])]
     engine = _engine(model_dir, *specs)
     for first, second in (("plan", "act"), ("l1", "l2")):
         turn = engine.generate(PROMPT, GREEDY, adapter=first)
@@ -123,7 +129,7 @@ def test_an_unknown_adapter_is_refused(model_dir):
 def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_server):
     import httpx
 
-    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1)
+    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1, trained_as="icarus")
     engine = _engine(model_dir, AdapterSpec("math", str(adapter_dir), "icarus"))
     expected = engine.generate(PROMPT, GREEDY, adapter="math").output_token_ids
     body = {"prompt": PROMPT, "max_tokens": GREEDY.max_tokens, "temperature": 0.0, "ignore_eos": True}
@@ -147,8 +153,9 @@ def test_icarus_adapters_share_the_segment_index_and_multi_lora_ones_do_not(tiny
 
     model_dir = tiny_model_dir("llama", num_hidden_layers=4)
     cfg = ModelConfig.from_dir(model_dir)
-    specs = [AdapterSpec(name, str(write_adapter_for(cfg, tmp_path / name, seed=i)), mode)
-             for i, (name, mode) in enumerate([("plan", "icarus"), ("act", "icarus"), ("l1", "multi_lora")])]
+    specs = [AdapterSpec(name, str(write_adapter_for(cfg, tmp_path / name, seed=i, trained_as=trained_as)), mode)
+             for i, (name, mode, trained_as) in enumerate([("plan", "icarus", "icarus"), ("act", "icarus", "icarus"),
+                                                           ("l1", "multi_lora", None)])]
     reuse = ReuseConfig(check_layers=(0,), min_segment_tokens=4)
     engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(96), reuse=reuse, adapters=tuple(specs)))
     prefix, doc = PROMPT[:11], [(7 * i + 3) % 190 + 5 for i in range(37)]
@@ -166,7 +173,7 @@ def test_icarus_adapters_share_the_segment_index_and_multi_lora_ones_do_not(tiny
 def test_a_base_name_with_a_colon_still_serves_itself_and_its_adapters(model_dir, tmp_path, run_server):
     import httpx
 
-    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1)
+    adapter_dir = write_adapter_for(ModelConfig.from_dir(model_dir), tmp_path / "math", seed=1, trained_as="icarus")
     engine = _engine(model_dir, AdapterSpec("math", str(adapter_dir), "icarus"))
     body = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
     with run_server(engine, "llama3:8b") as srv:
@@ -180,8 +187,9 @@ def test_mixed_batches_chunked_prefills_and_preemption_change_no_answer(model_di
     an engine whose prefills are chunked and whose KV pool is too small for all of them
     (so some are preempted and recomputed): each answer equals that request run alone."""
     cfg = ModelConfig.from_dir(model_dir)
-    specs = (AdapterSpec("plan", str(write_adapter_for(cfg, tmp_path / "plan", seed=1)), "icarus"),
-             AdapterSpec("act", str(write_adapter_for(cfg, tmp_path / "act", seed=2)), "icarus", "base"),
+    specs = (AdapterSpec("plan", str(write_adapter_for(cfg, tmp_path / "plan", seed=1, trained_as="icarus")), "icarus"),
+             AdapterSpec("act", str(write_adapter_for(cfg, tmp_path / "act", seed=2, trained_as="icarus")), "icarus",
+                         "base"),
              AdapterSpec("code", str(write_adapter_for(cfg, tmp_path / "code", seed=3)), "multi_lora"))
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + k) % 300 + 5 for k in range(40 + 9 * i)] for i in range(6)]

@@ -86,14 +86,19 @@ def test_round_requests_prefill_together_and_report_it(deep_llama):
         assert seq.timeline.stages()["prefill"].holds(placed)
 
 
-def test_full_recompute_ratio_equals_dense(deep_llama):
+def test_a_round_blend_would_recompute_whole_is_computed_densely(deep_llama):
+    """blend_ratio 1.0 recomputes every token and runs the check layers on top: more
+    than computing them, so the cost model refuses the placement, no round group forms,
+    and the answers are the dense ones."""
     eng = engine(deep_llama, blend_ratio=1.0)
     rnd = Round.make(num_agents=3)
     rnd.cache_outputs(eng)
     seqs = rnd.add(eng)
     run_all(eng)
-    assert eng.collector.num_groups == 1
+    assert eng.collector.num_groups == 0
     for i, seq in enumerate(seqs):
+        assert all(o.method in ("dense", "prefix") for o in seq.reuse_outcomes)
+        assert any("would compute as many tokens" in (o.reason or "") for o in seq.reuse_outcomes)
         dense = eng.generate(rnd.prompt(i)[0], GREEDY, publish=False, record_logits=True)
         torch.testing.assert_close(seq.logits[0], dense.logits[0], rtol=1e-4, atol=1e-4)
 

@@ -1,5 +1,6 @@
 """KVCOMM end to end through LLMEngine on a tiny 4-layer model: measuring, exact
-reproduction, corrections per ablation mode, prediction, pruning and accounting."""
+reproduction, corrections per ablation mode, prediction, pruning and accounting, and
+offsets never applied to another version (evicted and registered again) of their base."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from engine_ext.config import AnchorConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.kv.blobs import Blob
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from tests.helpers import kv_bytes
@@ -214,3 +216,85 @@ def test_evicted_anchor_is_dropped_and_the_sample_measured_again(deep_llama):
     produce(eng, sample)
     _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
     assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "new"
+
+
+def evict_all_but(eng: LLMEngine, keep: list[Blob]) -> None:
+    """The pool's LRU evicts every unpinned cached block (what a burst of other prompts
+    does), sparing the blobs in `keep`."""
+    index = eng.segment_index
+    for blob in keep:
+        index.blobs.acquire(blob)
+    taken = index.pool.allocate(index.pool.num_free)
+    index.pool.release(list(reversed(taken)))
+    for blob in keep:
+        index.blobs.release(blob)
+
+
+def test_offsets_measured_against_an_evicted_base_are_never_applied_to_its_new_version(deep_llama):
+    eng = engine(deep_llama)
+    index, bank = eng.segment_index, eng.anchor_bank
+    agent, sample, earlier = Agent(50), tokens(30, 51), tokens(26, 52)
+    produce(eng, earlier)
+    prefill_kv(eng, *agent.prompt(earlier), ReuseScope("app", None))  # the instruction's base
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    dense_kv, dense_seq = prefill_kv(eng, ids)
+    prefill_kv(eng, ids, segs, SCOPE_A)  # measured
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "exact"
+    old = index.peek(sample)
+    (stale,) = bank.pools[("default", "app", "user_question")].anchors
+    assert stale.base_identity == old.identity
+    # The sample's entry is evicted (its anchor and the instruction stay), then computed again
+    # behind another prefix and registered: the same tokens, a new version, other KV.
+    evict_all_but(eng, stale.blobs() + [index.peek(agent.instruction).blob])
+    produce(eng, sample, seed=98)
+    new = index.peek(sample)
+    assert new.key == old.key and new.identity != old.identity
+    v = eng.kv_cache.layers[-1][1]
+    assert not torch.allclose(v[bank.blobs.slots(stale.base)], v[index.slots(new)], atol=1e-3)
+
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "dense" and ph.num_reused == 0
+    assert ph.kvcomm == {"anchor": "new", "anchors_used": 0, "eligible": 0, "stale_anchors": 1}
+    assert ph.to_json()["kvcomm"]["stale_anchors"] == 1
+    (fresh,) = bank.pools[("default", "app", "user_question")].anchors
+    assert fresh is not stale and fresh.base_identity == new.identity and fresh.num_activations == 1
+
+    # Measured again against the new version, the exact anchor reproduces the real KV again.
+    kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph, fixed = outcome_of(seq, segs[1].start), outcome_of(seq, segs[2].start)
+    assert ph.method == "kvcomm" and ph.kvcomm == {"anchor": "exact", "anchors_used": 1}
+    assert fixed.method == "kvcomm" and fixed.num_reused == len(agent.instruction)
+    for (k, v), (dk, dv) in zip(kv, dense_kv):
+        torch.testing.assert_close(k, dk, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(v, dv, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(seq.logits[0], dense_seq.logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_offsets_of_a_reregistered_fixed_segment_are_refused_and_reported(deep_llama):
+    eng = engine(deep_llama)
+    index, bank = eng.segment_index, eng.anchor_bank
+    agent, sample, earlier = Agent(60), tokens(30, 61), tokens(26, 62)
+    produce(eng, earlier)
+    prefill_kv(eng, *agent.prompt(earlier), ReuseScope("app", None))  # the instruction's base
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    prefill_kv(eng, ids, segs, SCOPE_A)  # measured
+    (anchor,) = bank.pools[("default", "app", "user_question")].anchors
+    measured_against = anchor.offsets["agent-a"].prefix_base
+    assert measured_against == index.peek(agent.instruction).identity
+    # The instruction's entry is evicted; the next prompt computes it (no entry: no offset to
+    # apply) and registers it again, behind this sample.
+    evict_all_but(eng, anchor.blobs() + [index.peek(sample).blob])
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    assert outcome_of(seq, segs[1].start).kvcomm == {"anchor": "exact", "anchors_used": 1}
+    assert outcome_of(seq, segs[2].start).reason == "kvcomm: no prefix offset measured for it"
+    assert index.peek(agent.instruction).identity != measured_against
+    # Now the index holds another version: the prefix offsets are refused, visibly.
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph, fixed = outcome_of(seq, segs[1].start), outcome_of(seq, segs[2].start)
+    assert ph.method == "kvcomm" and ph.kvcomm == {"anchor": "exact", "anchors_used": 1, "stale_prefix_offsets": 1}
+    assert fixed.method == "dense" and fixed.num_reused == 0
+    assert fixed.reason == "kvcomm: its prefix offsets were measured against another version of it"

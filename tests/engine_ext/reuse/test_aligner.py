@@ -1,7 +1,11 @@
-"""PromptAligner: segment-aligned tokenization of chat and completion prompts.
+"""PromptAligner: canonical tokenization of chat and completion prompts, with the plan's
+segments mapped onto the tokens.
 
-The property that matters: a segment's token ids depend only on its text, so a text
-shared by two prompts gets the same ids in both, wherever it sits."""
+The property that matters most: a plan never changes a prompt's token ids (they are the
+ids of the same prompt without a plan). Then: a segment whose edges are token edges is
+placed, and its ids are those of its text, so a text shared by two prompts in the same
+surroundings gets the same ids in both, wherever it sits; one whose edge falls inside
+a token is not placed."""
 
 from __future__ import annotations
 
@@ -9,12 +13,13 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine_ext.protocol import Segment, SegmentPlan
-from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
+from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner, token_edges
 from engine_ext.reuse.segments import TokenSegment
 from engine_ext.tokenizer import Tokenizer
 
@@ -88,7 +93,7 @@ def two_prompts() -> tuple[list[dict], list[dict]]:
     second = [{"role": "system", "content": "You are the planner, a long private prefix here."},
               {"role": "user", "content": "Question one?"},
               {"role": "assistant", "content": "Answer one."},
-              {"role": "user", "content": f"Now {DOC} and then more words"}]
+              {"role": "user", "content": f"Now:\n{DOC}\nand then more words"}]
     return first, second
 
 
@@ -102,11 +107,44 @@ def test_shared_text_gets_identical_ids_at_different_offsets(aligner, tok):
     assert a.note is None and b.note is None
 
 
-def test_neighbouring_text_would_merge_without_alignment(tok):
-    # Guard for the test above: whole-prompt tokenization does not keep DOC's ids.
-    whole = tok.encode(f"Now {DOC} and")
-    doc = tok.encode(DOC)
-    assert not any(whole[i:i + len(doc)] == doc for i in range(len(whole)))
+def test_a_segment_whose_edge_falls_inside_a_token_is_not_placed(aligner, tok):
+    """" the" after a space is one token: cutting there would change the prompt's ids
+    (the old segment-aligned tokenization did, and changed greedy answers)."""
+    content = f"Now {DOC} and then more"
+    messages = [{"role": "user", "content": content}]
+    whole = tok.encode(content)
+    assert not any(whole[i:i + len(tok.encode(DOC))] == tok.encode(DOC) for i in range(len(whole)))
+    result = chat_aligned(aligner, messages, around(content, DOC, 0))
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+    assert by_kind(result, "shared_block") == []
+    assert result.note is not None and "an edge falls inside a token" in result.note
+
+
+def test_token_edges_skip_positions_inside_tokens_and_shared_characters():
+    # "ab" | "c" | two byte tokens of one character | "d"
+    offsets = [(0, 2), (2, 3), (3, 4), (3, 4), (4, 5)]
+    assert token_edges(offsets, 5) == {0: 0, 2: 1, 3: 2, 4: 4, 5: 5}
+    assert 1 not in token_edges(offsets, 5)
+    # A gap (offsets trimmed of a space) is no edge at either side of the gap.
+    assert token_edges([(0, 2), (3, 5)], 5) == {0: 0, 5: 2}
+
+
+@settings(max_examples=150, deadline=None)
+@given(words=st.lists(st.sampled_from(["the", " the", "capital", " of", "\n", " ", "é", "日本", ".", "42",
+                                        "Paris", "  ", "\n\n", "is"]), min_size=1, max_size=30),
+       cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=6))
+def test_a_plan_never_changes_the_token_ids(aligner, tok, words, cuts):
+    """Any cut of any text: the ids are the whole text's, and every placed segment's ids
+    decode to exactly its text."""
+    content = "".join(words)
+    edges = sorted({min(c, len(content)) for c in cuts} | {0, len(content)})
+    spans: list[Span] = [(0, a, b, "shared_block", None) for a, b in zip(edges, edges[1:]) if b > a]
+    messages = [{"role": "user", "content": content}]
+    result = chat_aligned(aligner, messages, spans)
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+    for seg in result.segments:
+        _, start, end, _, _ = spans[seg.plan_index]
+        assert tok.decode(ids_of(result, seg), skip_special_tokens=False) == content[start:end]
 
 
 def test_tokens_decode_back_to_the_rendered_prompt(aligner, tok):
@@ -125,7 +163,7 @@ def test_segment_boundaries(aligner, tok):
     assert [s.kind for s in result.segments] == ["private", "placeholder", "private"]
     assert result.segments[1].name == "agent_x_current"
     for seg, (_, start, end, _, _) in zip(result.segments, spans):
-        assert ids_of(result, seg) == tok.encode(content[start:end])
+        assert tok.decode(ids_of(result, seg), skip_special_tokens=False) == content[start:end]
     # Segments of one message are contiguous in token space, and the message ends before <|im_end|>.
     assert [s.end for s in result.segments[:-1]] == [s.start for s in result.segments[1:]]
     assert result.token_ids[result.segments[-1].end] == tok.token_id("<|im_end|>")
@@ -137,7 +175,7 @@ def test_segments_in_several_messages(aligner, tok):
     messages = [{"role": "system", "content": "You are agent B."},
                 {"role": "user", "content": DOC},
                 {"role": "assistant", "content": ANSWER},
-                {"role": "user", "content": f"Agent A said: {ANSWER} Agree?"}]
+                {"role": "user", "content": f"Agent A said:\n{ANSWER}\nAgree?"}]
     spans: list[Span] = [(0, 0, 9, "fixed_prefix", "b"), (0, 9, 16, "private", None),
                          (1, 0, len(DOC), "placeholder", "user_question"),
                          (2, 0, len(ANSWER), "placeholder", "agent_b_history_0"),
@@ -151,13 +189,12 @@ def test_segments_in_several_messages(aligner, tok):
     assert tok.decode(result.token_ids, skip_special_tokens=False) == tok.render_chat(messages)
 
 
-def test_message_without_segments_stays_one_piece(aligner, tok):
+def test_text_before_a_segment_is_tokenized_as_without_a_plan(aligner, tok):
     messages = [{"role": "system", "content": "Be brief and kind."},
-                {"role": "user", "content": f"x{DOC}"}]
-    result = chat_aligned(aligner, messages, [(1, 1, len(DOC) + 1, "shared_block", None)])
+                {"role": "user", "content": f"x:\n{DOC}"}]
+    result = chat_aligned(aligner, messages, [(1, 3, len(DOC) + 3, "shared_block", None)])
     rendered = tok.render_chat(messages)
     cut = rendered.index(DOC)
-    # Only the segment cuts: the text before it (template and message 0 and "x") is tokenized whole.
     assert result.token_ids[:result.segments[0].start] == tok.encode(rendered[:cut])
 
 
@@ -176,7 +213,7 @@ def test_hash_mismatch_skips_that_segment(aligner, tok):
 
 def test_out_of_range_segments_are_skipped(aligner, tok):
     messages = [{"role": "user", "content": DOC}]
-    spans: list[Span] = [(0, 0, 5, "private", None), (0, 5, len(DOC), "shared_block", None),
+    spans: list[Span] = [(0, 0, 3, "private", None), (0, 3, len(DOC), "shared_block", None),
                          (3, 0, 4, "private", None)]
     plan = make_plan([DOC + "tail"], spans[:2]).model_copy()  # hashes of a longer content
     plan = plan.model_copy(update={"segments": [
@@ -223,15 +260,15 @@ def test_template_that_repeats_content_falls_back(tiny_tokenizer_dir, tmp_path):
 
 
 def test_list_content_is_joined(aligner, tok):
-    parts = [{"type": "text", "text": "Read: "}, {"type": "text", "text": DOC}]
+    parts = [{"type": "text", "text": "Read:\n"}, {"type": "text", "text": DOC}]
     messages = [{"role": "user", "content": parts}]
-    result = aligner.chat(messages, None, make_plan(["Read: " + DOC], around("Read: " + DOC, DOC, 0)))
+    result = aligner.chat(messages, None, make_plan(["Read:\n" + DOC], around("Read:\n" + DOC, DOC, 0)))
     assert ids_of(result, result.segments[1]) == tok.encode(DOC)
     assert messages[0]["content"] is parts  # the caller's messages are left alone
 
 
 def test_completion_text(aligner, tok):
-    a_prompt, b_prompt = f"Context: {DOC}\nQ: why?", f"Other words first. {DOC}!"
+    a_prompt, b_prompt = f"Context:\n{DOC}\nQ: why?", f"Other words first.\n{DOC}!"
     a = aligner.text(a_prompt, make_plan([a_prompt], around(a_prompt, DOC, 0)))
     b = aligner.text(b_prompt, make_plan([b_prompt], around(b_prompt, DOC, 0)))
     (sa,), (sb,) = by_kind(a, "shared_block"), by_kind(b, "shared_block")
@@ -245,10 +282,10 @@ def test_completion_text(aligner, tok):
 
 
 def test_method_is_taken_from_the_plan_segment(aligner):
-    plan = make_plan([f"x {DOC}"], around(f"x {DOC}", DOC, 0))
-    segments = [SimpleNamespace(**{**s.model_dump(), "method": "shift" if s.kind == "shared_block" else None})
-                for s in plan.segments]  # duck-typed: works whether or not Segment has `method`
-    result = aligner.text(f"x {DOC}", SimpleNamespace(segments=segments))  # type: ignore[arg-type]
+    prompt = f"x\n{DOC}"
+    plan = make_plan([prompt], around(prompt, DOC, 0))
+    shifted = [s.model_copy(update={"method": "shift" if s.kind == "shared_block" else None}) for s in plan.segments]
+    result = aligner.text(prompt, plan.model_copy(update={"segments": shifted}))
     assert [s.method for s in result.segments] == [None, "shift"]
 
 
@@ -257,9 +294,9 @@ def test_smollm2_shared_text(smollm2_dir):
     tok = Tokenizer(smollm2_dir)
     aligner = PromptAligner(tok)
     # No system message: the template adds its default one, outside every message.
-    first = [{"role": "user", "content": f"Summarize: {DOC}"}]
+    first = [{"role": "user", "content": f"Summarize:\n{DOC}"}]
     second = [{"role": "system", "content": "You are the reviewer."},
-              {"role": "user", "content": f"Check this claim.{DOC}\nThanks"}]
+              {"role": "user", "content": f"Check this claim:\n{DOC}\nThanks"}]
     a = chat_aligned(aligner, first, around(first[0]["content"], DOC, 0))
     b = chat_aligned(aligner, second, around(second[1]["content"], DOC, 1))
     (sa,), (sb,) = by_kind(a, "shared_block"), by_kind(b, "shared_block")
@@ -270,16 +307,14 @@ def test_smollm2_shared_text(smollm2_dir):
 
 
 def test_method_from_a_real_plan_segment(aligner):
-    if "method" not in Segment.model_fields:
-        pytest.skip("Segment has no method field yet")
-    prompt = f"x {DOC}"
+    prompt = f"x\n{DOC}"
     plan = make_plan([prompt], around(prompt, DOC, 0))
     blended = plan.segments[1].model_copy(update={"method": "blend"})
     plan = plan.model_copy(update={"segments": [plan.segments[0], blended]})
     assert [s.method for s in aligner.text(prompt, plan).segments] == [None, "blend"]
 
 
-def test_tokenizer_that_prefixes_each_piece_falls_back(tiny_tokenizer_dir, tmp_path):
+def test_tokenizer_that_prefixes_its_input_keeps_canonical_ids(tiny_tokenizer_dir, tmp_path):
     src, dst = tiny_tokenizer_dir[0], tmp_path / "prefixed"
     dst.mkdir()
     shutil.copy(src / "tokenizer_config.json", dst / "tokenizer_config.json")
@@ -289,5 +324,4 @@ def test_tokenizer_that_prefixes_each_piece_falls_back(tiny_tokenizer_dir, tmp_p
     tok = Tokenizer(dst)
     prompt = f"x {DOC}"
     result = PromptAligner(tok).text(prompt, make_plan([prompt], around(prompt, DOC, 0)))
-    assert result.segments == [] and result.token_ids == tok.encode(prompt)
-    assert "tokenizer changes text tokenized in pieces" in (result.note or "")
+    assert result.token_ids == tok.encode(prompt)  # the added leading space included

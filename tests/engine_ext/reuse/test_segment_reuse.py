@@ -49,7 +49,9 @@ def last_logits(eng, prompt, segments=None, publish=False) -> tuple[torch.Tensor
     return seq.logits[0], seq
 
 
-def test_blend_with_ratio_one_equals_dense(deep_llama):
+def test_blend_that_would_recompute_whole_is_computed_densely(deep_llama):
+    """The cost model: blend at ratio 1.0 computes every token of the segment plus the
+    check layers, more than computing it, so the segment is computed densely."""
     eng = engine(deep_llama, blend_ratio=1.0)
     doc, prefix, question = tokens(40, 1), tokens(23, 2), tokens(9, 3)
     cache_alone(eng, doc)
@@ -57,7 +59,8 @@ def test_blend_with_ratio_one_equals_dense(deep_llama):
     reused, seq = last_logits(eng, prompt, [doc_segment(len(prefix), len(doc), "blend")])
     dense, _ = last_logits(eng, prompt)
     (outcome,) = seq.reuse_outcomes
-    assert outcome.method == "blend" and outcome.num_recomputed == len(doc) and outcome.num_reused == 0
+    assert outcome.method == "dense" and outcome.num_recomputed == len(doc) and outcome.num_reused == 0
+    assert outcome.reason == "blend would compute as many tokens as computing it"
     torch.testing.assert_close(reused, dense, atol=1e-4, rtol=1e-4)
 
 
@@ -107,6 +110,54 @@ def test_generated_output_is_reused_by_the_next_request(deep_llama):
     assert outcome.method == "shift" and outcome.num_reused == cut
 
 
+def test_an_answer_cut_by_length_is_kept_whole_with_exact_kv(deep_llama):
+    """Frameworks cap max_tokens: an answer that ends by length is kept too. Its last
+    token was sampled, never computed; the engine computes its KV, so the kept answer
+    is what a dense prefill of prompt + answer writes, position for position."""
+    eng = engine(deep_llama)
+    prompt = tokens(30, 14)
+    first = eng.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                         segments=[TokenSegment(0, 30, "private")])
+    assert first.finish_reason == "length"
+    answer = first.output_token_ids
+    entry = eng.segment_index.lookup(answer)
+    assert entry is not None and entry.token_ids == tuple(answer)
+    other = tokens(17, 15)
+    _, seq = last_logits(eng, other + answer + tokens(5, 16),
+                         [TokenSegment(len(other), len(other) + len(answer), "placeholder", "agent_a_current", "shift", 1)])
+    (outcome,) = seq.reuse_outcomes
+    assert outcome.method == "shift" and outcome.num_reused == len(answer)
+    # The kept KV is what another engine keeps from a dense prefill of prompt + answer.
+    kept = eng.segment_index.slots(entry)
+    fresh = engine(deep_llama)
+    fresh.generate(prompt + answer, GREEDY, segments=[TokenSegment(30, 30 + len(answer), "shared_block")],
+                   publish=False)
+    again = fresh.segment_index.lookup(answer)
+    assert again is not None
+    for (k_a, v_a), (k_b, v_b) in zip(eng.kv_cache.layers, fresh.kv_cache.layers):
+        torch.testing.assert_close(k_a.index_select(0, kept), k_b.index_select(0, fresh.segment_index.slots(again)),
+                                   atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(v_a.index_select(0, kept), v_b.index_select(0, fresh.segment_index.slots(again)),
+                                   atol=1e-5, rtol=1e-4)
+
+
+def test_an_answer_ended_by_a_stop_string_is_kept_as_its_text(deep_llama):
+    eng = engine(deep_llama)
+    prompt = tokens(30, 17)
+    free = eng.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    text = eng.tokenizer.decode(free.output_token_ids)
+    # A stop string that starts on a token edge deep in the answer: the tokens before it are the text.
+    cut = next(k for k in range(8, len(free.output_token_ids))
+               if eng.tokenizer.decode(free.output_token_ids[k:k + 1]).strip()
+               and text.find(eng.tokenizer.decode(free.output_token_ids[k:k + 1])) ==
+               len(eng.tokenizer.decode(free.output_token_ids[:k])))
+    stop = eng.tokenizer.decode(free.output_token_ids[cut:cut + 1])
+    first = eng.generate(prompt, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=(stop,)),
+                         segments=[TokenSegment(0, 30, "private")])
+    assert first.finish_reason == "stop"
+    assert eng.segment_index.lookup(free.output_token_ids[:cut]) is not None
+
+
 def test_token_mismatch_falls_back_to_dense(deep_llama):
     eng = engine(deep_llama)
     doc = tokens(40, 14)
@@ -153,3 +204,27 @@ def test_approximate_blocks_are_not_published(deep_llama):
     eng.generate(prompt, GREEDY, segments=[doc_segment(32, 48, "shift")])
     seq = eng.generate(prompt, GREEDY)  # no plan: only the exact prefix may come from the cache
     assert seq.num_cached_tokens == 32
+
+
+@pytest.mark.parametrize("method", ["shift", "blend"])
+def test_a_turn_after_an_approximate_one_computes_no_more_than_prefix_caching(deep_llama, method):
+    """An approximate placement keeps its blocks out of the prefix cache; the prompt is
+    stored instead, so the agent's next turn (which extends it) restores the KV it ran
+    on rather than losing every prefix hit from the first placed token on."""
+    doc, head, q1, q2 = tokens(40, 20), tokens(19, 21), tokens(9, 22), tokens(7, 23)
+    computed = {}
+    for name, reuse in (("approximate", method), ("prefix", "prefix")):
+        eng = engine(deep_llama, num_blocks=160, default_method=reuse)
+        cache_alone(eng, doc)
+        seg = doc_segment(len(head), len(doc))
+        turn1 = head + doc + q1
+        first = eng.generate(turn1, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), segments=[seg])
+        turn2 = turn1 + first.output_token_ids + q2
+        second = eng.generate(turn2, GREEDY, segments=[seg])
+        computed[name] = (first.num_prompt_tokens - first.num_cached_tokens,
+                          second.num_prompt_tokens - second.num_cached_tokens)
+        if name == "approximate":
+            assert [o.method for o in first.reuse_outcomes] == [method]
+            assert [o.method for o in second.reuse_outcomes] == ["restored"]
+    assert computed["approximate"][0] < computed["prefix"][0]  # the placed document saved turn 1's prefill
+    assert computed["approximate"][1] <= computed["prefix"][1]  # and turn 2 lost nothing to it

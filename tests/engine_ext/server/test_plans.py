@@ -43,7 +43,7 @@ def _params(prefix: str, seal: PlanSeal | None, tamper: dict | None = None, issu
 
 
 def _ask(srv, prefix: str, params: dict) -> dict:
-    body = {"model": MODEL, "prompt": prefix + DOC + "Which shipment was largest?", "max_tokens": 1,
+    body = {"model": MODEL, "prompt": prefix + DOC + "\nWhich shipment was largest?", "max_tokens": 1,
             "temperature": 0, "kv_transfer_params": params}
     r = httpx.post(f"{srv.v1}/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text  # an ignored plan is never the user's error
@@ -59,8 +59,9 @@ def _ignored(srv) -> dict[str, float]:
 def test_only_sealed_fresh_unaltered_plans_are_followed(srv, caplog):
     seal = PlanSeal(SECRET)
     before = _ignored(srv)
-    _ask(srv, "First, ", _params("First, ", seal))  # caches the document for team-a
-    followed = _ask(srv, "Then again: ", _params("Then again: ", seal))
+    # Prefixes end with a newline: the document then starts on a token edge, so the plan can place it.
+    _ask(srv, "First,\n", _params("First,\n", seal))  # caches the document for team-a
+    followed = _ask(srv, "Then again:\n", _params("Then again:\n", seal))
     assert followed["kv_transfer_params"]["kvrelay_reuse"]["segments"][0]["method"] == "shift"
     forgeries = [
         lambda prefix: _params(prefix, None),  # unsealed
@@ -70,7 +71,7 @@ def test_only_sealed_fresh_unaltered_plans_are_followed(srv, caplog):
     ]
     with caplog.at_level(logging.WARNING, logger="engine_ext.server.plans"):
         for i, forgery in enumerate(forgeries):
-            prefix = f"Attempt {i}: "
+            prefix = f"Attempt {i}:\n"
             warm = _ask(srv, prefix, _params(prefix, seal))  # team-a computes this very prompt
             assert warm["kv_transfer_params"]["kvrelay_reuse"]["segments"][0]["method"] == "shift"
             reply = _ask(srv, prefix, forgery(prefix))

@@ -52,7 +52,7 @@ def body(system: str, question: str, method: str | None = None, stream: bool = F
 
 
 def test_shared_block_is_reused_behind_another_prefix(http):
-    first = http.post("/v1/chat/completions", json=body("You are the planner agent.", "What now?")).json()
+    first = http.post("/v1/chat/completions", json=body("You are the planner agent.", "What now?", method="shift")).json()
     report = first["kv_transfer_params"]["kvrelay_reuse"]
     assert first["kv_transfer_params"]["other"] == 1
     assert [s["method"] for s in report["segments"]] == ["dense"] * 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from engine_ext.protocol import WorkflowInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence, SequenceStatus
+from tests.engine_ext.tiers import ring
 from tests.helpers import TINY_BLOCK_BYTES, make_engine
 
 BS = 16
@@ -74,7 +76,7 @@ def model(tiny_model_dir) -> Path:
 @pytest.fixture
 def reference(model) -> Callable[[int, int], list[int]]:
     """Greedy outputs of an engine with room for everything and no tiers."""
-    engine = _engine(model, 128)
+    engine = _engine(model, 128, policy="lru", host_bytes=0)
     return lambda agent, turn: _run(engine, agent, turn).output_token_ids
 
 
@@ -127,7 +129,7 @@ def test_lru_evicts_the_next_agent_and_reactive_loading_brings_it_back(model, re
 
 
 def test_lru_without_a_lower_tier_recomputes(model, reference):
-    engine = _engine(model, 18)
+    engine = _engine(model, 18, policy="lru", host_bytes=0)
     assert engine.tiers is None
     for turn in range(8):
         seq = _run(engine, turn % len(AGENTS), turn)
@@ -243,4 +245,32 @@ def test_concurrent_prefetches_are_bounded_and_every_branch_is_loaded(model, gat
     for agent in (1, 2, 3):
         hashes = engine.workflows._prefixes[("app", AGENTS[agent])]
         assert all(engine.kv.pool.lookup(h) is not None for h in hashes)
+    engine.close()
+
+
+def test_three_out_of_phase_sessions_of_one_app_each_have_their_next_agent_due(model):
+    """KVFlow per session through the engine: the plan's session id reaches the workflow
+    table, so after every request each session's next agent (from the script, never the
+    policy's prediction) is ranked within load_ahead, i.e. the prefetcher would load it."""
+    engine = _engine(model, 64, policy="workflow", host_bytes=64 * TINY_BLOCK_BYTES, load_ahead=ring.LOAD_AHEAD)
+    num_fixed = 48
+    fixed = [[(agent * 37 + 11 * i) % 250 + 3 for i in range(num_fixed)] for agent in range(ring.NUM_AGENTS)]
+    turns = itertools.count()
+
+    def run(session: int, agent: int) -> None:
+        turn = next(turns)
+        prompt = fixed[agent] + [(turn * 13 + 3 * i) % 250 + 3 for i in range(8)]
+        info = WorkflowInfo(steps_to_execution=ring.ring_steps(agent),
+                            next=[ring.AGENTS[(agent + 1) % ring.NUM_AGENTS]])
+        scope = ReuseScope("app", ring.AGENTS[agent], None, info, session_id=f"s{session}")
+        segments = [TokenSegment(0, num_fixed, "fixed_prefix", ring.AGENTS[agent]),
+                    TokenSegment(num_fixed, len(prompt), "private")]
+        engine.generate(prompt, SAMPLING, segments=segments, scope=scope)
+
+    def due() -> set[str]:
+        return {u.agent.agent_id for u in engine.workflows.upcoming(engine.config.tiers.load_ahead)}
+
+    passed, checks = ring.replay(run, due)
+    assert checks == 144 and passed / checks >= 0.95
+    assert len(engine.workflows.sessions) == len(ring.PHASES)
     engine.close()

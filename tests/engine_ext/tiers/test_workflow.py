@@ -7,6 +7,7 @@ import math
 import pytest
 
 from engine_ext.tiers.workflow import AgentKey, UpcomingAgent, WorkflowTable
+from tests.engine_ext.tiers import ring
 
 
 def h(i: int) -> bytes:
@@ -143,3 +144,68 @@ def test_an_idle_app_is_forgotten_and_stops_ranking_its_prefixes() -> None:
     assert [u.agent for u in table.upcoming(5)] == [AgentKey("live", "b")]
     assert table.priority(b"old-block") is None and table.steps(AgentKey("old", "a")) == math.inf
     assert table.priority(b"live-block") == 2
+
+
+def test_sessions_of_one_app_each_keep_their_own_steps() -> None:
+    """Two workflow instances of one app at different steps: each agent's prefix is
+    ranked by the session that needs it soonest, not by whichever plan came last."""
+    table = WorkflowTable()
+    a, b, c = (AgentKey("app", n) for n in "abc")
+    table.observe(a, (h(0), h(9)), {"a": 0, "b": 1, "c": 2}, session="s1")
+    table.observe(c, (h(2), h(9)), {"c": 0, "a": 1, "b": 2}, session="s2")
+    table.observe(b, (h(1),), {"b": 0, "c": 1, "a": 2}, session="s3")
+    assert [table.steps(x) for x in (a, b, c)] == [0, 0, 0]
+    table.finished(b, session="s3")  # s3 goes on to c; s1 still runs a now, s2 c
+    assert [table.steps(x) for x in (a, b, c)] == [0, 1, 0]
+    table.finished(a, session="s1")
+    table.finished(c, session="s2")
+    assert [table.steps(x) for x in (a, b, c)] == [1, 1, 1]  # each is some session's next
+    assert table.priority(h(9)) == 1  # shared by a and c
+
+
+def test_a_session_s_prefixes_go_only_with_its_app_s_last_live_session() -> None:
+    now = [0.0]
+    table = WorkflowTable(idle_s=60.0, clock=lambda: now[0])
+    a = AgentKey("app", "a")
+    table.observe(a, (h(0),), {"a": 3}, session="old")
+    now[0] = 30.0
+    table.observe(a, None, {"a": 5}, session="new")
+    assert table.priority(h(0)) == 3
+    now[0] = 61.0  # "old" is idle, "new" is not: the prefix stays, ranked by "new"
+    assert table.upcoming(5) == [UpcomingAgent(5, a, (h(0),))]
+    assert table.priority(h(0)) == 5
+    now[0] = 91.0
+    assert table.upcoming(64) == [] and table.priority(h(0)) is None
+
+
+def test_the_session_cap_bounds_what_is_tracked() -> None:
+    table = WorkflowTable(max_sessions=2)
+    for i in range(5):
+        table.observe(AgentKey(f"app{i}", "a"), (h(i),), {"a": 1}, session=f"s{i}")
+    assert len(table.sessions) == 2
+    assert [table.priority(h(i)) for i in range(5)] == [None, None, None, 1, 1]  # the oldest apps' prefixes went
+
+
+def _ring_table_replay(named_sessions: bool) -> tuple[int, int]:
+    table = WorkflowTable()
+
+    def run(session: int, agent: int) -> None:
+        key, name = AgentKey("app", ring.AGENTS[agent]), f"s{session}" if named_sessions else None
+        table.observe(key, (h(agent),), ring.ring_steps(agent), session=name)
+        table.finished(key, session=name)
+
+    return ring.replay(run, lambda: {u.agent.agent_id for u in table.upcoming(ring.LOAD_AHEAD)})
+
+
+def test_three_out_of_phase_sessions_each_find_their_next_agent_within_load_ahead() -> None:
+    passed, checks = _ring_table_replay(named_sessions=True)
+    assert checks == 144
+    assert passed / checks >= 0.95
+    assert passed == checks  # each session's plan puts its next agent at 1
+
+
+def test_one_map_per_app_loses_the_other_sessions_next_agents() -> None:
+    """The same requests without session ids: one unnamed instance per app, the last plan
+    wins (the behaviour before steps were kept per session). The check must tell them apart."""
+    passed, checks = _ring_table_replay(named_sessions=False)
+    assert passed / checks < 0.95

@@ -1,0 +1,231 @@
+"""Fidelity probes: approximate requests scored again densely on the engine's spare capacity.
+
+The gateway's fidelity guard (gateway/fidelity_guard.py) asks for a sample of the
+approximate requests to be checked (`SegmentPlan.probe`). For such a request the engine
+keeps the logits of its first generated tokens; if the request really placed
+approximate KV, its finish queues a `ProbeJob`. A job is a dense, teacher-forced score
+of the same prompt and the same output tokens (no segments, publishing nothing), and
+`compare_logits` turns the two sets of logits into top-1 agreement and KL(dense ||
+approx): the fidelity of what was actually served, measured without changing it.
+
+Jobs run only while no request is in flight: the engine thread starts one when it is
+idle and aborts it (queueing it again) as soon as a request arrives, so a probe delays
+no request by more than one model step. Only the engine thread calls `Probes`' engine
+methods; `results_after` is read from the server's event loop, hence the lock.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from engine_ext.fidelity import compare_logits
+from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope
+from engine_ext.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from engine_ext.engine import LLMEngine
+    from engine_ext.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+PROBED_METHODS = frozenset({"shift", "blend", "link", "kvcomm"})  # approximate: placed KV from elsewhere
+PROBE_PREFIX = "probe-"  # request ids of the dense scores
+
+
+class CappedLogits(list[torch.Tensor]):
+    """A `Sequence.logits` that keeps only the first `cap` rows: the model runner appends
+    every step's logits, and a long answer must not hold vocab-sized rows per token."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def append(self, row: torch.Tensor) -> None:
+        if len(self) < self.cap:
+            super().append(row)
+
+
+class ProbeJob(NamedTuple):
+    request_id: str
+    tenant: str
+    app: str
+    method: str
+    prompt_ids: list[int]
+    output_ids: list[int]  # the tokens the approximate request produced (first `cap` of them)
+    logits: torch.Tensor  # (len(output_ids), vocab): the approximate logits that chose them
+
+
+class ProbeResult(NamedTuple):
+    seq: int  # increasing: pollers ask for results after the last one they saw
+    request_id: str
+    tenant: str
+    app: str
+    method: str
+    top1: float
+    kl: float
+    tokens: int
+
+    def to_json(self) -> dict[str, object]:
+        return self._asdict()
+
+
+class _Running(NamedTuple):
+    job: ProbeJob
+    seq: Sequence
+
+
+class Probes:
+    """Probe bookkeeping for one engine: which sequences record logits, queued and
+    running jobs, and the results, bounded everywhere (oldest dropped, counted)."""
+
+    def __init__(self, max_tokens: int = 32, max_jobs: int = 16, max_results: int = 1024) -> None:
+        if max_tokens < 1 or max_jobs < 1 or max_results < 1:
+            raise ValueError("probe bounds must be >= 1")
+        self.max_tokens = max_tokens
+        self._jobs: deque[ProbeJob] = deque(maxlen=max_jobs)
+        self._results: deque[ProbeResult] = deque(maxlen=max_results)
+        self._watched: dict[str, Sequence] = {}  # probed requests in flight
+        self._running: _Running | None = None
+        self._seq = itertools.count(1)
+        self._last_seq = 0
+        self._lock = threading.Lock()
+        self.num_dropped = 0  # jobs pushed out of a full queue
+        self.num_failed = 0  # jobs that raised
+        self.num_interrupted = 0  # jobs aborted for a request and queued again
+        self.num_skipped = 0  # probed requests that placed no approximate KV
+
+    # -- the probed request ---------------------------------------------------------------
+    def watch(self, seq: Sequence) -> None:
+        """Record the first logits of a probed request with segments (only those can
+        place approximate KV); recording only reads what the step computed anyway."""
+        if seq.segments and seq.logits is None:
+            seq.logits = CappedLogits(self.max_tokens)
+            self._watched[seq.request_id] = seq
+
+    def forget(self, request_id: str) -> None:
+        """An aborted or failed request: nothing to probe."""
+        self._watched.pop(request_id, None)
+
+    def finished(self, request_id: str) -> None:
+        """A request finished: queue its job if it was probed and placed approximate KV."""
+        seq = self._watched.pop(request_id, None)
+        if seq is None:
+            return
+        method = _placed_method(seq)
+        logits = seq.logits
+        seq.logits = None
+        if method is None or not logits:
+            self.num_skipped += 1
+            return
+        scope = seq.scope
+        if len(self._jobs) == self._jobs.maxlen:
+            self.num_dropped += 1
+        self._jobs.append(ProbeJob(seq.request_id, seq.tenant, scope.app_id if scope is not None else DEFAULT_APP,
+                                   method, list(seq.prompt_token_ids), seq.output_token_ids[:len(logits)],
+                                   torch.stack(list(logits))))
+
+    # -- the dense scores, on spare capacity ----------------------------------------------
+    @property
+    def has_jobs(self) -> bool:
+        """Cheap: whether the engine thread has probe work (queued or running)."""
+        return bool(self._jobs) or self._running is not None
+
+    def tick(self, engine: LLMEngine, busy: bool) -> None:
+        """Before a loop iteration's step: with requests in flight (`busy`) a running job
+        yields to them; idle, the next job starts. A job that cannot start is dropped."""
+        if busy:
+            if self._running is not None:
+                try:
+                    job = self._abort(engine)
+                except Exception:
+                    self.num_failed += 1
+                    logger.exception("aborting a fidelity probe failed; dropped")
+                    return
+                self._jobs.appendleft(job)
+                self.num_interrupted += 1
+            return
+        if self._running is not None or not self._jobs:
+            return
+        job = self._jobs.popleft()
+        try:
+            self._running = _Running(job, _start_score(engine, job))
+        except Exception:
+            self.num_failed += 1
+            logger.exception("fidelity probe of request %s could not start; dropped", job.request_id)
+
+    def after_step(self) -> None:
+        """After a step: a finished dense score becomes a result. A failure is logged and
+        counted; the engine loop goes on."""
+        running = self._running
+        if running is None or not running.seq.is_finished:
+            return
+        self._running = None
+        job, dense = running
+        try:
+            if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):
+                raise RuntimeError(f"the dense score ended early ({dense.finish_reason})")
+            top1, kl = compare_logits(torch.stack(dense.logits), job.logits)
+        except Exception:
+            self.num_failed += 1
+            logger.exception("fidelity probe of request %s failed; dropped", job.request_id)
+            return
+        with self._lock:
+            self._last_seq = next(self._seq)
+            self._results.append(ProbeResult(self._last_seq, job.request_id, job.tenant, job.app, job.method,
+                                             top1, kl, len(job.output_ids)))
+
+    def reset(self, engine: LLMEngine) -> None:
+        """The engine failed a step: drop the running job and every watched request."""
+        self._watched.clear()
+        if self._running is not None:
+            self._abort(engine)
+            self.num_failed += 1
+
+    def _abort(self, engine: LLMEngine) -> ProbeJob:
+        running, self._running = self._running, None
+        assert running is not None
+        if not running.seq.is_finished:
+            engine.abort(running.seq.request_id)
+        return running.job
+
+    # -- results, for the server's event loop ---------------------------------------------
+    def results_after(self, after: int, limit: int = 1000) -> tuple[list[ProbeResult], int]:
+        """Results with seq > after (oldest first, at most `limit`) and the seq to ask
+        after next; a `next` below `after` tells a poller the engine restarted."""
+        with self._lock:
+            found = [r for r in self._results if r.seq > after][:limit]
+            last = self._last_seq
+        return found, found[-1].seq if found else last
+
+    def counters(self) -> dict[str, int]:
+        return {"dropped": self.num_dropped, "failed": self.num_failed, "interrupted": self.num_interrupted,
+                "skipped": self.num_skipped, "queued": len(self._jobs)}
+
+
+def _placed_method(seq: Sequence) -> str | None:
+    """The approximate method that placed the most tokens of the request, if any did. KV
+    restored from a stored turn (`restored`) is the approximate KV that turn ran on: it
+    counts for the method the plan asked for."""
+    reused: dict[str, int] = {}
+    for outcome in seq.reuse_outcomes or []:
+        method = outcome.segment.method if outcome.method == "restored" else outcome.method
+        if method in PROBED_METHODS and outcome.num_reused > 0:
+            reused[method] = reused.get(method, 0) + outcome.num_reused
+    return max(reused, key=reused.__getitem__) if reused else None
+
+
+def _start_score(engine: LLMEngine, job: ProbeJob) -> Sequence:
+    """Queue the dense, teacher-forced score of a job: no segments (exact prefix hits of
+    the request's own tenant at most), nothing published, so it neither reads nor leaves
+    approximate KV."""
+    sampling = SamplingParams(max_tokens=len(job.output_ids), temperature=0.0, ignore_eos=True)
+    scope = ReuseScope(job.app, None, tenant=job.tenant)
+    seq = engine.add_request(f"{PROBE_PREFIX}{job.request_id}", job.prompt_ids, sampling, publish=False, scope=scope)
+    seq.forced_token_ids, seq.logits = list(job.output_ids), []
+    return seq

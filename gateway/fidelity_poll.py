@@ -1,0 +1,108 @@
+"""Brings the engines' fidelity probe results (GET /v1/kvrelay/fidelity?after=N, see
+engine_ext/server/app.py) to the fidelity guard.
+
+Each upstream has its own cursor. An upstream without the endpoint (vLLM, an older
+engine) answers 404 or 405: it is asked again only after `QUIET_S`, and said so once
+at debug level, so a mixed pool makes no log noise. An engine that restarted numbers
+its results from 1 again: its `next` falls below our cursor, and the cursor follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+
+from gateway.approximation import APPROX_METHODS
+from gateway.fidelity_guard import FidelityGuard, Score
+from gateway.upstreams import UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+PATH = "/v1/kvrelay/fidelity"
+QUIET_S = 300.0  # how long an upstream without the endpoint is left alone
+_MISSING = (404, 405)
+MAX_TEXT = 256  # a tenant or app name longer than this is not a name the gateway sent
+
+
+class FidelityPoller:
+    def __init__(self, http: aiohttp.ClientSession, pool: UpstreamPool, guard: FidelityGuard,
+                 interval_s: float, timeout_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.http = http
+        self.pool = pool
+        self.guard = guard
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._cursor: dict[str, int] = {}
+        self._quiet_until: dict[str, float] = {}
+        self.num_errors = 0
+
+    async def run(self) -> None:
+        """The loop a SupervisedTask runs."""
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.interval_s)
+
+    async def poll(self) -> int:
+        """Ask every upstream once; the number of scores recorded."""
+        counts = await asyncio.gather(*(self._poll(u.url) for u in self.pool.upstreams))
+        return sum(counts)
+
+    async def _poll(self, url: str) -> int:
+        if self._clock() < self._quiet_until.get(url, 0.0):
+            return 0
+        after = self._cursor.get(url, 0)
+        try:
+            async with self.http.get(url + PATH, params={"after": str(after)},
+                                     timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
+                if response.status in _MISSING:
+                    logger.debug("upstream %s has no %s (HTTP %d); asking again in %gs", url, PATH, response.status,
+                                 QUIET_S)
+                    self._quiet_until[url] = self._clock() + QUIET_S
+                    return 0
+                if response.status != 200:
+                    self.num_errors += 1
+                    return 0
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            # Health checks report a down upstream; this loop just tries again next time.
+            self.num_errors += 1
+            logger.debug("polling %s%s failed: %s", url, PATH, type(exc).__name__)
+            return 0
+        return self._take(url, after, body)
+
+    def _take(self, url: str, after: int, body: object) -> int:
+        """Record the results of one answer and move the cursor; a malformed answer counts
+        as an error and records nothing."""
+        if not isinstance(body, dict) or not isinstance(body.get("results"), list) or \
+                not isinstance(body.get("next"), int):
+            self.num_errors += 1
+            return 0
+        scores = [s for s in map(_score, body["results"]) if s is not None]
+        for score in scores:
+            self.guard.record(score)
+        nxt = body["next"]
+        self._cursor[url] = nxt if nxt >= 0 else 0  # below `after`: the engine restarted, follow it
+        if nxt < after:
+            logger.info("upstream %s restarted its fidelity results; reading them from %d", url, nxt)
+        return len(scores)
+
+
+def _score(item: object) -> Score | None:
+    """A result as a Score; None for anything malformed."""
+    if not isinstance(item, dict):
+        return None
+    try:
+        tenant, app, method = (item[k] for k in ("tenant", "app", "method"))
+        top1, kl, tokens = float(item["top1"]), float(item["kl"]), int(item.get("tokens", 0))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not all(isinstance(v, str) and 0 < len(v) <= MAX_TEXT for v in (tenant, app, method)):
+        return None
+    if method not in APPROX_METHODS or not (0.0 <= top1 <= 1.0 and kl >= 0.0):  # also refuses NaN
+        return None
+    return Score(tenant, app, method, top1, kl, tokens)

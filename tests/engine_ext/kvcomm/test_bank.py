@@ -1,0 +1,212 @@
+"""AnchorBank against a real SegmentIndex, no model: offsets are keyed to the exact base
+(content and version) they were measured against. An entry evicted by the pool's LRU and
+registered again is a new version; anchors measured against the old one are refused
+(counted in the decision's detail), re-measured, and never added to the new KV."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine_ext.config import AnchorConfig, EngineConfig, ModelConfig
+from engine_ext.kv.blobs import Blob
+from engine_ext.kv.block_pool import Block, BlockPool
+from engine_ext.kv.cache import KVCache
+from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
+from engine_ext.kvcomm import Anchor, AnchorBank, Decision, Measurement
+from engine_ext.rope import RopeShifter
+
+BLOCK = 4
+POOL = ("default", "app", "user_question")
+SAMPLE = tuple(range(10, 22))  # 12 tokens: 3 blocks
+INSTRUCTION = tuple(range(40, 48))  # the fixed segment after the placeholder: 2 blocks
+SYSTEM = 6  # tokens before the placeholder in the agent's prompt
+TEMPLATE = 2  # tokens between the placeholder and the instruction
+
+
+class Rig(NamedTuple):
+    index: SegmentIndex
+    bank: AnchorBank
+    kv_cache: KVCache
+    pool: BlockPool
+
+
+def rig(num_blocks: int = 48, gamma: float = 0.3) -> Rig:
+    model = ModelConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=3,
+                        num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
+                        tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
+    kv_cache = KVCache(model, EngineConfig(kv_cache_bytes=num_blocks * BLOCK * model.kv_bytes_per_token(4),
+                                           block_size=BLOCK))
+    pool = BlockPool(kv_cache.num_blocks)
+    index = SegmentIndex(pool, kv_cache, RopeShifter.for_model(model), "test")
+    return Rig(index, AnchorBank(AnchorConfig(gamma=gamma), index, kv_cache, "test"), kv_cache, pool)
+
+
+class Prompt(NamedTuple):
+    slots: torch.Tensor  # (P,)
+    blocks: list[Block]
+
+
+def prompt(r: Rig, num_tokens: int, seed: int) -> Prompt:
+    """Blocks of a running prompt holding random KV (what a prefill would have written)."""
+    blocks = r.pool.allocate(-(-num_tokens // BLOCK))
+    ids = torch.tensor([b.block_id for b in blocks])
+    slots = (ids[:, None] * BLOCK + torch.arange(BLOCK)[None, :]).flatten()[:num_tokens]
+    gen = torch.Generator().manual_seed(seed)
+    for k, v in r.kv_cache.layers:
+        k[slots] = torch.randn(num_tokens, *k.shape[1:], generator=gen)
+        v[slots] = torch.randn(num_tokens, *v.shape[1:], generator=gen)
+    return Prompt(slots, blocks)
+
+
+def done(r: Rig, p: Prompt) -> None:
+    r.pool.release(list(reversed(p.blocks)))
+
+
+def produce(r: Rig, tokens: tuple[int, ...], seed: int) -> SegmentEntry:
+    """Register `tokens` from a prompt of its own (its KV depends on `seed`: another
+    context gives other KV) and return the index's entry."""
+    p = prompt(r, 5 + len(tokens), seed)
+    assert r.index.register(list(tokens), p.slots[5:], 5)
+    done(r, p)
+    entry = r.index.lookup(tokens)
+    assert entry is not None
+    return entry
+
+
+def evict(r: Rig, keep: list[Blob]) -> None:
+    """The pool's LRU evicts every unpinned cached block (a burst of other prompts),
+    sparing the blobs in `keep`."""
+    for blob in keep:
+        r.index.blobs.acquire(blob)
+    taken = r.pool.allocate(r.pool.num_free)
+    r.pool.release(list(reversed(taken)))
+    for blob in keep:
+        r.index.blobs.release(blob)
+
+
+def run_agent(r: Rig, sample: tuple[int, ...], seed: int, agent: str = "a") -> Decision:
+    """Admit the agent's prompt (system | sample | template | instruction): decide, then,
+    as the assembler does after the prefill, commit or record."""
+    entry = r.index.lookup(sample)
+    assert entry is not None
+    decision = r.bank.decide(POOL, agent, sample, entry, INSTRUCTION)
+    if decision.predicted:
+        r.bank.commit(decision)
+        return decision
+    p = prompt(r, SYSTEM + len(sample) + TEMPLATE + len(INSTRUCTION), seed)
+    r.index.acquire(entry)
+    follower = SYSTEM + len(sample) + TEMPLATE
+    m = Measurement(decision, sample, SYSTEM, entry, INSTRUCTION, follower)
+    assert r.bank.record(m, p.slots)
+    r.index.release(entry)
+    done(r, p)
+    return decision
+
+
+def the_anchor(r: Rig) -> Anchor:
+    (anchor,) = r.bank.pools[POOL].anchors
+    return anchor
+
+
+def anchor_blobs(r: Rig) -> list[Blob]:
+    return [b for a in r.bank.pools[POOL].anchors for b in a.blobs()]
+
+
+def test_a_registration_again_is_a_new_version_of_the_same_content():
+    r = rig()
+    old = produce(r, SAMPLE, seed=1)
+    hits = r.index.num_hits
+    assert r.index.peek(SAMPLE) == old and r.index.num_hits == hits  # peeking counts nothing
+    assert r.index.is_current(old)
+    evict(r, keep=[])
+    assert r.index.lookup(SAMPLE) is None and not r.index.is_current(old)
+    new = produce(r, SAMPLE, seed=2)
+    assert new.key == old.key and new.version > old.version
+    assert new.identity != old.identity
+    assert r.index.is_current(new) and not r.index.is_current(old)
+
+
+def test_an_unchanged_entry_keeps_its_exact_hits():
+    r = rig()
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=1)
+    first = run_agent(r, SAMPLE, seed=10)
+    assert not first.predicted and first.detail == {"anchor": "new", "anchors_used": 0, "eligible": 0}
+    # Another text's entry evicted and registered again changes nothing for this one.
+    other = tuple(range(60, 68))
+    produce(r, other, seed=4)
+    evict(r, keep=anchor_blobs(r) + [r.index.lookup(SAMPLE).blob, r.index.lookup(INSTRUCTION).blob])
+    produce(r, other, seed=5)
+    for _ in range(2):
+        d = run_agent(r, SAMPLE, seed=11)
+        assert d.predicted and d.detail == {"anchor": "exact", "anchors_used": 1}
+        assert d.prefix is not None and d.prefix_base == r.index.lookup(INSTRUCTION).identity
+    assert the_anchor(r).num_activations == 2
+
+
+def test_offsets_of_an_evicted_and_reregistered_base_are_never_applied_to_the_new_one():
+    r = rig()
+    produce(r, INSTRUCTION, seed=3)
+    old = produce(r, SAMPLE, seed=1)
+    run_agent(r, SAMPLE, seed=10)
+    assert run_agent(r, SAMPLE, seed=11).detail["anchor"] == "exact"
+    stale = the_anchor(r)
+    assert stale.base_identity == old.identity and stale.num_activations == 1
+    # The LRU evicts the sample's entry (the anchor and the instruction stay); the sample is
+    # computed again behind another prefix and registered: same tokens, other KV.
+    evict(r, keep=anchor_blobs(r) + [r.index.lookup(INSTRUCTION).blob])
+    new = produce(r, SAMPLE, seed=2)
+    assert new.key == old.key and new.identity != stale.base_identity
+    v_old = r.kv_cache.layers[-1][1][r.bank.blobs.slots(stale.base)]
+    v_new = r.kv_cache.layers[-1][1][r.index.slots(new)]
+    assert not torch.allclose(v_old, v_new)  # real - old base + new base would not be the real KV
+
+    refused = run_agent(r, SAMPLE, seed=12)
+    assert not refused.predicted and refused.placeholder is None and refused.anchors == []
+    assert refused.detail == {"anchor": "new", "anchors_used": 0, "eligible": 0, "stale_anchors": 1}
+    # Re-measured against the new version: replaced in place, its activations kept.
+    fresh = the_anchor(r)
+    assert fresh is not stale and fresh.base_identity == new.identity and fresh.num_activations == 1
+    assert not r.bank.blobs.valid(stale.base)  # the old blobs are freed
+    again = run_agent(r, SAMPLE, seed=13)
+    assert again.predicted and again.detail == {"anchor": "exact", "anchors_used": 1}
+    assert again.anchors == [fresh]
+
+
+def test_a_stale_exact_anchor_is_absent_for_its_sample_but_still_a_neighbour_for_others():
+    r = rig(gamma=1.0)
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=1)
+    run_agent(r, SAMPLE, seed=10)
+    evict(r, keep=anchor_blobs(r) + [r.index.lookup(INSTRUCTION).blob])
+    produce(r, SAMPLE, seed=2)
+    stale = the_anchor(r)
+    # Its own sample: not exact, and not its own neighbour either (gamma 1 would predict).
+    d = r.bank.decide(POOL, "a", SAMPLE, r.index.lookup(SAMPLE), INSTRUCTION)
+    assert not d.predicted and d.detail["stale_anchors"] == 1
+    # Another, shorter sample: the anchor's base copy matches its offsets, so it predicts.
+    shorter = SAMPLE[:8]
+    produce(r, shorter, seed=6)
+    hit = r.bank.decide(POOL, "a", shorter, r.index.lookup(shorter), INSTRUCTION)
+    assert hit.predicted and hit.anchors == [stale] and hit.detail["anchor"] == "hit"
+    assert "stale_anchors" not in hit.detail and "stale_prefix_offsets" not in hit.detail
+    assert hit.prefix is not None
+
+
+def test_prefix_offsets_of_another_version_of_the_fixed_segment_are_refused():
+    r = rig(gamma=1.0)
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=1)
+    run_agent(r, SAMPLE, seed=10)
+    shorter = SAMPLE[:8]
+    produce(r, shorter, seed=6)
+    evict(r, keep=anchor_blobs(r) + [r.index.lookup(SAMPLE).blob, r.index.lookup(shorter).blob])
+    instruction = produce(r, INSTRUCTION, seed=7)  # the fixed segment, registered again
+    assert the_anchor(r).offsets["a"].prefix_base != instruction.identity
+    for sample, kind in ((SAMPLE, "exact"), (shorter, "hit")):
+        d = r.bank.decide(POOL, "a", sample, r.index.lookup(sample), INSTRUCTION)
+        # The placeholder's own offsets still apply (its base is unchanged); the prefix's do not.
+        assert d.predicted and d.detail["anchor"] == kind and d.placeholder is not None
+        assert d.prefix is None and d.prefix_base is None and d.detail["stale_prefix_offsets"] == 1
