@@ -9,7 +9,8 @@ answers. Its estimates are what GET /admin/sessions/{id}/ttft reports. The repla
 the very token ids the engine received, in the same order, to a second server whose
 engine has reuse off; both servers first get the same warm-up of dense prompts (the
 prefill-time fit learns from them, and both caches hold them). Requests run one at a
-time, so TTFT is the engine's own work, not other requests' load.
+time, so TTFT is the engine's own work, not other requests' load; each is replayed as
+soon as it is answered, so a machine shared with other work slows both sides alike.
 
 What is compared, summed over the debate's requests: the estimate, `dense_ttft_s` -
 `prepare_s`, against the replay's measured `ttft_s` - `prepare_s` (prepare is the
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -76,12 +78,11 @@ def _complete(base_url: str, prompt: list[int], max_tokens: int) -> dict[str, An
     return reply.json()["kv_transfer_params"]["kvrelay_ttft"]
 
 
-def _debate(client: openai.OpenAI) -> list[int]:
+def _debate(client: openai.OpenAI, replay: Callable[[int], None]) -> None:
     """Round 1: each agent reads the brief and answers; round 2: each also reads the
-    others' answers. One request at a time. Returns each request's max_tokens."""
+    others' answers. One request at a time, each replayed (given its max_tokens) once answered."""
     ask = f"{BRIEF}\n\n{QUESTION}"
     answers: list[str] = []
-    max_tokens = []
     for round_ in range(2):
         said = list(answers)
         for k, system in enumerate(AGENTS):
@@ -90,10 +91,9 @@ def _debate(client: openai.OpenAI) -> list[int]:
             limit = 48 if round_ == 0 else 16
             reply = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=limit, messages=messages,
                                                    extra_headers={"x-kvrelay-session-id": SESSION})
-            max_tokens.append(limit)
+            replay(limit)
             if round_ == 0:
                 answers.append(reply.choices[0].message.content)
-    return max_tokens
 
 
 def test_the_prefix_caching_estimate_matches_a_measured_replay_with_reuse_off(smollm2_dir, run_server,
@@ -110,29 +110,26 @@ def test_the_prefix_caching_estimate_matches_a_measured_replay_with_reuse_off(sm
         return add_request(request_id, prompt_token_ids, *args, **kwargs)
 
     reuse_on.add_request = recording  # type: ignore[method-assign]
+    reuse_off = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=KV_BYTES, reuse=ReuseConfig(enabled=False)),
+                          model_name=MODEL)
     warm_up = _warm_up_prompts()
-    with run_server(reuse_on, MODEL) as srv:
+    measured: list[dict[str, Any]] = []
+    with run_server(reuse_on, MODEL) as on, run_server(reuse_off, MODEL) as off:
         for prompt in warm_up:
-            _complete(srv.base_url, prompt, 1)
-        gw = start_gateway([srv.base_url], admin_key=ADMIN, timeouts=Timeouts())  # seconds per request on a CPU
+            _complete(on.base_url, prompt, 1)
+            _complete(off.base_url, prompt, 1)
+        gw = start_gateway([on.base_url], admin_key=ADMIN, timeouts=Timeouts())  # seconds per request on a CPU
         with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=300) as client:
-            max_tokens = _debate(client)
+            _debate(client, lambda limit: measured.append(_complete(off.base_url, received[-1], limit)))
         gw.rows(2 * len(AGENTS), timeout=30)  # written by the gateway's writer, a moment later
         with gw.client(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
             report = admin.get(f"/admin/sessions/{SESSION}/ttft").json()
     assert "requests" in report, report
     debate = received[len(warm_up):]
     estimates = [r["engine"] for r in report["requests"]]
-    assert len(debate) == len(estimates) == 2 * len(AGENTS)
+    assert len(debate) == len(estimates) == len(measured) == 2 * len(AGENTS)
     assert sum(e["reused_tokens"] for e in estimates) > 200  # blend placed the brief and the answers
     assert all("dense_ttft_s" in e for e in estimates), estimates  # the warm-up taught the rate: all priced
-
-    reuse_off = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=KV_BYTES, reuse=ReuseConfig(enabled=False)),
-                          model_name=MODEL)
-    with run_server(reuse_off, MODEL) as srv:
-        for prompt in warm_up:
-            _complete(srv.base_url, prompt, 1)
-        measured = [_complete(srv.base_url, prompt, limit) for prompt, limit in zip(debate, max_tokens)]
 
     estimate_s = sum(e["dense_ttft_s"] - e["prepare_s"] for e in estimates)
     replay_s = sum(m["ttft_s"] - m["prepare_s"] for m in measured)
