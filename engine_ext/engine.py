@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,6 +89,10 @@ class LLMEngine:
         policy = WorkflowPolicy(self.workflows) if config.tiers.policy == "workflow" else None
         self.kv = KVCacheManager(self.kv_cache.num_blocks, config.block_size, self.model_name, policy)
         self.tiers, self.prefetcher = self._tiers()
+        if self.tiers is not None:
+            # The worker thread outlives an engine nobody closed (tests, scripts) and, through
+            # the transfers it finished, keeps the tier storage alive: stop it with the engine.
+            weakref.finalize(self, self.tiers.worker.stop)
         self.segment_index, no_index_reason = self._segment_index()
         self.anchor_bank = (AnchorBank(config.reuse.anchors, self.segment_index, self.kv_cache, self.model_name)
                             if self.segment_index else None)

@@ -63,8 +63,12 @@ class TransferWorker:
         self.num_in_flight -= len(out)
         return out
 
+    def stop(self) -> None:
+        """Let the thread end after every transfer already submitted; returns at once."""
+        self._todo.put((2, next(self._order), None))
+
     def close(self) -> None:
-        self._todo.put((2, next(self._order), None))  # after every transfer already submitted
+        self.stop()
         self._thread.join(timeout=10.0)
 
     def _run(self) -> None:
