@@ -274,3 +274,29 @@ def test_three_out_of_phase_sessions_of_one_app_each_have_their_next_agent_due(m
     assert checks == 144 and passed / checks >= 0.95
     assert len(engine.workflows.sessions) == len(ring.PHASES)
     engine.close()
+
+
+def test_an_engine_nobody_closed_takes_its_transfer_worker_and_tiers_with_it(model):
+    """The worker thread must not outlive its engine: through the transfers it finished
+    it held the host tier, so every engine a process built and dropped leaked its tier."""
+    import gc
+    import time
+    import weakref
+
+    def workers() -> int:
+        return sum(t.name == "kvrelay-kv-transfer" for t in threading.enumerate())
+
+    before = workers()
+    engine = _engine(model, 16, host_bytes=16 * 2**20)
+    _run(engine, 0, 0)
+    _settle(engine)
+    assert workers() == before + 1
+    storage = weakref.ref(engine.tiers.tiers[0].storage)
+    del engine
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while workers() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gc.collect()
+    assert workers() == before
+    assert storage() is None  # the host tier's memory went with it
