@@ -107,11 +107,6 @@ class PolicyRun:
     due_checks: list[bool] = dataclasses.field(default_factory=list)  # next agent within load_ahead, per check
 
     @property
-    def within_load_ahead(self) -> float:
-        """Checks in which a workflow's next agent was ranked within load_ahead."""
-        return sum(self.due_checks) / len(self.due_checks) if self.due_checks else float("nan")
-
-    @property
     def hit_rate(self) -> float:
         """Timed requests whose fixed prefix was all on the device tier when admitted
         (loaded ahead counts; loaded at admission or recomputed does not)."""
@@ -323,8 +318,9 @@ def run(quick: bool = False, model: str | None = None) -> BenchResult:
                 metrics["load_to_step_time_ratio"] = load_seconds / kvflow.mean_step_seconds
                 rows.append((f"{tag}: load one prefix / one agent step, ms",
                              f"{1000 * load_seconds:.0f} / {1000 * kvflow.mean_step_seconds:.0f}", "", ""))
-    metrics["next_agent_hit_rate"] = (sum(r.hit_rate * len(r.requests) for r in hit_runs)
-                                      / sum(len(r.requests) for r in hit_runs))
+    if hit_runs:
+        metrics["next_agent_hit_rate"] = (sum(r.hit_rate * len(r.requests) for r in hit_runs)
+                                          / sum(len(r.requests) for r in hit_runs))
     checks = [check for r in session_runs for check in r.due_checks]
     if checks:  # from the script's ground truth, never the policy's own prediction
         metrics["next_agent_within_load_ahead"] = sum(checks) / len(checks)

@@ -54,6 +54,7 @@ class PlannedRequest:
     agent: AgentKey | None
     hashes: list[bytes]  # every full block of the prompt but its last token
     prefix: tuple[bytes, ...]  # the fixed prefix's full blocks (a prefix of `hashes`)
+    session: str | None = None  # the workflow instance whose steps-to-execution the plan gave
     block_ids: list[int] = field(default_factory=list)
     num_hit_blocks: int = 0  # leading blocks vLLM or the tiers hold, at the last lookup
     num_settled: int = 0  # prefix blocks kept or saved so far
@@ -148,7 +149,7 @@ class ConnectorPlanner:
     def finished(self, request_id: str) -> None:
         state = self._requests.pop(request_id, None)
         if state is not None and state.agent is not None:
-            self.table.finished(state.agent)
+            self.table.finished(state.agent, state.session)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not read these blocks and vLLM recomputes them. Their files go,
@@ -179,8 +180,8 @@ class ConnectorPlanner:
         agent = AgentKey(plan.app_id or plan.session_id, plan.agent_id) if plan.agent_id else None
         if agent is not None:
             steps = plan.workflow.steps_to_execution if plan.workflow is not None else None
-            self.table.observe(agent, prefix or None, steps)
-        state = PlannedRequest(agent, hashes, prefix)
+            self.table.observe(agent, prefix or None, steps, plan.session_id)
+        state = PlannedRequest(agent, hashes, prefix, plan.session_id)
         self._requests[request_id] = state
         self.stats.num_requests += 1
         return state
