@@ -120,11 +120,14 @@ class Town:
 
 
 def _add_round(engine: LLMEngine, town: Town, round_id: str | None, max_tokens: int = 1,
-               agents: range | None = None, publish: bool = False) -> list[Sequence]:
+               agents: range | None = None, publish: bool = False, method: str | None = None) -> list[Sequence]:
+    """The round's requests, queued; `method` replaces the plan's (blend) on every segment."""
     seqs = []
     agents = range(town.n) if agents is None else agents
     for i in agents:
         ids, segments = town.prompt(i)
+        if method is not None:
+            segments = [seg._replace(method=method) for seg in segments]
         info = RoundInfo(id=round_id, size=len(agents), index=i) if round_id else None
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         seqs.append(engine.add_request(f"{round_id}-{i}-{time.monotonic_ns()}", ids, sampling, segments=segments,
@@ -248,24 +251,26 @@ def _next_turn(storing: LLMEngine, timing: LLMEngine, town: Town, seqs: list[Seq
 
 
 def _fidelity(engine: LLMEngine, town: Town, agents: int, num_tokens: int) -> dict[str, float]:
-    """top1 / KL of collective and per-request reuse against dense, teacher-forced."""
+    """top1 / KL of collective and per-request reuse, and of the exact default (the
+    prefix cache only), against dense, teacher-forced."""
     references = []
     for i in range(agents):
         ids, _ = town.prompt(i)
         ref = engine.generate(ids, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True),
                               publish=False, record_logits=True)
         references.append((ref.output_token_ids, torch.stack(ref.logits)))
-    scores: dict[str, list[tuple[float, float]]] = {"collective": [], "per_request": []}
+    scores: dict[str, list[tuple[float, float]]] = {"collective": [], "per_request": [], "exact": []}
     for path in scores:
         round_id = f"fidelity-{path}" if path == "collective" else None
-        seqs = _add_round(engine, town, round_id, num_tokens, range(town.n))
+        seqs = _add_round(engine, town, round_id, num_tokens, range(town.n), method="prefix" if path == "exact" else None)
         for i, seq in enumerate(seqs):
             seq.logits = []
             seq.forced_token_ids = list(references[i][0]) if i < agents else None
         while engine.has_work:
             engine.step()
         scores[path] = [compare_logits(references[i][1], torch.stack(seqs[i].logits)) for i in range(agents)]
-    return {f"{m}{'' if path == 'collective' else '_per_request'}": statistics.fmean(v[k] for v in vals)
+    suffix = {"collective": "", "per_request": "_per_request", "exact": "_exact"}
+    return {f"{m}{suffix[path]}": statistics.fmean(v[k] for v in vals)
             for path, vals in scores.items() for k, m in enumerate(("top1_agreement", "kl"))}
 
 
@@ -313,6 +318,8 @@ def run(quick: bool, model: str | None) -> BenchResult:
     rows.append((f"fidelity vs dense, {largest} agents: top1 / kl",
                  f"{fidelity['top1_agreement']:.3f} / {fidelity['kl']:.4f}",
                  f"{fidelity['top1_agreement_per_request']:.3f} / {fidelity['kl_per_request']:.4f} (per-request)", ""))
+    rows.append((f"fidelity of the exact default (prefix only), {largest} agents: top1 / kl",
+                 f"{fidelity['top1_agreement_exact']:.3f} / {fidelity['kl_exact']:.4f}", "1 / 0 (dense)", ""))
     metrics["fused_restore_speedup"] = storage["restore_ms_dense"] / storage["restore_ms_fused"]
     metrics["round_storage_reduction_" + str(largest)] = metrics.pop("round_storage_reduction")
     return BenchResult("collective", metrics, {

@@ -159,13 +159,14 @@ def _turn(dense: LLMEngine, reuse: LLMEngine, wf: Workflow, q: int, k: int, eval
     t_dense, reference = first_token(dense, ids, n)
     continuation, ref_logits = reference.output_token_ids, reference.logits
     t_kvcomm, seq = first_token(reuse, ids, n, segments, scope, continuation)
-    t_prefix, _ = first_token(reuse, ids)
+    t_prefix, exact = first_token(reuse, ids, n, continuation=continuation)
     outcomes = seq.reuse_outcomes or []
     placeholders = [o for o in outcomes if o.segment.kind == "placeholder"]
     predicted = sum(o.num_reused for o in placeholders if o.method == "kvcomm")
     fidelity: dict[str, tuple[float, float]] = {}
     if evaluate:
         fidelity["full"] = compare_logits(torch.stack(ref_logits), torch.stack(seq.logits))
+        fidelity["exact"] = compare_logits(torch.stack(ref_logits), torch.stack(exact.logits))
         if predicted:
             served = bank.correction
             bank.learning = False  # the same decisions again, nothing learned or counted
@@ -243,6 +244,11 @@ def _result(records: list[Record], sizes: Sizes, reuse: LLMEngine, quick: bool, 
     metrics["kl"] = _mean([kl for _, kl in served])
     rows.append(("fidelity, every warm request: top1 / kl", f"{metrics['top1_agreement']:.3f} / {metrics['kl']:.4f}",
                  "1 / 0 (dense)", ""))
+    exact = [r.fidelity["exact"] for r in late]  # the default: the prefix cache only
+    metrics["top1_agreement_exact"] = _mean([t for t, _ in exact])
+    metrics["kl_exact"] = _mean([kl for _, kl in exact])
+    rows.append(("fidelity of the exact default (prefix only): top1 / kl",
+                 f"{metrics['top1_agreement_exact']:.3f} / {metrics['kl_exact']:.4f}", "1 / 0 (dense)", ""))
     predicted = [r for r in late if "rotation" in r.fidelity]
     for mode in ABLATION:
         top1 = _mean([r.fidelity[mode][0] for r in predicted])

@@ -28,4 +28,5 @@ def test_collective_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch,
     assert metrics["next_turn_ttft_ms_restored"] > 0 and metrics["next_turn_speedup"] > 0
     for name in ("top1_agreement", "top1_agreement_per_request"):
         assert 0.0 <= metrics[name] <= 1.0
+    assert metrics["top1_agreement_exact"] == 1.0 and metrics["kl_exact"] < 1e-4  # the default is exact
     assert "round prefill ms, 3 agents" in capsys.readouterr().out
