@@ -116,7 +116,7 @@ class Town:
             full = prompt + self.outputs[i]
             engine.generate(full, SamplingParams(max_tokens=1), scope=ReuseScope("town", f"agent_{i + 1}"),
                             segments=[TokenSegment(len(prompt), len(full), "placeholder", f"agent_{i + 1}_current",
-                                                   "dense")])
+                                                   "blend")])  # blend: opted in, so the output is kept
 
 
 def _add_round(engine: LLMEngine, town: Town, round_id: str | None, max_tokens: int = 1,

@@ -120,8 +120,8 @@ def _check_placed(outcomes: list, segments: list[TokenSegment]) -> None:
 def _cache(engine: LLMEngine, prompts: Prompts) -> None:
     """Documents alone into the segment index; the system prompt into the prefix cache."""
     for i, doc in enumerate(prompts.docs):
-        engine.generate(doc, SamplingParams(max_tokens=1), segments=[TokenSegment(0, len(doc), "shared_block", f"doc{i}")],
-                        publish=False)
+        engine.generate(doc, SamplingParams(max_tokens=1), publish=False,  # shift: opted in, so the document is kept
+                        segments=[TokenSegment(0, len(doc), "shared_block", f"doc{i}", "shift")])
     engine.generate(prompts.system + prompts.question(0), SamplingParams(max_tokens=1))
 
 

@@ -340,7 +340,7 @@ class LLMEngine:
         if self.segment_index is None:
             return
         slots = self.kv.slots(seq, seq.num_prompt_tokens)  # (P,)
-        for seg in seq.segments:
+        for seg in seq.segments if self._keeps_segments(seq) else ():
             if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
                 self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start,
                                             seq.tenant)
@@ -367,12 +367,24 @@ class LLMEngine:
         except Exception:
             logger.exception("storing request %s's turn failed; it goes on without it", seq.request_id)
 
+    def _keeps_segments(self, seq: Sequence) -> bool:
+        """Whether this request's segments and answer go into the segment index. Only
+        approximate methods ever read it, so a request keeps them only when it opted
+        into one (its plan, or this engine's default): an exact app pays nothing for
+        reuse it never makes (copying its KV into the index, an extra row per answer
+        cut by length). An app that opts in starts filling the index with its first
+        opted-in request."""
+        if self.config.reuse.default_method in PLACED_METHODS:
+            return True
+        return any(seg.method in PLACED_METHODS for seg in seq.segments)
+
     def _register_output(self, seq: Sequence, ending: Ending) -> None:
         """Keep a finished answer as a segment: the next agent reading it reuses its KV
         without ever prefilling it alone. The tokens kept are exactly the answer's text
         (engine_ext/reuse/answers.py); a last token that was sampled but never computed
         (an answer cut by length) is computed first, in one row of its own."""
-        if self.segment_index is None or not self.config.reuse.register_outputs or not seq.segments:
+        if (self.segment_index is None or not self.config.reuse.register_outputs or not seq.segments
+                or not self._keeps_segments(seq)):
             return
         count = answer_tokens(seq.output_token_ids, seq.detokenizer.text, ending, self.tokenizer)
         if count < self.config.reuse.min_segment_tokens:

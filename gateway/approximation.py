@@ -34,12 +34,11 @@ APPROX_METHODS: tuple[ApproxMethod, ...] = get_args(ApproxMethod)
 HeaderChoice = Literal["on", "off", "exact"] | ApproxMethod
 _ON_WORDS = frozenset({"on", "1", "true"})
 _OFF_WORDS = frozenset({"off", "0", "false"})
-_REUSABLE_KINDS = frozenset({"fixed_prefix", "placeholder", "shared_block"})
 Glob = Annotated[str, Field(min_length=1, max_length=256)]
 
 
 class ApproxRule(BaseModel):
-    """Requests matching every condition given run `method` on their reusable segments.
+    """Requests matching every condition given run `method` on their segments.
     A rule with no condition opts in every request of the gateway."""
 
     model_config = ConfigDict(extra="forbid")  # a misspelt condition must not match everything
@@ -174,10 +173,12 @@ class Approximation:
 
     @staticmethod
     def apply(plan: SegmentPlan, method: ApproxMethod | None, probe: bool = False) -> SegmentPlan:
-        """The plan with `method` on every reusable segment, asking for a fidelity probe
-        when `probe`; unchanged when exact."""
+        """The plan with `method` on every segment, asking for a fidelity probe when
+        `probe`; unchanged when exact. The engine places only reusable segments; on a
+        private one the method says the request opted in, so the engine keeps its
+        segments and answer for later approximate reuse even when it has nothing to
+        place itself (an agent's first turn, whose answer the next agent reads)."""
         if method is None:
             return plan
-        segments = [s.model_copy(update={"method": method}) if s.kind in _REUSABLE_KINDS else s
-                    for s in plan.segments]
+        segments = [s.model_copy(update={"method": method}) for s in plan.segments]
         return plan.model_copy(update={"segments": segments, "probe": probe})

@@ -23,7 +23,7 @@ def test_exact_reuse_scores_perfectly_and_shift_does_not(llama_dir):
     tok = eng.tokenizer
     head, doc_text = tok.encode("the plan of the day:\n"), "the capital of France is Paris and the river is wide.\n"
     doc = tok.encode(doc_text)
-    eng.generate(doc, SamplingParams(max_tokens=1), segments=[TokenSegment(0, len(doc), "shared_block")], publish=False)
+    eng.generate(doc, SamplingParams(max_tokens=1), segments=[TokenSegment(0, len(doc), "shared_block", None, "shift")], publish=False)
     prompt = head + doc + tok.encode("why?")
     assert harness.canonical(prompt) == prompt
     reference = harness.reference(prompt)

@@ -25,7 +25,7 @@ def _shifted(llm: LLMEngine) -> tuple[list[int], list[TokenSegment]]:
     without the head), after priming the segment index with the document alone."""
     tok = llm.tokenizer
     head, doc = tok.encode("the plan of the day:\n"), tok.encode(DOC)
-    llm.generate(doc, SamplingParams(max_tokens=1), segments=[TokenSegment(0, len(doc), "shared_block")],
+    llm.generate(doc, SamplingParams(max_tokens=1), segments=[TokenSegment(0, len(doc), "shared_block", None, "shift")],
                  publish=False, scope=SCOPE)
     prompt = head + doc + tok.encode("why?")
     return prompt, [TokenSegment(len(head), len(head) + len(doc), "shared_block", None, "shift")]

@@ -40,7 +40,7 @@ def test_the_prefix_cache_is_per_tenant(llama_dir):
 
 def test_a_segment_cached_by_one_tenant_is_never_placed_for_another(llama_dir):
     eng, doc = engine(llama_dir), tokens(40, 2)
-    eng.generate(doc, GREEDY, segments=[TokenSegment(0, 40, "shared_block", None, None, 0)], publish=False,
+    eng.generate(doc, GREEDY, segments=[TokenSegment(0, 40, "shared_block", None, "shift", 0)], publish=False,
                  scope=scope("a"))
     prompt = tokens(20, 3) + doc + tokens(6, 4)
     segments = [TokenSegment(20, 60, "shared_block", None, "shift", 0)]

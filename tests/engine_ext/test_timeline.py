@@ -82,7 +82,7 @@ def test_kv_assembly_of_each_method_lies_inside_the_prefill(llama_dir):
                                             reuse=ReuseConfig(min_segment_tokens=4, check_layers=(0,))))
     doc, prefix = tokens(40, 4), tokens(20, 5)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, None, 0)], publish=False)
+    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, "shift", 0)], publish=False)
     seq = eng.generate(prefix + doc + tokens(6, 6), greedy, publish=False,
                        segments=[TokenSegment(20, 60, "shared_block", None, "shift", 0)])
     line = seq.timeline
@@ -164,7 +164,7 @@ def test_a_placed_segment_is_priced_against_the_prefix_path(llama_dir):
                                             reuse=ReuseConfig(min_segment_tokens=4, check_layers=(0,))))
     doc, prefix = tokens(40, 4), tokens(20, 5)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, None, 0)], publish=False)
+    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, "shift", 0)], publish=False)
     eng.prefill_rate = _fitted()
     seq = eng.generate(prefix + doc + tokens(6, 6), greedy, publish=False,
                        segments=[TokenSegment(20, 60, "shared_block", None, "shift", 0)])
@@ -186,7 +186,7 @@ def test_prefix_hits_lost_to_approximate_kv_count_against_reuse(llama_dir):
                                             reuse=ReuseConfig(min_segment_tokens=4, check_layers=(0,))))
     doc, prefix = tokens(40, 4), tokens(20, 5)
     greedy = SamplingParams(max_tokens=1, temperature=0.0)
-    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, None, 0)], publish=False)
+    eng.generate(doc, greedy, segments=[TokenSegment(0, 40, "shared_block", None, "shift", 0)], publish=False)
     placed = prefix + doc + tokens(6, 6)
     eng.generate(placed, greedy, segments=[TokenSegment(20, 60, "shared_block", None, "shift", 0)])
     eng.prefill_rate = _fitted()

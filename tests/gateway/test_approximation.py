@@ -69,11 +69,13 @@ def test_a_method_the_guard_switched_off_is_exact_for_that_app_only():
     assert approx.method_for("shift", "t", "drifting", None, "m") == "shift"
 
 
-def test_apply_names_the_method_on_reusable_segments_only():
+def test_apply_names_the_method_on_every_segment():
+    """Private segments carry it too: the engine places none of them, but the method
+    tells it the request opted in, so it keeps the request's segments and answer."""
     plan = _plan()
     assert Approximation.apply(plan, None) is plan
     blended = Approximation.apply(plan, "blend")
-    assert [s.method for s in blended.segments] == ["blend", None, "blend"]
+    assert [s.method for s in blended.segments] == ["blend", "blend", "blend"]
 
 
 @pytest.mark.parametrize("value,choice", [(None, "on"), ("on", "on"), ("TRUE", "on"), (" off ", "off"),
@@ -115,7 +117,7 @@ def test_settings_from_the_environment(monkeypatch):
 # -- through the gateway -----------------------------------------------------------------
 def _methods(fake) -> list[str | None]:
     plan = fake.received[-1].body["kv_transfer_params"]["kvrelay"]
-    return [s.get("method") for s in plan["segments"] if s["kind"] != "private"]
+    return [s.get("method") for s in plan["segments"]]
 
 
 def _post(gw, headers: dict[str, str] | None = None, app: str = "travel-1"):

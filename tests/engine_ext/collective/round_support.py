@@ -21,6 +21,7 @@ SEPARATOR = [7, 8]
 def engine(model_dir, num_blocks: int = 192, collective: CollectiveConfig | None = None, **reuse) -> LLMEngine:
     reuse.setdefault("check_layers", (1,))
     reuse.setdefault("min_segment_tokens", 4)
+    reuse.setdefault("default_method", "blend")  # rounds reuse approximately: opted in, as the gateway's rules would
     config = ReuseConfig(collective=collective or CollectiveConfig(), **reuse)
     # The 4-layer model's blocks are twice the size kv_bytes assumes for the 2-layer ones.
     return LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(num_blocks), reuse=config))

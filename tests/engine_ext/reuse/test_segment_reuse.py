@@ -24,6 +24,7 @@ def deep_llama(tiny_model_dir):
 def engine(model_dir, num_blocks=96, **reuse):
     reuse.setdefault("check_layers", (0,))
     reuse.setdefault("min_segment_tokens", 4)
+    reuse.setdefault("default_method", "blend")  # approximate reuse under test: opted in for the whole engine
     # The 4-layer model's blocks are twice the size kv_bytes assumes for the 2-layer ones.
     eng = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(num_blocks), reuse=ReuseConfig(**reuse)))
     assert eng.kv_cache.num_blocks == num_blocks
