@@ -30,7 +30,7 @@ from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.limits import check_messages, check_prompt
-from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect
+from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
@@ -275,6 +275,7 @@ class ProxiedCall:
         """Forward SSE events as they arrive; note TTFT and usage on the way."""
         reader = EventReader()
         deadline = self.received + self.state.settings.timeouts.total_s
+        delivered = False  # the client has [DONE]: a hang-up after it ends nothing it asked for
         try:
             async for chunk in dispatch.response.chunks():
                 try:
@@ -302,6 +303,7 @@ class ProxiedCall:
                         forward.append(event)
                 if forward:
                     yield b"".join(forward)
+                    delivered = delivered or any(is_done(event) for event in forward)
                 if time.perf_counter() > deadline:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
             if reader.rest:
@@ -313,7 +315,9 @@ class ProxiedCall:
             self.record.status, self.record.http_status, self.record.error_type = "upstream_error", 502, type(exc).__name__
             yield _sse_error("the upstream broke the stream", "upstream_error", "upstream_failed")
         except BaseException:
-            self.record.status, self.record.http_status, self.record.error_type = "cancelled", 499, "client_disconnected"
+            if not delivered:
+                self.record.status, self.record.http_status, self.record.error_type = \
+                    "cancelled", 499, "client_disconnected"
             raise
         finally:
             self._observe_upstream(dispatch)

@@ -79,6 +79,11 @@ def split_events(buffer: bytes) -> tuple[list[bytes], bytes]:
     return events, reader.rest
 
 
+def is_done(event: bytes) -> bool:
+    """The stream's terminal `data: [DONE]` event: after it the client has the whole answer."""
+    return event.startswith(b"data:") and event[5:].strip() == b"[DONE]"
+
+
 def inspect(event: bytes) -> EventInfo:
     """What the gateway needs from one event. Called for every event of every stream, so
     the usual shapes take short paths (one data line; one choice) that give the same

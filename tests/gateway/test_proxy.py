@@ -420,6 +420,26 @@ def test_client_disconnect_cancels_the_upstream_stream(fake_upstream, start_gate
     assert b"kvrelay_in_flight_requests 0.0" in gw.state.metrics.render()
 
 
+def test_a_client_that_hangs_up_after_done_got_its_whole_answer(fake_upstream, start_gateway):
+    """Clients close the connection as soon as they read [DONE]; an upstream may close its
+    end a little later. The answer was delivered whole: the record says ok, not cancelled
+    (seen against real vLLM, where the gap is a few milliseconds)."""
+    chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "fake"}
+    writes = [sse({**chunk, "choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]}),
+              sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}),
+              b"data: [DONE]\n\n", *[b": the upstream lingers\n\n"] * 50]
+    fake = fake_upstream(raw_stream=writes)
+    gw = start_gateway([fake.url])
+    with gw.client() as http, http.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line == "data: [DONE]":
+                break
+    assert wait_until(lambda: "closed" in fake.stream_events, 3), fake.stream_events  # it hung up mid-linger
+    (row,) = gw.rows(1)
+    assert (row.status, row.http_status, row.error_type) == ("ok", 200, None)
+    assert row.completion_text is None or row.completion_text == "Hi"
+
+
 def test_client_gone_before_the_first_byte_still_closes_the_upstream_and_records(fake_upstream, start_gateway):
     """The client gives up while the gateway waits for the upstream's response headers; the
     stream that then starts must still be closed, counted and recorded."""
