@@ -5,22 +5,29 @@ kills a replica."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 
 import openai
 import pytest
 
+from gateway.settings import Timeouts
 from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
 
 # ~430 tokens: vLLM's CPU backend caches whole 128-token blocks.
 SYSTEM = "You are a careful travel planner. Answer in one short sentence. " * 32
+CONCURRENT_TOKENS = 64
+VLLM_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=60.0, idle_s=60.0, total_s=120.0)
 GEN = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture
 def gw(vllm_replicas, start_gateway):
-    return start_gateway([r.url for r in vllm_replicas])
+    """vLLM on one core takes seconds for a batch of long answers, and may answer a
+    health check late meanwhile: the suite's 5 s first-byte and 1 s health timeouts
+    would cut the answers and take the replica out of the pool."""
+    return start_gateway([r.url for r in vllm_replicas], timeouts=VLLM_TIMEOUTS)
 
 
 def _client(gw, session: str | None = None) -> openai.OpenAI:
@@ -74,9 +81,11 @@ def test_sessions_stay_on_their_replica_and_spread_across_both(gw):
     assert homes["a"] != homes["b"]
 
 
-def _villager(client: openai.OpenAI, k: int, content: str, max_tokens: int = 8):
+def _villager(client: openai.OpenAI, k: int, content: str, max_tokens: int = 8, long: bool = False):
+    """`long`: decode CONCURRENT_TOKENS tokens whatever the model says."""
     system = f"You are villager {k} of a small town. Reply with one sentence about your plans."
-    return client.chat.completions.create(model=MODEL, temperature=0, max_tokens=max_tokens,
+    extra = {"max_tokens": CONCURRENT_TOKENS, "extra_body": {"ignore_eos": True}} if long else {"max_tokens": max_tokens}
+    return client.chat.completions.create(model=MODEL, temperature=0, **extra,
                                           messages=[{"role": "system", "content": system},
                                                     {"role": "user", "content": content}])
 
@@ -89,27 +98,37 @@ def _all_at_once(fn, args: list) -> None:
         thread.join(timeout=300)
 
 
+def _peak_overlap(rows) -> int:
+    """The most of these requests the gateway had open at one moment."""
+    edges = sorted([(r.started_at, 1) for r in rows] + [(r.finished_at, -1) for r in rows])
+    return max(itertools.accumulate(step for _, step in edges))
+
+
 def test_an_all_gather_round_stays_on_its_session_s_replica(gw):
     """Six agents speak, then read all six outputs: one first (a lone reader to the
     gateway until another joins), then five at once. Four requests in flight on the
     session's replica (none on the other) is enough for the load guard to move a plain
     request away (the control session shows it), but a round's requests share their KV
-    only on one replica, so the gateway holds them all there."""
+    only on one replica, so the gateway holds them all there. The concurrent requests
+    decode CONCURRENT_TOKENS each, so they overlap even on a slow, busy machine (with 8
+    they could finish one by one and never load the replica)."""
     plans = ["buy bread", "repair the mill", "paint the fence", "sell wool", "visit the smith", "fish"]
     with _client(gw, "town") as client:
         outputs = [_villager(client, k, f"Day starts. Your plan: {plan}.", max_tokens=32).choices[0].message.content
                    for k, plan in enumerate(plans)]
         heard = "\n\n".join(outputs)
         _villager(client, 0, f"What your neighbours said:\n\n{heard}\n\nWhat next?")
-        _all_at_once(lambda k: _villager(client, k, f"What your neighbours said:\n\n{heard}\n\nWhat next?"),
-                     list(range(1, 6)))
+        _all_at_once(lambda k: _villager(client, k, f"What your neighbours said:\n\n{heard}\n\nWhat next?",
+                                         long=True), list(range(1, 6)))
     with _client(gw, "crowd") as client:
         _villager(client, 0, "Good morning.")
-        _all_at_once(lambda k: _villager(client, k, f"Question {k}: what is on the market today?"), list(range(6)))
+        _all_at_once(lambda k: _villager(client, k, f"Question {k}: what is on the market today?", long=True),
+                     list(range(6)))
     rows = gw.rows(19)
     town, crowd = rows[:12], rows[12:]
     home = town[0].upstream
     readers = town[7:]
+    assert _peak_overlap(readers) >= 4 and _peak_overlap(crowd[1:]) >= 5  # the load was there
     assert all(json.loads(r.plan)["round"] is not None for r in readers), [r.plan for r in readers]
     assert {r.upstream for r in town} == {home}
     assert len({r.upstream for r in crowd}) == 2  # without a round, the guard spreads the load
