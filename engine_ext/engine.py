@@ -277,16 +277,12 @@ class LLMEngine:
 
     # -- the loop body ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.tiers is not None:
-            self.tiers.poll()  # finished transfers: loaded prefixes become hits, backups unpin
-            if self.prefetcher is not None:
-                self.prefetcher.run()
+        self._transfers()
         step = self.scheduler.schedule()
         # Nothing could run: a round held for its siblings, or every waiting prefix still loading.
         self.last_step_empty = step.is_empty
         if step.is_empty:
-            if self.tiers is not None:
-                self.tiers.poll(timeout=0.005)  # wake as soon as a load lands, without spinning
+            self._transfers(timeout=0.005)  # wake as soon as a load lands, without spinning
             return []
         started = time.monotonic()
         sampled = self.runner.run(step)
@@ -306,6 +302,16 @@ class LLMEngine:
                 self._after_prefill(seq)
                 seq.timeline.keep_s = time.monotonic() - kept  # reuse's bookkeeping, before its first token
         return [self._append(seq, token) for seq, token in sampled]
+
+    def _transfers(self, timeout: float = 0.0) -> None:
+        """Apply finished transfers (loaded prefixes become hits, backups unpin), then start
+        the prefetches now due. Always both: a load that lands frees the prefetcher's slot,
+        and an idle engine whose last load landed without the next one started would stop
+        stepping (has_work) with agents still to bring back."""
+        if self.tiers is not None:
+            self.tiers.poll(timeout)
+            if self.prefetcher is not None:
+                self.prefetcher.run()
 
     def _observe_prefill(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         """What TTFT breakdowns price reuse against (engine_ext/timeline.py), before the

@@ -248,6 +248,37 @@ def test_concurrent_prefetches_are_bounded_and_every_branch_is_loaded(model, gat
     engine.close()
 
 
+def test_an_idle_engine_starts_the_next_prefetch_when_a_load_lands(model, gate, monkeypatch):
+    """The last request ends while the first prefetch is still loading; that load lands
+    during an idle step's wait. The engine must start the next due prefetch then, or it
+    stops stepping (no request, nothing in flight) with two agents left on the host tier."""
+    engine = _engine(model, 48, policy="workflow", host_bytes=64 * TINY_BLOCK_BYTES, load_ahead=2, max_prefetches=1)
+    for agent in (1, 2, 3):
+        _run(engine, agent, 0)
+    _settle(engine)
+    _evict_device(engine)
+    poll = engine.tiers.poll
+
+    def land_while_idle(timeout: float = 0.0) -> None:
+        if timeout > 0 and not gate.is_set():  # the idle wait: let the held load land in it
+            gate.set()
+            timeout = 5.0
+        poll(timeout)
+
+    monkeypatch.setattr(engine.tiers, "poll", land_while_idle)
+    branch = WorkflowInfo(steps_to_execution={"planner": 0, "coder": 1, "tester": 1, "reviewer": 2},
+                          next=["coder", "tester"])
+    engine.add_request("p", _prompt(0, 1), SAMPLING, segments=_segments(0, 1),
+                       scope=ReuseScope("app", "planner", None, branch))
+    while engine.has_work:
+        engine.step()
+    assert gate.is_set()
+    for agent in (1, 2, 3):
+        hashes = engine.workflows._prefixes[("app", AGENTS[agent])]
+        assert all(engine.kv.pool.lookup(h) is not None for h in hashes), AGENTS[agent]
+    engine.close()
+
+
 def test_three_out_of_phase_sessions_of_one_app_each_have_their_next_agent_due(model):
     """KVFlow per session through the engine: the plan's session id reaches the workflow
     table, so after every request each session's next agent (from the script, never the
