@@ -45,6 +45,7 @@ from kvrelay.json_values import first_misfit
 
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
+REQUEST_ID_HEADER = "x-kvrelay-request-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
 
@@ -91,6 +92,13 @@ class ProxiedCall:
 
     # -- the path ---------------------------------------------------------------------------
     async def run(self) -> Response:
+        """The response, carrying the record's id in REQUEST_ID_HEADER so a client can find
+        its request in /admin, the SQL records and the traces."""
+        response = await self._respond()
+        response.headers[REQUEST_ID_HEADER] = self.record.id
+        return response
+
+    async def _respond(self) -> Response:
         self.state.metrics.in_flight.inc()
         stack = AsyncExitStack()
         handed_to_relay = False  # once the relay owns the upstream response, it records the call

@@ -115,6 +115,25 @@ def test_unary_completion_is_recorded(fake_upstream, start_gateway):
     assert row.prompt_chars == len("Once upon a time")
 
 
+def test_every_answer_names_its_record(fake_upstream, start_gateway):
+    """Unary, streamed and failed alike, the response carries the id of the request's record."""
+    fake = fake_upstream()
+    gw = start_gateway([fake.url])
+    with gw.client() as http:
+        unary = http.post("/v1/chat/completions", json=CHAT)
+        streamed = post_stream_response(http, {**CHAT, "stream": True})
+        refused = http.post("/v1/chat/completions", json={**CHAT, "messages": "no"})
+    ids = [r.headers["x-kvrelay-request-id"] for r in (unary, streamed, refused)]
+    assert [r.status_code for r in (unary, streamed, refused)] == [200, 200, 400]
+    assert {row.id for row in gw.rows(3)} == set(ids) and len(set(ids)) == 3
+
+
+def post_stream_response(http: httpx.Client, body: dict) -> httpx.Response:
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        r.read()
+        return r
+
+
 # -- usage -----------------------------------------------------------------------------------
 def test_stream_without_usage_request_gets_no_usage_chunk_but_is_recorded(fake_upstream, start_gateway):
     fake = fake_upstream()
