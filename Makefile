@@ -11,8 +11,12 @@ EXTRAS ?= dev
 # vLLM (CPU build) lives in its own venv: its torch stack must not touch the engine's.
 VLLM_VENV  ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
+# Agent frameworks (AutoGen, LangGraph, OpenAI Agents SDK) live in their own venv: they are
+# only the clients whose traffic tests/data/agents captures, never a dependency of kvrelay.
+AGENTS_VENV  ?= .venv-agents
+AGENTS_STAMP := $(AGENTS_VENV)/.kvrelay-installed
 
-.PHONY: install run test test-vllm vllm-venv ui-assets bench clean
+.PHONY: install run test test-vllm vllm-venv agents-venv agents-capture ui-assets bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -57,8 +61,24 @@ vllm-venv: $(VLLM_STAMP)
 test-vllm: install $(VLLM_STAMP)
 	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) -m vllm tests/gateway/vllm
 
+# The frameworks pinned to the versions the committed captures were made with: a capture
+# names its framework version, and a newer release may send different bodies.
+$(AGENTS_STAMP):
+	$(PYTHON) -m venv $(AGENTS_VENV)
+	$(AGENTS_VENV)/bin/pip install --only-binary :all: openai==3.57.0 \
+		autogen-agentchat==0.7.5 'autogen-ext[openai]==0.7.5' \
+		langgraph==1.2.24 langchain-openai==1.7.4 openai-agents==0.24.0
+	touch $(AGENTS_STAMP)
+
+agents-venv: $(AGENTS_STAMP)
+
+# Real agent frameworks' HTTP traffic, recorded through a tagging upstream in front of
+# the embedded engine, labelled from the capture itself (tests/data/agents/README.md).
+agents-capture: install $(AGENTS_STAMP)
+	$(BIN)/python tests/data/agents/capture/run_all.py --agents-python $(AGENTS_VENV)/bin/python
+
 bench: install
 	$(BIN)/kvrelay bench engine --json bench-engine.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) $(AGENTS_VENV) build *.egg-info

@@ -13,6 +13,7 @@ from pathlib import Path
 from benchmarks.common import BenchResult, report
 
 BENCHMARKS: dict[str, str] = {
+    "agents": "benchmarks.agents",
     "collective": "benchmarks.collective",
     "engine": "benchmarks.engine",
     "faithful": "benchmarks.faithful",

