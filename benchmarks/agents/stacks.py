@@ -31,6 +31,9 @@ from engine_ext.vllm.server import VllmServer, find_vllm_python
 MODEL = "m"
 VLLM_BLOCK = 128  # vLLM's CPU block size
 MAX_MODEL_LEN = 8192  # SmolLM2's context
+# Frameworks send `tool_choice: "auto"` with their tools, which vLLM refuses without a
+# tool-call parser; hermes is the generic one (SmolLM2 emits no tool calls either way).
+TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 ADMIN_KEY = "bench-agents-admin-key-0123456789"
 StackName = Literal["kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "prefix", "vllm_apc"]
 APPROXIMATE: dict[str, str] = {"kvrelay_kvcomm": "kvcomm", "kvrelay_blend": "blend"}
@@ -60,6 +63,7 @@ def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path) -> 
         env["KVRELAY_APPROXIMATION__RULES"] = json.dumps([{"method": APPROXIMATE[name]}])
         env["KVRELAY_APPROXIMATION__GUARD__SAMPLE_RATE"] = "0.25"
         env["KVRELAY_APPROXIMATION__GUARD__WINDOW"] = "10000"  # the figures cover the whole run
+        env["KVRELAY_APPROXIMATION__GUARD__POLL_INTERVAL_S"] = "0.5"
     if name == "prefix":
         args += ["--kv-policy", "lru", "--no-collective", "--host-kv-mb", "0"]
         env["KVRELAY_INFERENCE__REUSE"] = "false"
@@ -81,7 +85,8 @@ def _vllm(model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
     # vLLM holds one block back, and refuses to start when one sequence of max_model_len
     # could not fit the rest.
     server = VllmServer(python, model_dir, free_port(), log_dir / "vllm.log", served_model_name=MODEL, cpus="0-1",
-                        num_blocks=num_blocks, max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK))
+                        num_blocks=num_blocks, max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK),
+                        extra_args=TOOL_ARGS)
     try:
         server.start()
         server.wait_ready(time.monotonic() + 300)
@@ -98,9 +103,9 @@ def warm(url: str) -> None:
     httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
 
 
-def fidelity(url: str, method: str, settle_s: float = 60.0) -> dict[str, float]:
-    """The gateway guard's figures for `method` once its scores stop arriving: probes run
-    on the engine's idle time, so they finish after the replay."""
+def fidelity(url: str, method: str, settle_s: float = 120.0, quiet_s: float = 10.0) -> dict[str, float]:
+    """The gateway guard's figures for `method` once no new score has arrived for
+    `quiet_s`: probes run on the engine's idle time, so most finish after the replay."""
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     last, deadline, quiet_since = -1, time.monotonic() + settle_s, time.monotonic()
     row: dict = {}
@@ -110,7 +115,7 @@ def fidelity(url: str, method: str, settle_s: float = 60.0) -> dict[str, float]:
         scores = row.get("scores", 0)
         if scores != last:
             last, quiet_since = scores, time.monotonic()
-        elif time.monotonic() - quiet_since > 6.0:
+        elif time.monotonic() - quiet_since > quiet_s:
             break
         time.sleep(1.0)
     return {"top1": row.get("top1") or 0.0, "kl": row.get("kl") or 0.0, "scores": float(row.get("scores", 0)),

@@ -49,6 +49,7 @@ class VllmServer:
     num_blocks: int | None = None  # --num-gpu-blocks-override: a smaller KV cache than kv_cache_gib
     max_model_len: int = 2048
     connector: dict | None = None  # kv_connector_extra_config; None: no connector
+    extra_args: tuple[str, ...] = ()  # more `api_server` options, as given
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -68,7 +69,7 @@ class VllmServer:
             command += ["--num-gpu-blocks-override", str(self.num_blocks)]
         if self.connector is not None:
             command += ["--kv-transfer-config", json.dumps(connector_transfer_config(self.connector))]
-        return command
+        return command + list(self.extra_args)
 
     def start(self) -> None:
         # Without OMP_NUM_THREADS from outside, vLLM drops torch to one thread "for serving".
