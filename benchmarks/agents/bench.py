@@ -118,7 +118,8 @@ class Bench:
         except RuntimeError as exc:  # a stack that would not start: one line for the CLI
             raise ValueError(f"bench agents: {stack}: {exc}") from exc
         self._progress(f"{stack}: {len(cell.outcomes)} requests, {concurrency} at once, {kv_tokens} KV tokens, "
-                       f"{cell.errors} errors")
+                       f"{cell.errors} errors; TTFT p50 {cell.ttft_ms(0.5):.0f} ms, p95 {cell.ttft_ms(0.95):.0f} ms, "
+                       f"{cell.cached_fraction():.3f} of prompt tokens from cache")
         return cell, inference, guard
 
     def _inference(self, running: Running, cell: Cell) -> scoring.InferenceScores | None:
@@ -158,6 +159,7 @@ class Bench:
             if stack == "kvrelay" and inference is not None:
                 self.metrics.update(inference.metrics())
         self._per_workload_rows(cells, guards)
+        self._level_rows(cells, 1, "full", budget.full)
         return prompts
 
     def _measured(self, reference: Cell) -> None:
@@ -172,9 +174,12 @@ class Bench:
             ratio = c.ttft_ms(0.5) / a.ttft_ms(0.5)
             ratios.append(ratio)
             name = workload.name
-            self.metrics[f"{name}_ttft_p50_ms_kvrelay"] = a.ttft_ms(0.5)
-            self.metrics[f"{name}_ttft_p50_ms_prefix"] = c.ttft_ms(0.5)
-            self.metrics[f"{name}_greedy_match_default"] = a.greedy_match(c)
+            for stack, cell in sub.items():
+                self.metrics[f"{name}_ttft_p50_ms_{stack}"] = cell.ttft_ms(0.5)
+                self.metrics[f"{name}_ttft_p95_ms_{stack}"] = cell.ttft_ms(0.95)
+                self.metrics[f"{name}_cached_fraction_{stack}"] = cell.cached_fraction()
+                if stack != "prefix":
+                    self.metrics[f"{name}_greedy_match_{stack}"] = cell.greedy_match(c)
             self.rows.append((f"{name}: TTFT p50 ms, vs prefix caching", f"{a.ttft_ms(0.5):.0f}",
                               f"{c.ttft_ms(0.5):.0f}", f"{ratio:.3f}"))
         self.metrics["ttft_ratio_default_vs_prefix_min"] = min(ratios)
