@@ -23,7 +23,7 @@ import itertools
 import json
 import sqlite3
 from collections import Counter, defaultdict
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -136,17 +136,21 @@ def _rounds(keys: list[Key], requests: Mapping[Key, Request], scored: Mapping[Ke
         return (r.workload, r.run, r.round) if r.round is not None and reads_answers else None
 
     def predicted_round(k: Key) -> str | None:
-        plan = scored[k].plan or {}
-        return (plan.get("round") or {}).get("id")
+        return ((scored[k].plan or {}).get("round") or {}).get("id")
 
-    def members(label: Any, group: Iterable[Key], of: Any) -> frozenset[Key]:
-        return frozenset(k for k in group if label is not None and of(k) == label)
-
-    right = 0
-    for k in keys:
-        mine_true, mine_pred = true_round(k), predicted_round(k)
-        right += members(mine_true, keys, true_round) - {k} == members(mine_pred, keys, predicted_round) - {k}
+    true, predicted = _groups(keys, true_round), _groups(keys, predicted_round)
+    right = sum(true.get(k, frozenset()) - {k} == predicted.get(k, frozenset()) - {k} for k in keys)
     return right / len(keys) if keys else 1.0
+
+
+def _groups(keys: list[Key], label_of: Callable[[Key], Hashable | None]) -> dict[Key, frozenset[Key]]:
+    """Each labelled key's group: every key with the same label (an unlabelled key has none)."""
+    by_label: dict[Hashable, set[Key]] = defaultdict(set)
+    for k in keys:
+        label = label_of(k)
+        if label is not None:
+            by_label[label].add(k)
+    return {k: frozenset(group) for group in by_label.values() for k in group}
 
 
 def _next_agent(workloads: list[Workload], scored: Mapping[Key, Record],
