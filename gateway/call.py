@@ -30,7 +30,7 @@ from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.limits import check_messages, check_prompt
-from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done
+from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done, tool_call_ids
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
@@ -84,6 +84,7 @@ class ProxiedCall:
         # unless the client asked too.
         self.hidden = hidden_from_client(wants_breakdown(request.headers))
         self._completion: list[str] = []
+        self._tool_call_ids: list[str] = []  # of the answer: later prompts that carry them continue its session
         self._finish_reasons: list[str] = []
         self._charge: Charge | None = None
         self._app_id: str | None = None
@@ -265,6 +266,7 @@ class ProxiedCall:
                 text = message.get("content") if isinstance(message, dict) else None
                 text = text if isinstance(text, str) else choice.get("text")
                 self._completion.append(text if isinstance(text, str) else "")
+                self._tool_call_ids += tool_call_ids([message])
         return Response(content, status_code=dispatch.response.status, media_type="application/json")
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:
@@ -297,6 +299,7 @@ class ProxiedCall:
                         self._mark_first_token()
                     if info.text:
                         self._completion.append(info.text)
+                    self._tool_call_ids += info.tool_call_ids
                     if info.finish_reasons:
                         self._finish_reasons.extend(info.finish_reasons)
                     if info.usage is not None:
@@ -383,7 +386,7 @@ class ProxiedCall:
         self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
             self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
-                                                  "".join(self._completion))
+                                                  "".join(self._completion), tuple(self._tool_call_ids))
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 

@@ -22,6 +22,7 @@ class EventInfo(NamedTuple):
     error: dict[str, Any] | None
     finish_reasons: tuple[str, ...]
     kv_transfer_params: dict[str, Any] | None = None  # the engine's reports, on the final chunk
+    tool_call_ids: tuple[str, ...] = ()  # ids of the tool calls it opens (structure inference links on them)
 
 
 _NOTHING = EventInfo(False, "", None, False, None, ())
@@ -117,7 +118,8 @@ def inspect(event: bytes) -> EventInfo:
     usage = usage if isinstance(usage, dict) else None
     return EventInfo(has_content, text, usage, usage is not None and not choices,
                      error if isinstance(error, dict) else None, finish_reasons,
-                     params if isinstance(params, dict) else None)
+                     params if isinstance(params, dict) else None,
+                     tool_call_ids(c.get("delta") for c in choices) if has_content else ())
 
 
 def _loads(data: bytes) -> Any:
@@ -145,3 +147,13 @@ def _choice_text(choice: dict[str, Any]) -> str:
     text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
     return text if isinstance(text, str) else ""
 
+
+def tool_call_ids(messages: Any) -> tuple[str, ...]:
+    """The ids of the tool calls in messages or deltas (`tool_calls[].id`), as sent."""
+    ids: list[str] = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            if isinstance(call, dict) and isinstance(call_id := call.get("id"), str) and call_id:
+                ids.append(call_id)
+    return tuple(ids)

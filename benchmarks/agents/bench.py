@@ -126,7 +126,8 @@ class Bench:
         if running.db_path is None or running.name == "prefix":
             return None
         time.sleep(1.5)  # the record writer flushes every half second
-        return scoring.score(self.workloads, cell.outcomes, scoring.read_records(running.db_path))
+        records = scoring.read_records(running.db_path)
+        return scoring.score(self.workloads, scoring.observed_from(cell.outcomes, records))
 
     def _progress(self, what: str) -> None:
         print(f"[bench agents +{time.monotonic() - self._t0:.0f}s] {what}", file=sys.stderr, flush=True)

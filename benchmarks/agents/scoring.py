@@ -3,8 +3,10 @@
 The truth is the capture's: which run (session) and agent sent each request, where each
 prompt quotes an earlier answer, the task or a tool result, and which round of its app
 a request belongs to (the app's own round tag, on requests that read earlier answers).
-What the gateway inferred is read back from its SQL records (session, agent and the
-plan it sent), found through the request id the gateway returned with each answer.
+What the gateway inferred is, per request, its session, agent and the plan it sent:
+read back from its SQL records by the bench (through the request id the gateway
+returned with each answer), or taken from an in-process `Inference` by the offline
+suite (tests/gateway/inference/test_capture_suite.py).
 
 - placeholders: precision / recall / F1 over exact spans (request, message, start, end)
   of the right kind (an earlier answer, the question, a tool result); an answer's
@@ -12,24 +14,29 @@ plan it sent), found through the request id the gateway returned with each answe
 - sessions, agents: Rand index over all pairs of scored requests;
 - rounds: a request is right when the requests sharing its predicted round are
   exactly those sharing its true one (none for a request outside any round);
-- next agent: at every agent change inside a run, whether the plan's `workflow.next`
-  named the agent that really came next (predicted ids read through the majority
-  mapping of predicted to true agents).
+- step-graph edges (when the caller has the graph): F1 of predecessor edges, predicted
+  agents read through the majority mapping of predicted to true agents, against the
+  edges the capture shows (`true_edges`);
+- next agent: for every request after which another agent ran next in its run (the
+  requests that started first once it had ended), whether the plan's `workflow.next`
+  named one of them (predicted ids read through the same mapping).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import sqlite3
 from collections import Counter, defaultdict
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.replay import Key, Outcome
-from benchmarks.agents.workload import Request, Workload
+from benchmarks.agents.workload import Quote, Request, Run, Workload
+
+Key = tuple[str, int]
+AgentKey = tuple[str, str]  # (workload, agent): agents of two apps are never the same agent
+Edge = tuple[AgentKey, AgentKey]  # (source, target)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,16 @@ class Record:
     session_id: str | None
     agent_id: str | None
     plan: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class Observed:
+    """One request as the gateway handled it: its record, under the request id it was
+    given, and the truth's quotes at their offsets in the prompt the gateway read."""
+
+    request_id: str
+    record: Record
+    quotes: tuple[Quote, ...]
 
 
 def read_records(db_path: Path) -> dict[str, Record]:
@@ -55,29 +72,46 @@ class InferenceScores:
     agent_rand: float
     round_acc: float
     next_agent_acc: float
+    edge_f1: float | None  # None: the caller had no step graph to score
     scored: int  # requests with a record
 
+    NAMES = ("placeholder_precision", "placeholder_recall", "placeholder_f1", "session_rand", "agent_rand",
+             "round_acc", "next_agent_acc", "edge_f1")
+
     def metrics(self, suffix: str = "") -> dict[str, float]:
-        return {f"{name}{suffix}": float(getattr(self, name)) for name in (
-            "placeholder_precision", "placeholder_recall", "placeholder_f1", "session_rand", "agent_rand",
-            "round_acc", "next_agent_acc")}
+        return {f"{name}{suffix}": float(value) for name in self.NAMES
+                if (value := getattr(self, name)) is not None}
 
 
-def score(workloads: list[Workload], outcomes: Mapping[Key, Outcome], records: Mapping[str, Record]) -> InferenceScores:
+def score(workloads: list[Workload], observed: Mapping[Key, Observed],
+          predicted_edges: set[tuple[str, str]] | None = None) -> InferenceScores:
+    """Score what the gateway inferred of `observed` requests; `predicted_edges` are the
+    step graph's (source agent id, target agent id) pairs, when the caller has them."""
     requests = {r.key: r for w in workloads for r in w.requests}
-    scored = {key: records[o.request_id] for key, o in outcomes.items()
-              if o.request_id is not None and o.request_id in records}
-    by_record = {outcomes[key].request_id: key for key in scored}
-    precision, recall, f1 = _placeholders(scored, outcomes, by_record)
-    keys = sorted(scored)
+    keys = sorted(observed)
+    records = {k: observed[k].record for k in keys}
+    by_request_id = {observed[k].request_id: k for k in keys}
+    precision, recall, f1 = _placeholders(observed, by_request_id)
     true_agents = {k: (requests[k].workload, requests[k].agent) for k in keys}
+    agents = majority((records[k].agent_id, true_agents[k]) for k in keys)
+    edge_f1 = None
+    if predicted_edges is not None:
+        mapped = {(agents[s], agents[t]) for s, t in predicted_edges if s in agents and t in agents}
+        edge_f1 = f1_score(true_edges(workloads), {(s, t) for s, t in mapped if s != t})
     return InferenceScores(
         precision, recall, f1,
-        rand_index([(requests[k].workload, requests[k].run) for k in keys], [scored[k].session_id for k in keys]),
-        rand_index([true_agents[k] for k in keys], [scored[k].agent_id for k in keys]),
-        _rounds(keys, requests, scored),
-        _next_agent(workloads, scored, true_agents),
-        len(scored))
+        rand_index([(requests[k].workload, requests[k].run) for k in keys], [records[k].session_id for k in keys]),
+        rand_index([true_agents[k] for k in keys], [records[k].agent_id for k in keys]),
+        _rounds(keys, requests, records),
+        _next_agent(workloads, records, agents),
+        edge_f1,
+        len(keys))
+
+
+def observed_from(outcomes: Mapping[Key, Any], records: Mapping[str, Record]) -> dict[Key, Observed]:
+    """The bench's view: every replayed request (a replay Outcome) the gateway recorded."""
+    return {key: Observed(o.request_id, records[o.request_id], tuple(o.quotes)) for key, o in outcomes.items()
+            if o.request_id is not None and o.request_id in records}
 
 
 def rand_index(truth: list[Hashable], predicted: list[Hashable]) -> float:
@@ -93,6 +127,46 @@ def rand_index(truth: list[Hashable], predicted: list[Hashable]) -> float:
     return (pairs - same_true - same_pred + 2 * both) / pairs
 
 
+def majority(pairs: Iterable[tuple[Hashable, Hashable]]) -> dict[Any, Any]:
+    """Each key's most frequent partner (ties: the smallest by repr, so order does not matter)."""
+    counts: dict[Any, Counter[Any]] = defaultdict(Counter)
+    for key, value in pairs:
+        counts[key][value] += 1
+    return {k: min(c, key=lambda v: (-c[v], repr(v))) for k, c in counts.items()}
+
+
+def f1_score(true: set[Any], predicted: set[Any]) -> float:
+    hits = len(true & predicted)
+    precision = hits / len(predicted) if predicted else 1.0
+    recall = hits / len(true) if true else 1.0
+    return 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+
+
+def true_edges(workloads: list[Workload]) -> set[Edge]:
+    """The step graph the capture shows, by the graph's own definition (stepgraph.py): B's
+    predecessors are the agents whose answers B's prompts quote (every agent that gave
+    the quoted text), or, for an agent that quotes no other agent, the agents whose
+    request ended last before each of its requests began in its run."""
+    edges: set[Edge] = set()
+    for workload in workloads:
+        by_seq = {r.seq: r for r in workload.requests}
+        dataflow: dict[str, set[str]] = defaultdict(set)
+        succession: dict[str, set[str]] = defaultdict(set)
+        for run in workload.runs:
+            for request in run.requests:
+                for quote in request.quotes:
+                    if quote.kind == "output":
+                        dataflow[request.agent] |= {by_seq[s].agent for s in quote.sources} - {request.agent}
+                before = [r for r in run.waits_for(request) if r.agent != request.agent]
+                if before:
+                    last = max(r.t_end for r in before)
+                    succession[request.agent] |= {r.agent for r in before if r.t_end == last}
+        for agent in dataflow.keys() | succession.keys():
+            sources = dataflow[agent] or succession[agent]
+            edges |= {((workload.name, s), (workload.name, agent)) for s in sources}
+    return edges
+
+
 _KINDS = {"user_question": "question", "agent": "output", "condition": "tool_result"}
 
 
@@ -102,25 +176,23 @@ def _kind(name: str | None) -> str | None:
     return _KINDS.get(name) or _KINDS.get(name.split("_", 1)[0])
 
 
-def _placeholders(scored: Mapping[Key, Record], outcomes: Mapping[Key, Outcome],
-                  by_record: Mapping[str | None, Key]) -> tuple[float, float, float]:
+def _placeholders(observed: Mapping[Key, Observed], by_request_id: Mapping[str, Key]) -> tuple[float, float, float]:
     truth: dict[tuple, tuple[str, set[int]]] = {}
-    for key in scored:
-        for quote in outcomes[key].quotes:
+    for key, seen in observed.items():
+        for quote in seen.quotes:
             if quote.part is None and quote.end > quote.start:
                 truth[(key, quote.message, quote.start, quote.end)] = (quote.kind, set(quote.sources))
     predicted = matched = 0
-    for key, record in scored.items():
-        for segment in (record.plan or {}).get("segments", []):
+    for key, seen in observed.items():
+        for segment in (seen.record.plan or {}).get("segments", []):
             if segment.get("kind") != "placeholder":
                 continue
             predicted += 1
             span = (key, segment["message_index"], segment["char_start"], segment["char_end"])
-            kind = _kind(segment.get("name"))
-            if span not in truth or truth[span][0] != kind:
+            if span not in truth or truth[span][0] != _kind(segment.get("name")):
                 continue
             true_kind, sources = truth[span]
-            source = by_record.get(segment.get("source_request"))
+            source = by_request_id.get(segment.get("source_request"))
             if true_kind != "output" or (source is not None and source[1] in sources):
                 matched += 1
     precision = matched / predicted if predicted else 1.0
@@ -129,14 +201,14 @@ def _placeholders(scored: Mapping[Key, Record], outcomes: Mapping[Key, Outcome],
     return precision, recall, f1
 
 
-def _rounds(keys: list[Key], requests: Mapping[Key, Request], scored: Mapping[Key, Record]) -> float:
+def _rounds(keys: list[Key], requests: Mapping[Key, Request], records: Mapping[Key, Record]) -> float:
     def true_round(k: Key) -> tuple | None:
         r = requests[k]
         reads_answers = any(q.kind == "output" for q in r.quotes)
         return (r.workload, r.run, r.round) if r.round is not None and reads_answers else None
 
     def predicted_round(k: Key) -> str | None:
-        return ((scored[k].plan or {}).get("round") or {}).get("id")
+        return ((records[k].plan or {}).get("round") or {}).get("id")
 
     true, predicted = _groups(keys, true_round), _groups(keys, predicted_round)
     right = sum(true.get(k, frozenset()) - {k} == predicted.get(k, frozenset()) - {k} for k in keys)
@@ -153,19 +225,27 @@ def _groups(keys: list[Key], label_of: Callable[[Key], Hashable | None]) -> dict
     return {k: frozenset(group) for group in by_label.values() for k in group}
 
 
-def _next_agent(workloads: list[Workload], scored: Mapping[Key, Record],
-                true_agents: Mapping[Key, tuple[str, str]]) -> float:
-    votes: dict[str | None, Counter[tuple[str, str]]] = defaultdict(Counter)
-    for key, record in scored.items():
-        votes[record.agent_id][true_agents[key]] += 1
-    mapping = {pred: counter.most_common(1)[0][0] for pred, counter in votes.items()}
+def next_agents(run: Run, request: Request) -> set[str]:
+    """The agents that ran next after `request` in its run: those of the requests that
+    started first once it had ended (all of them when several started together, as a
+    round's agents do). Empty at the end of the run."""
+    after = [r for r in run.requests if r.t_start >= request.t_end and r.seq != request.seq]
+    if not after:
+        return set()
+    first_end = min(r.t_end for r in after if r.t_start == min(a.t_start for a in after))
+    return {r.agent for r in after if r.t_start < first_end}
+
+
+def _next_agent(workloads: list[Workload], records: Mapping[Key, Record], agents: Mapping[Any, AgentKey]) -> float:
     changes = hits = 0
-    for run in (run for w in workloads for run in w.runs):
-        for this, following in itertools.pairwise(run.requests):
-            if this.agent == following.agent or this.key not in scored:
-                continue
-            changes += 1
-            workflow = (scored[this.key].plan or {}).get("workflow") or {}
-            named = {mapping.get(agent) for agent in workflow.get("next", [])}
-            hits += (following.workload, following.agent) in named
+    for workload in workloads:
+        for run in workload.runs:
+            for request in run.requests:
+                following = next_agents(run, request)
+                if request.key not in records or not following - {request.agent}:
+                    continue
+                changes += 1
+                workflow = (records[request.key].plan or {}).get("workflow") or {}
+                named = {agents.get(a) for a in workflow.get("next", [])}
+                hits += any((workload.name, agent) in named for agent in following)
     return hits / changes if changes else 1.0

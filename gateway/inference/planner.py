@@ -34,6 +34,7 @@ from gateway.inference.question import common_core
 from gateway.inference.state import AppState, Changes, KnownText, SessionState, TextKind, TextRef
 from gateway.inference.textindex import Match
 from gateway.settings import InferenceSettings
+from gateway.sse import tool_call_ids
 from gateway.tenancy import TenantMap
 
 PER_MESSAGE_MS = 0.05  # planning budget per message, on top of plan_budget_ms (about 3x the measured cost)
@@ -113,12 +114,15 @@ class Inference:
         # linear cost is cut.
         deadline = Deadline((self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3)
         app = self.app(ident.app_id)
-        found = {m.index: app.index.find(m.content) for m in messages if m.content}
-        session_id = ident.session_id or self._linked_session(app, found) or f"sess-{uuid.uuid4().hex[:16]}"
-        session = app.session(session_id)
-        session.num_requests += 1
+        found = {m.index: _find(app, m.content) for m in messages if m.content}
+        called = app.session_of_calls(_call_ids(body))
         system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
         agent = resolve_agent(app, ident.agent_id, system.content if system else None, model, self.new_learner)
+        session_id = (ident.session_id or called
+                      or self._linked_session(app, found, agent.id, messages[-1].index if messages else 0)
+                      or f"sess-{uuid.uuid4().hex[:16]}")
+        session = app.session(session_id)
+        session.num_requests += 1
         fixed_chars = agent.prefix.observe(system.content).fixed_chars if system and system.content else 0
         app.agents.refile(agent)  # its candidate prefix may have moved
         self.changes.sessions.add((ident.app_id, session_id))
@@ -154,14 +158,21 @@ class Inference:
         app = self.apps.get(app_id)
         return app is not None and session_id in app.sessions
 
-    def observe_response(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str) -> None:
-        """Remember a completed answer so later prompts that quote it are linked to it."""
-        text = text.strip()
-        if not text:
-            return
+    def observe_response(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str,
+                         tool_call_ids: tuple[str, ...] = ()) -> None:
+        """Remember a completed answer so later prompts that quote it are linked to it: as
+        it was produced (frameworks that copy it keep its trailing spaces and newlines)
+        and stripped (others strip it), and the ids of the tool calls it made (a prompt
+        that carries one continues this session, whatever else it shares with others)."""
         app = self.app(app_id)
         session = app.session(session_id)
-        seq = app.add_text(session, text, KnownText("response", agent_id, request_id, sha256(text)))
+        for call_id in tool_call_ids:
+            app.add_call(session, call_id)
+        stripped = text.strip()
+        if not stripped:
+            return
+        known = KnownText("response", agent_id, request_id, sha256(text))
+        seq = app.add_text(session, text, known, forms=(stripped,))
         if seq is not None:
             session.responses.setdefault(agent_id, []).append(seq)
             self.changes.sessions.add((app_id, session_id))
@@ -181,16 +192,38 @@ class Inference:
         session.last_agent = agent_id
         return app.graph.workflow(agent_id, self.settings.max_workflow_agents, deadline)
 
-    def _linked_session(self, app: AppState, found: dict[int, list[Match]]) -> str | None:
-        """The live session whose texts cover most of the prompt, if any."""
-        chars: Counter[str] = Counter()
-        for matches in found.values():
+    def _linked_session(self, app: AppState, found: dict[int, list[Match]], agent_id: str,
+                        last_message: int) -> str | None:
+        """The live session whose answers and tool results cover most of the prompt, if
+        any (of those that cover as much, the most recently used: a repeated run produces
+        the same texts again; the question counts only between sessions that share none
+        of their outputs with the prompt). Short texts recur by chance and link nothing.
+        A session is continued when the prompt holds its outputs, or anything after its
+        question; one that this agent has already asked, and of which the prompt holds
+        only the question, as its last message, is started over: a new run of the same task."""
+        chars: Counter[str] = Counter()  # of outputs
+        asked: Counter[str] = Counter()  # of the question
+        continued: set[str] = set()
+        for index, matches in found.items():
             for match in matches:
+                if match.end - match.start < app.index.anchor_chars:
+                    continue
+                counted: set[str] = set()  # a match counts once per session, however many of its texts it equals
                 for ref in match.refs:
                     session = app.sessions.get(ref.session_id)
-                    if session is not None and session.texts[ref.seq].kind in _LINKING_KINDS:
-                        chars[ref.session_id] += match.end - match.start
-        return chars.most_common(1)[0][0] if chars else None
+                    kind = session.texts[ref.seq].kind if session is not None else None
+                    if kind in _LINKING_KINDS and ref.session_id not in counted:
+                        counted.add(ref.session_id)
+                        (asked if kind == "question" else chars)[ref.session_id] += match.end - match.start
+                        if kind != "question" or index < last_message:
+                            continued.add(ref.session_id)
+        recency = {session_id: n for n, session_id in enumerate(app.sessions)}  # least recently used first
+        for session_id in sorted(chars | asked, key=lambda s: (chars[s], bool(chars[s]) or asked[s], recency[s]),
+                                 reverse=True):
+            session = app.sessions[session_id]
+            if session_id in continued or not session.has_asked(agent_id):
+                return session_id
+        return None
 
     def new_learner(self) -> PrefixLearner:
         s = self.settings
@@ -216,9 +249,9 @@ class _SegmentBuilder:
         if fixed_chars:
             spans.add(_Span(0, fixed_chars, "fixed_prefix", self.agent.id, sha256(content[:fixed_chars]), None))
         for match in matches:
-            if match.start >= fixed_chars and (span := self._span(match)) is not None:
+            if match.start >= fixed_chars and (span := self._span(match, content)) is not None:
                 spans.add(span)
-        if message.role == "tool" and not matches:
+        if message.role == "tool" and not len(spans):  # a tool result this session has not seen yet
             self._add_new(spans, 0, len(content), content, "tool")
         for block in split_blocks(content, tuple(separators)):
             if self.deadline.expired():
@@ -237,9 +270,12 @@ class _SegmentBuilder:
         session = self.session
         if session.question_seq is None:
             if session.num_requests == 1 and not self._spans.get(asks[-1].index):
-                message = asks[-1]
-                self._add_new(self._spans.setdefault(message.index, _Spans()), 0, len(message.content or ""),
-                              message.content or "", "question")
+                content = asks[-1].content or ""
+                question = self.app.openings.question(content)  # the task, without the app's wording around it
+                self.app.openings.remember(content, session.id)
+                self._add_new(self._spans.setdefault(asks[-1].index, _Spans()), *question.span, content, "question")
+                if question.earlier is not None:
+                    self._narrow_earlier(*question.earlier)
             return
         seq = session.question_seq
         if self.agent.id in session.question_tried or any(
@@ -257,6 +293,19 @@ class _SegmentBuilder:
         self.app.replace_text(session, seq, text, known)
         start = core.message_start
         spans.add(_Span(start, start + len(text), "placeholder", None, known.content_hash, known.request_id, seq))
+
+    def _narrow_earlier(self, session_id: str, question: str) -> None:
+        """An earlier session whose opening showed the app's template: its question, if
+        still the whole opening, becomes the part inside the template, as this one's
+        (so a later run of its task, or its own later prompts, find the same text)."""
+        earlier = self.app.sessions.get(session_id)
+        seq = earlier.question_seq if earlier is not None else None
+        if earlier is None or seq is None or not question:
+            return
+        kept = self.app.index.text_of(TextRef(session_id, seq)) or ""
+        if len(question) < len(kept) and question in kept:
+            known = dataclasses.replace(earlier.texts[seq], content_hash=sha256(question))
+            self.app.replace_text(earlier, seq, question, known)
 
     def segments(self, limit: int) -> list[Segment] | None:
         """Every message cut into segments; None past `limit` segments (such a plan is not
@@ -284,7 +333,9 @@ class _SegmentBuilder:
                     return None
             if cursor < len(text):
                 out.append(_private(index, text, cursor, len(text)))
-        return out if len(out) <= limit else None
+                if len(out) > limit:
+                    return None
+        return out
 
     def _add_new(self, spans: _Spans, start: int, end: int, content: str, kind: TextKind) -> None:
         """A text seen for the first time: remember it and plan it as what it will be."""
@@ -302,19 +353,22 @@ class _SegmentBuilder:
             self.session.question_seq = seq
         spans.add(_Span(start, end, "placeholder", None, known.content_hash, self.request_id, seq))
 
-    def _span(self, match: Match) -> _Span | None:
-        """The span of a match: a text of this session first, else a block of another."""
+    def _span(self, match: Match, content: str) -> _Span | None:
+        """The span of a match: a text of this session first, else a block of another (a
+        short text, found as a whole message, only of this session)."""
+        digest = sha256(content[match.start:match.end])  # a text may be found under another form than it was kept
         for ref in match.refs:
             if ref.session_id == self.session.id:
                 known = self.session.texts[ref.seq]
                 if known.kind == "response":
                     self.responses_read.add(ref.seq)
-                return _Span(match.start, match.end, "placeholder", None, known.content_hash, known.request_id,
-                             ref.seq)
+                return _Span(match.start, match.end, "placeholder", None, digest, known.request_id, ref.seq)
+        if match.end - match.start < self.app.index.anchor_chars:
+            return None
         for ref in match.refs:
             other = self.app.sessions.get(ref.session_id)
             if other is not None and (known := other.texts[ref.seq]).kind == "block":
-                return _Span(match.start, match.end, "shared_block", None, known.content_hash, known.request_id)
+                return _Span(match.start, match.end, "shared_block", None, digest, known.request_id)
         return None
 
     def _named(self, span: _Span, seq: int, horizon: int) -> _Span | None:
@@ -348,6 +402,23 @@ class _Spans:
 
     def __len__(self) -> int:
         return len(self._spans)
+
+
+def _call_ids(body: dict[str, Any]) -> list[str]:
+    """The tool-call ids a prompt carries: on the calls of its assistant messages, and on its tool messages."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return []
+    answered = [m["tool_call_id"] for m in messages if isinstance(m, dict) and isinstance(m.get("tool_call_id"), str)]
+    return [*tool_call_ids(messages), *answered]
+
+
+def _find(app: AppState, content: str) -> list[Match]:
+    """The known texts in one message: long ones anywhere in it, a short one as the whole message."""
+    matches = app.index.find(content)
+    if not matches and (whole := app.index.find_whole(content)) is not None:
+        matches = [whole]
+    return matches
 
 
 def _private(index: int, text: str, start: int, end: int) -> Segment:

@@ -38,7 +38,8 @@ def edge_rows(app_id: str, target: str, node: StepNode) -> list[Row]:
 
 def session_row(app_id: str, session: SessionState) -> Row:
     series = {"responses": session.responses, "tools": session.tools,
-              "read_by": {agent: sorted(seqs) for agent, seqs in session.read_by.items()}}
+              "read_by": {agent: sorted(seqs) for agent, seqs in session.read_by.items()},
+              "call_ids": session.call_ids}
     current = session.rounds.current
     return {"app_id": app_id, "session_id": session.id, "num_requests": session.num_requests,
             "question_seq": session.question_seq, "last_agent": session.last_agent,
@@ -90,6 +91,7 @@ def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[A
     session.responses = {agent: list(seqs) for agent, seqs in series["responses"].items()}
     session.tools = {agent: list(seqs) for agent, seqs in series["tools"].items()}
     session.read_by = {agent: set(seqs) for agent, seqs in series["read_by"].items()}
+    session.call_ids = list(series.get("call_ids", []))
     session.num_requests, session.question_seq, session.last_agent = row.num_requests, row.question_seq, row.last_agent
     for segment in segments:
         if segment.seq != session.next_seq():

@@ -19,6 +19,7 @@ from typing import Literal, NamedTuple
 from gateway.inference.agenttable import AgentTable
 from gateway.inference.rounds import RoundDetector, RoundEvidence
 from gateway.inference.stepgraph import StepGraph
+from gateway.inference.template import OpeningTemplates
 from gateway.inference.textindex import TextIndex
 
 TextKind = Literal["response", "tool", "question", "block"]
@@ -49,6 +50,7 @@ class SessionState:
     last_agent: str | None = None  # the agent of the latest request
     read_by: dict[str, set[int]] = field(default_factory=dict)  # agent -> response seqs its prompts quoted
     question_tried: set[str] = field(default_factory=set)  # agents whose template was compared with the question
+    call_ids: list[str] = field(default_factory=list)  # ids of the tool calls its answers made
     first_seen: float = field(default_factory=time.time)  # wall clock, for the records
     num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
     rounds: RoundDetector = field(init=False)
@@ -69,6 +71,10 @@ class SessionState:
     def last_seen_at(self) -> datetime:
         """`last_seen` (monotonic, for the TTL) on the wall clock, for SQL and the admin API."""
         return datetime.fromtimestamp(time.time() - (time.monotonic() - self.last_seen), UTC)
+
+    def has_asked(self, agent_id: str) -> bool:
+        """Whether this agent has sent a request of the session."""
+        return agent_id in self.read_by or agent_id == self.last_agent
 
     def placeholder_name(self, seq: int, horizon: int | None = None) -> str | None:
         """The KVCOMM name of text `seq` (None for a block), counting back from text
@@ -117,8 +123,10 @@ class AppState:
         self.graph = StepGraph(max_step_sources, self.bounded)
         self.agents = AgentTable(max_agents, same_agent_ratio, self.graph.remove, self.bounded)
         self.round_evidence = RoundEvidence()
+        self.openings = OpeningTemplates()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self._calls: dict[str, str] = {}  # tool-call id -> the session whose answer made the call
         self._ttl_s = session_ttl_s
         self._max_sessions = max_sessions
         self._max_texts = max_texts_per_session
@@ -140,18 +148,32 @@ class AppState:
         if session.id in self.sessions:
             self._drop(session.id)
         self.sessions[session.id] = session
+        for call_id in session.call_ids:
+            self._calls.setdefault(call_id, session.id)
         self._trim()
 
-    def add_text(self, session: SessionState, text: str, known: KnownText) -> int | None:
-        """Remember a text of the session; its seq, or None if too short to find again."""
+    def add_text(self, session: SessionState, text: str, known: KnownText, forms: tuple[str, ...] = ()) -> int | None:
+        """Remember a text of the session (and other forms it may be quoted in); its seq,
+        or None when it is empty or the session keeps no more texts."""
         if len(session.texts) >= self._max_texts:
             self.bounded["texts_not_kept"] += 1  # the session's later texts are simply not reused
             return None
         seq = session.next_seq()
-        if not self.index.add(text, TextRef(session.id, seq)):
+        if not self.index.add(text, TextRef(session.id, seq), forms):
             return None
         session.texts[seq] = known
         return seq
+
+    def add_call(self, session: SessionState, call_id: str) -> None:
+        """A tool call one of the session's answers made (ids are unique per answer)."""
+        if len(session.call_ids) >= self._max_texts or call_id in self._calls:
+            return
+        session.call_ids.append(call_id)
+        self._calls[call_id] = session.id
+
+    def session_of_calls(self, call_ids: list[str]) -> str | None:
+        """The live session whose answers made the first of these tool calls it knows."""
+        return next((self._calls[c] for c in call_ids if c in self._calls), None)
 
     def replace_text(self, session: SessionState, seq: int, text: str, known: KnownText) -> None:
         """Narrow a known text (the question, to the part agents share); saved again."""
@@ -177,3 +199,5 @@ class AppState:
         session = self.sessions.pop(session_id)
         for seq in session.texts:
             self.index.remove(TextRef(session_id, seq))
+        for call_id in session.call_ids:
+            self._calls.pop(call_id, None)

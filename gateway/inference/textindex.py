@@ -6,7 +6,14 @@ computed with numpy (prefix sums mod 2^64, normalised by inverse powers of the o
 base), so the scan is linear in the prompt and runs at C speed: a 64k-character prompt
 costs about a millisecond whatever the number of known texts. Candidate positions are
 then verified character for character, so a hash collision costs time, never a wrong
-match. Texts shorter than `anchor_chars` are not indexed: short strings recur by chance.
+match.
+
+A text shorter than `anchor_chars` is never looked for inside a prompt (short strings
+recur by chance: "214" inside a longer number, "yes" inside any answer); it is found
+only as a whole message (`find_whole`), where a tool result such as "214" or a short
+answer is quoted in real traffic. A text may be kept under several forms (an answer
+as it was produced and with its surrounding whitespace stripped, since apps quote
+either); `text_of` gives the first.
 """
 
 from __future__ import annotations
@@ -76,46 +83,64 @@ class TextIndex(Generic[Ref]):
             raise ValueError("anchor_chars must be at least 4")
         self.anchor_chars = anchor_chars
         self._by_anchor: dict[int, dict[str, list[Ref]]] = {}  # anchor hash -> text -> refs
-        self._anchor_of: dict[Ref, tuple[int, str]] = {}
+        self._whole: dict[str, list[Ref]] = {}  # short text -> refs: found only as a whole message
+        self._forms: dict[Ref, list[str]] = {}  # ref -> its forms, the first as given
         self._table = np.zeros(1, dtype=bool)  # see _filter; rebuilt lazily when _filter_stale
         self._mask = np.uint64(0)
         self._filter_stale = True
         self._num_dead_bits = 0
 
     def __len__(self) -> int:
-        return len(self._anchor_of)
+        return len(self._forms)
 
-    def add(self, text: str, ref: Ref) -> bool:
-        """Index `text` under `ref`; False when it is too short to index."""
-        if len(text) < self.anchor_chars or ref in self._anchor_of:
+    def add(self, text: str, ref: Ref, forms: tuple[str, ...] = ()) -> bool:
+        """Index `text` (and its other `forms`) under `ref`; False when there is nothing
+        to index (empty) or `ref` is already indexed."""
+        if not text or ref in self._forms:
             return False
-        anchor = _anchor_hash(_codes(text[: self.anchor_chars]))
-        self._by_anchor.setdefault(anchor, {}).setdefault(text, []).append(ref)
-        self._anchor_of[ref] = (anchor, text)
-        if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
-            self._filter_stale = True  # grow the filter
-        elif not self._filter_stale:
-            self._table[np.uint64(anchor) & self._mask] = True
+        kept = self._forms[ref] = list(dict.fromkeys(f for f in (text, *forms) if f))
+        for form in kept:
+            if len(form) < self.anchor_chars:
+                self._whole.setdefault(form, []).append(ref)
+                continue
+            anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
+            self._by_anchor.setdefault(anchor, {}).setdefault(form, []).append(ref)
+            if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
+                self._filter_stale = True  # grow the filter
+            elif not self._filter_stale:
+                self._table[np.uint64(anchor) & self._mask] = True
         return True
 
     def text_of(self, ref: Ref) -> str | None:
-        entry = self._anchor_of.get(ref)
-        return entry[1] if entry is not None else None
+        forms = self._forms.get(ref)
+        return forms[0] if forms else None
 
     def remove(self, ref: Ref) -> None:
-        entry = self._anchor_of.pop(ref, None)
-        if entry is None:
-            return
-        anchor, text = entry
-        texts = self._by_anchor[anchor]
-        texts[text].remove(ref)
-        if not texts[text]:
-            del texts[text]
-        if not texts:
-            del self._by_anchor[anchor]
-            self._num_dead_bits += 1  # its filter bit stays set; rebuilt once many are dead
-            if self._num_dead_bits > 1024 + len(self._by_anchor):
-                self._filter_stale = True
+        for form in self._forms.pop(ref, ()):
+            if len(form) < self.anchor_chars:
+                _discard(self._whole, form, ref)
+                continue
+            anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
+            texts = self._by_anchor[anchor]
+            _discard(texts, form, ref)
+            if not texts:
+                del self._by_anchor[anchor]
+                self._num_dead_bits += 1  # its filter bit stays set; rebuilt once many are dead
+                if self._num_dead_bits > 1024 + len(self._by_anchor):
+                    self._filter_stale = True
+
+    def find_whole(self, message: str) -> Match[Ref] | None:
+        """A short known text that is the whole message, or the whole message but for
+        surrounding whitespace; None otherwise (long texts are found by `find`)."""
+        refs = self._whole.get(message)
+        if refs:
+            return Match(0, len(message), tuple(refs))
+        stripped = message.strip()
+        refs = self._whole.get(stripped) if stripped != message else None
+        if refs:
+            start = len(message) - len(message.lstrip())
+            return Match(start, start + len(stripped), tuple(refs))
+        return None
 
     def find(self, prompt: str) -> list[Match[Ref]]:
         """Known texts inside `prompt`, leftmost first, the longest at each position,
@@ -151,3 +176,10 @@ class TextIndex(Generic[Ref]):
             self._table[np.array(list(self._by_anchor), dtype=np.uint64) & self._mask] = True
             self._filter_stale, self._num_dead_bits = False, 0
         return self._table, self._mask
+
+
+def _discard(texts: dict[str, list[Ref]], text: str, ref: Ref) -> None:
+    refs = texts[text]
+    refs.remove(ref)
+    if not refs:
+        del texts[text]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from benchmarks.agents.scoring import Record, rand_index, score
+from benchmarks.agents.scoring import Record, observed_from, rand_index, score
 from benchmarks.agents.workload import Quote, load, render
 
 ANSWER_A = "The plan is to buy bread and milk."
@@ -94,11 +94,12 @@ def test_scores_read_the_gateway_s_records_against_the_labels(tmp_path):
         "req-1": Record("s1", "b", {"segments": [], "workflow": {"next": ["reader"]}}),
         "req-2": Record("s2", "reader", {"segments": segments}),
     }
-    scores = score([workload], outcomes, records)
+    scores = score([workload], observed_from(outcomes, records))
     assert (scores.placeholder_precision, scores.placeholder_recall) == (2 / 3, 2 / 3)
     assert scores.session_rand == 1 / 3  # the reader split from its session
     assert scores.agent_rand == 1.0
-    assert scores.next_agent_acc == 1.0  # a -> b and b -> reader were both named
+    # a and b ran together: the reader ran next after each, and only b's plan named it
+    assert scores.next_agent_acc == 0.5
     assert scores.round_acc == 1.0 and scores.scored == 3
 
 

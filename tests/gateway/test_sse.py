@@ -78,6 +78,17 @@ def test_inspect_text_completion_and_tool_call_chunks():
     assert reasoning.has_content
 
 
+def test_inspect_reports_the_ids_of_the_tool_calls_a_chunk_opens():
+    opened = inspect(data({"choices": [{"index": 0, "delta": {"tool_calls": [
+        {"index": 0, "id": "call_a", "function": {"name": "f", "arguments": ""}},
+        {"index": 1, "id": "call_b", "function": {"name": "g", "arguments": ""}}]}}]}))
+    assert opened.tool_call_ids == ("call_a", "call_b")
+    more = inspect(data({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}))
+    assert more.tool_call_ids == ()  # argument pieces carry no id
+    odd = inspect(data({"choices": [{"index": 0, "delta": {"tool_calls": [{"id": 7}, "x", {"id": ""}]}}]}))
+    assert odd.tool_call_ids == ()
+
+
 def test_inspect_usage_only_chunk():
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     info = inspect(data({"id": "x", "choices": [], "usage": usage}))

@@ -83,12 +83,32 @@ def test_identical_texts_under_two_refs_are_both_returned():
     assert idx.find("> " + TEXT_A) == [Match(2, 51, ("r1", "r2"))]
 
 
-def test_text_shorter_than_anchor_is_refused_and_never_found():
+def test_a_short_text_is_found_only_as_a_whole_message():
     idx: TextIndex[str] = TextIndex(32)
-    short = "x" * 31
-    assert idx.add(short, "s") is False
-    assert len(idx) == 0
-    assert idx.find(short * 3) == []
+    assert idx.add("214", "s") is True
+    assert idx.find("214" * 30) == []  # never inside a prompt: short strings recur by chance
+    assert idx.find_whole("214") == Match(0, 3, ("s",))
+    assert idx.find_whole(" 214\n") == Match(1, 4, ("s",))
+    assert idx.find_whole("2140") is None and idx.find_whole("x 214") is None
+    idx.remove("s")
+    assert idx.find_whole("214") is None and len(idx) == 0
+
+
+def test_an_empty_text_is_refused():
+    idx: TextIndex[str] = TextIndex(32)
+    assert idx.add("", "e") is False and len(idx) == 0
+
+
+def test_every_form_of_a_text_is_found_and_text_of_is_the_first():
+    idx: TextIndex[str] = TextIndex(8)
+    padded = TEXT_A + "  \n"
+    assert idx.add(padded, "a", forms=(TEXT_A, "short")) is True
+    assert idx.text_of("a") == padded
+    assert idx.find("say " + padded + "!") == [Match(4, 4 + len(padded), ("a",))]  # the longer form wins
+    assert idx.find("say " + TEXT_A + "!") == [Match(4, 4 + len(TEXT_A), ("a",))]
+    assert idx.find_whole("short") == Match(0, 5, ("a",))
+    idx.remove("a")
+    assert idx.find(padded) == [] and idx.find_whole("short") is None
 
 
 def test_text_exactly_anchor_chars_long_is_indexed():
