@@ -19,7 +19,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from gateway.approximation import ApproxMethod
 from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
-from gateway.inference.views import session_agents, session_detail, session_summary
+from gateway.inference.views import agent_names, session_agents, session_detail, session_summary
 from gateway.ttft import format_report, load_requests, session_ttft
 from kvrelay.openai_errors import error_response, error_responses
 
@@ -128,8 +128,8 @@ def admin_router() -> APIRouter:
         app_id = await session_app(state, session_id, app)
         found = state.inference.apps[app_id].sessions[session_id]
         if format == "mermaid":
-            graph = state.inference.apps[app_id].graph
-            return PlainTextResponse(graph.mermaid(set(session_agents(found))) + "\n")
+            inferred = state.inference.apps[app_id]
+            return PlainTextResponse(inferred.graph.mermaid(set(session_agents(found)), agent_names(inferred)) + "\n")
         return JSONResponse(session_detail(state.inference.apps[app_id], app_id, found))
 
     @router.get("/sessions/{session_id}/ttft", response_model=None, responses=error_responses(404))

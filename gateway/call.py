@@ -198,7 +198,7 @@ class ProxiedCall:
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
-        describe_plan(self.span, result.plan, result.session_inferred)
+        describe_plan(self.span, result.plan, result.session_inferred, result.agent_name)
         adapter = result.plan.adapter
         if adapter is not None and adapter.model != model:
             body = {**body, "model": adapter.model}

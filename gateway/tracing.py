@@ -66,11 +66,14 @@ def describe_request(span: Span, endpoint: str, body: Mapping[str, Any], model: 
             span.set_attribute(attribute, value)
 
 
-def describe_plan(span: Span, plan: SegmentPlan, session_inferred: bool) -> None:
-    """What inference found: counts by segment kind, placeholder names, how the session was known."""
+def describe_plan(span: Span, plan: SegmentPlan, session_inferred: bool, agent_name: str | None = None) -> None:
+    """What inference found: counts by segment kind, placeholder names, how the session
+    was known, and the agent's name when the traffic has given it one."""
     if not span.is_recording():
         return
     kinds = Counter(s.kind for s in plan.segments)
+    if agent_name:
+        span.set_attribute("gen_ai.agent.name", agent_name)
     span.set_attributes({
         "kvrelay.plan.version": plan.version,
         "kvrelay.plan.num_segments": len(plan.segments),

@@ -85,6 +85,9 @@ def session_ttft(session_id: str, rows: list[Any]) -> dict[str, Any]:
     for request in requests:
         if request["round_id"] is not None:
             rounds[request["round_id"]].append(request)
+    for round_id in [r for r, members in rounds.items() if len(members) < 2]:
+        for request in rounds.pop(round_id):  # a round of one request did not form: shown as none
+            request["round_id"] = None
     return {"object": "session.ttft", "session_id": session_id, "requests": requests,
             "truncated": len(rows) >= MAX_REQUESTS,
             "rounds": [{"round_id": round_id, "num_requests": len(members), "wall_ttft_s": _wall_ttft(members),

@@ -14,12 +14,17 @@ suite (tests/gateway/inference/test_capture_suite.py).
 - sessions, agents: Rand index over all pairs of scored requests;
 - rounds: a request is right when the requests sharing its predicted round are
   exactly those sharing its true one (none for a request outside any round);
-- step-graph edges (when the caller has the graph): F1 of predecessor edges, predicted
-  agents read through the majority mapping of predicted to true agents, against the
-  edges the capture shows (`true_edges`);
+- step-graph edges (when the caller has the graph): F1 of predecessor edges against the
+  edges the capture shows (`true_edges`), each app's predicted agent ids read as the
+  true agent of that app they most often stand for;
 - next agent: for every request after which another agent ran next in its run (the
   requests that started first once it had ended), whether the plan's `workflow.next`
-  named one of them (predicted ids read through the same mapping).
+  named one of them (ids read the same way, within the request's app).
+
+Predicted ids are read within each app because without an API key every app is the
+gateway's one default app: two apps with byte-identical agents (the two village apps'
+personas) get one id, which the agent Rand index counts as a merge, and which, in each
+app, stands for that app's agent.
 """
 
 from __future__ import annotations
@@ -72,11 +77,12 @@ class InferenceScores:
     agent_rand: float
     round_acc: float
     next_agent_acc: float
+    next_agent_acc_warm: float  # where the agent had been seen followed by another before
     edge_f1: float | None  # None: the caller had no step graph to score
     scored: int  # requests with a record
 
     NAMES = ("placeholder_precision", "placeholder_recall", "placeholder_f1", "session_rand", "agent_rand",
-             "round_acc", "next_agent_acc", "edge_f1")
+             "round_acc", "next_agent_acc", "next_agent_acc_warm", "edge_f1")
 
     def metrics(self, suffix: str = "") -> dict[str, float]:
         return {f"{name}{suffix}": float(value) for name in self.NAMES
@@ -93,10 +99,11 @@ def score(workloads: list[Workload], observed: Mapping[Key, Observed],
     by_request_id = {observed[k].request_id: k for k in keys}
     precision, recall, f1 = _placeholders(observed, by_request_id)
     true_agents = {k: (requests[k].workload, requests[k].agent) for k in keys}
-    agents = majority((records[k].agent_id, true_agents[k]) for k in keys)
+    agents = majority(((k[0], records[k].agent_id), true_agents[k]) for k in keys)
     edge_f1 = None
     if predicted_edges is not None:
-        mapped = {(agents[s], agents[t]) for s, t in predicted_edges if s in agents and t in agents}
+        mapped = {(agents[(w.name, s)], agents[(w.name, t)]) for w in workloads for s, t in predicted_edges
+                  if (w.name, s) in agents and (w.name, t) in agents}
         edge_f1 = f1_score(true_edges(workloads), {(s, t) for s, t in mapped if s != t})
     return InferenceScores(
         precision, recall, f1,
@@ -104,6 +111,7 @@ def score(workloads: list[Workload], observed: Mapping[Key, Observed],
         rand_index([true_agents[k] for k in keys], [records[k].agent_id for k in keys]),
         _rounds(keys, requests, records),
         _next_agent(workloads, records, agents),
+        _next_agent(workloads, records, agents, warm_only=True),
         edge_f1,
         len(keys))
 
@@ -225,27 +233,38 @@ def _groups(keys: list[Key], label_of: Callable[[Key], Hashable | None]) -> dict
     return {k: frozenset(group) for group in by_label.values() for k in group}
 
 
-def next_agents(run: Run, request: Request) -> set[str]:
-    """The agents that ran next after `request` in its run: those of the requests that
-    started first once it had ended (all of them when several started together, as a
-    round's agents do). Empty at the end of the run."""
+def next_agents(run: Run, request: Request) -> list[Request]:
+    """The requests that ran next after `request` in its run: those that started first
+    once it had ended (all of them when several started together, as a round's agents
+    do). Empty at the end of the run."""
     after = [r for r in run.requests if r.t_start >= request.t_end and r.seq != request.seq]
     if not after:
-        return set()
+        return []
     first_end = min(r.t_end for r in after if r.t_start == min(a.t_start for a in after))
-    return {r.agent for r in after if r.t_start < first_end}
+    return [r for r in after if r.t_start < first_end]
 
 
-def _next_agent(workloads: list[Workload], records: Mapping[Key, Record], agents: Mapping[Any, AgentKey]) -> float:
+def _next_agent(workloads: list[Workload], records: Mapping[Key, Record],
+                agents: Mapping[tuple[str, Any], AgentKey], warm_only: bool = False) -> float:
+    """`warm_only`: only requests whose agent the gateway had already seen followed by
+    another agent (a successor of one of its earlier requests had started before this
+    request did): where it could know what comes next."""
     changes = hits = 0
     for workload in workloads:
-        for run in workload.runs:
-            for request in run.requests:
-                following = next_agents(run, request)
-                if request.key not in records or not following - {request.agent}:
-                    continue
-                changes += 1
-                workflow = (records[request.key].plan or {}).get("workflow") or {}
-                named = {agents.get(a) for a in workflow.get("next", [])}
-                hits += any((workload.name, agent) in named for agent in following)
+        followed_at: dict[str, float] = {}  # agent -> when a successor of it first started
+        for request in sorted(workload.requests, key=lambda r: r.t_start):
+            run = next(r for r in workload.runs if r.name == request.run)
+            following = next_agents(run, request)
+            agents_next = {r.agent for r in following}
+            if request.key not in records or not agents_next - {request.agent}:
+                continue
+            warm = followed_at.get(request.agent, request.t_start + 1) <= request.t_start
+            first = min(r.t_start for r in following)
+            followed_at[request.agent] = min(followed_at.get(request.agent, first), first)
+            if warm_only and not warm:
+                continue
+            changes += 1
+            workflow = (records[request.key].plan or {}).get("workflow") or {}
+            named = {agents.get((workload.name, a)) for a in workflow.get("next", [])}
+            hits += any((workload.name, agent) in named for agent in agents_next)
     return hits / changes if changes else 1.0

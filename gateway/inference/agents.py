@@ -8,6 +8,14 @@ while that prefix is still being learned, shares at least `same_agent_ratio` of 
 one rule: the common prefix of prompt and candidate reaches the agent's threshold
 (agenttable.py, which finds such agents without a scan). Otherwise it is a new agent,
 named by a hash of its model and system prompt so the name is stable across restarts.
+
+A request without a system prompt (a framework's speaker selector, a node that only
+sends a user message) is known by the first line of its first message when that
+message has several: such agents keep their instruction there ("Give this text a short
+title:", then the text). A first message of one line is the task itself, which changes
+from run to run: all such requests of a model are one agent, the app's plain assistant
+(a group chat's member without a system prompt reads the task first). The first line
+counts up to OPENING_LINE_CHARS.
 """
 
 from __future__ import annotations
@@ -15,20 +23,28 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from gateway.inference.prefix import PrefixLearner
 from gateway.inference.agenttable import AgentState
+from gateway.inference.prefix import PrefixLearner
 from gateway.inference.state import AppState
+
+OPENING_LINE_CHARS = 256
 
 
 def resolve_agent(app: AppState, explicit_id: str | None, system_text: str | None, model: str,
-                  new_learner: Callable[[], PrefixLearner]) -> AgentState:
-    """The request's agent, as its app's most recently used."""
+                  new_learner: Callable[[], PrefixLearner], opening: str | None = None) -> AgentState:
+    """The request's agent, as its app's most recently used. `opening`: the text of the
+    first message, for a request without a system prompt."""
     if explicit_id is not None:
         return app.agents.use(explicit_id, model, new_learner)
     if system_text is None:
-        return app.agents.use(f"default@{model}", model, new_learner)
+        lines = (opening or "").strip().split("\n", 1)
+        head = lines[0][:OPENING_LINE_CHARS] if len(lines) > 1 else ""
+        return app.agents.use(f"agent-{_digest(model, 'opening', head)}", model, new_learner)
     known = app.agents.match(model, system_text)
     if known is not None:
         return app.agents.use(known.id, model, new_learner)
-    digest = hashlib.sha256(f"{model}\0{system_text}".encode()).hexdigest()[:10]
-    return app.agents.use(f"agent-{digest}", model, new_learner)
+    return app.agents.use(f"agent-{_digest(model, system_text)}", model, new_learner)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:10]

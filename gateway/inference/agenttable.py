@@ -35,6 +35,12 @@ class AgentState:
     id: str
     model: str
     prefix: PrefixLearner
+    name: str | None = None  # what the traffic calls it (a message `name` on its quoted outputs), once seen
+    composed_reads: int = 0  # requests of its passes that read a composed view of outputs (rounds.py)
+    transcript_reads: int = 0  # ... that read a transcript
+
+    def expects_rounds(self) -> bool:
+        return self.composed_reads > 0 and 2 * self.composed_reads >= self.transcript_reads
 
 
 class AgentTable(Mapping[str, AgentState]):

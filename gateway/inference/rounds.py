@@ -1,40 +1,54 @@
-"""RoundDetector: All-Gather rounds from the outputs each request reads.
+"""RoundDetector: the rounds of a session, as passes in which each agent speaks once.
 
-In an All-Gather round (TokenDance), every agent of the round reads the same set of
-outputs of the previous round, each in its own prompt and order. So requests of one
-session whose prompts hold the same set of at least two earlier responses form a round.
-Its expected size is the size the previous round reached (at the first round: the
-number of outputs read, one per agent in the usual all-to-all pattern); a request's
-index is its arrival order within the round.
+Apps that work in rounds (KVCOMM's debate, Generative Agents' All-Gather) compose each
+prompt: the task, then a view of the other agents' outputs chosen by round (this
+round's earlier answers and the others' last ones; everyone's answers of the previous
+round, in each agent's own order). A chat transcript (a group chat, a pipeline, a tool
+loop) only ever appends: its prompts read outputs in the order they were produced, and
+every output of each agent they read. So a request that reads outputs out of their
+order, or the same outputs as another request of its pass, leaving older ones out (an
+All-Gather round's agents all read the last round), shows a `composed` view; one that reads in order the outputs
+of agents of which one has spoken twice shows a `transcript` (read_pattern: a loop that
+reads an agent's latest attempt, a window over a transcript, read in order). Both count for every agent of
+the current pass, and an agent expects rounds while its composed views are at least
+half as many as its transcripts. A first session's first rounds are missed.
 
-A request reading a set nobody has read before may open a round or may just be an
-agent that reads several others (a reviewer after two writers, an agent of a
-fully-connected swarm reading this round's earlier answers). Only the next request
-tells. The first reader is therefore announced as a round member only where the app
-has shown rounds more often than lone readers (`RoundEvidence`, per app, learned as
-rounds close); a second reader of the same set always confirms the round. A false round
-costs more than a missed first member: a round hold would wait for nobody, while the
-engine still finds a missed member's shared outputs by their hashes.
+A round is a pass: it ends when an agent that has already asked in it asks again, and
+the next pass begins with that request. A request is a round member when it reads
+outputs of its session and its agent expects rounds; its index is its arrival order in
+the round, the expected size the number of agents of the previous pass. A round that
+only ever had one member did not form: the admin views show formed rounds only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from engine_ext.protocol import RoundInfo
 
-MIN_SHARED_OUTPUTS = 2
+ReadPattern = Literal["composed", "transcript"]
 
 
-@dataclass
-class RoundEvidence:
-    """Per app: how the sets read by several requests turned out when they closed."""
-
-    num_rounds: int = 0  # read by two requests or more (counted when the second arrives)
-    num_lone: int = 0  # read by one request only (counted when the session moves on)
-
-    def expects_rounds(self) -> bool:
-        return self.num_rounds > self.num_lone
+def read_pattern(outputs_read: Sequence[int], producer: Mapping[int, str | None],
+                 series: Mapping[str, Sequence[int]], read_in_pass: bool = False) -> ReadPattern | None:
+    """What reading these outputs (seqs, in prompt order) shows: `composed` when they are
+    out of order, or when another request of the pass read the same ones, outputs of two
+    agents or more leaving an older one out (an All-Gather round's agents all read the
+    last round; a speaker and the chat's speaker selector both read the whole transcript);
+    `transcript` when they are in order and one of their agents has spoken twice; else
+    nothing (an agent's first outputs read in order fit both). `producer`: seq -> its
+    agent; `series`: agent -> its outputs' seqs."""
+    if any(b < a for a, b in zip(outputs_read, outputs_read[1:])):
+        return "composed"
+    read = set(outputs_read)
+    agents = {producer.get(seq) or "" for seq in read}
+    latest_only = any(not read.issuperset(series.get(agent, ())) for agent in agents)
+    if read_in_pass and len(agents) >= 2 and latest_only:
+        return "composed"
+    spoke_again = any(len(series.get(agent, ())) >= 2 for agent in agents)
+    return "transcript" if spoke_again else None
 
 
 @dataclass
@@ -42,49 +56,59 @@ class RoundState:
     id: str
     expected: int
     num_requests: int = 0
+    reads: frozenset[int] = frozenset()  # the outputs its members read
+
+    @property
+    def formed(self) -> bool:
+        return self.num_requests >= 2
 
 
 @dataclass
 class RoundDetector:
     session_id: str
-    evidence: RoundEvidence = field(default_factory=RoundEvidence)
-    rounds: dict[frozenset[int], RoundState] = field(default_factory=dict)
-    last_size: int | None = None  # how many requests the latest round had
-    unsaved: set[frozenset[int]] = field(default_factory=set)  # rounds changed since the last save to SQL
-    _current: frozenset[int] | None = None
+    rounds: dict[str, RoundState] = field(default_factory=dict)  # by id, oldest first
+    pass_agents: set[str] = field(default_factory=set)  # agents that asked in the current pass
+    pass_reads: set[frozenset[int]] = field(default_factory=set)  # the output sets read in the current pass
+    last_pass: set[str] = field(default_factory=set)  # agents of the previous pass
+    current_id: str | None = None  # the current pass's round, once it has a member
+    unsaved: set[str] = field(default_factory=set)  # round ids changed since the last save to SQL
+
+    def rest_of_round(self) -> set[str]:
+        """Agents of the previous pass that have not asked in this one yet: in a round
+        app they are the round's members still to come."""
+        return self.last_pass - self.pass_agents
 
     @property
     def current(self) -> RoundState | None:
-        """The latest set read (the one a new request most likely joins)."""
-        return self.rounds[self._current] if self._current is not None else None
+        return self.rounds.get(self.current_id) if self.current_id is not None else None
 
-    def restore_current(self, round_id: str | None) -> None:
-        self._current = next((k for k, r in self.rounds.items() if r.id == round_id), None)
+    def formed(self) -> list[RoundState]:
+        return [r for r in self.rounds.values() if r.formed]
 
-    def assign(self, outputs_read: frozenset[int]) -> RoundInfo | None:
-        """The round of a request that read these outputs (their text seqs), or None."""
-        if len(outputs_read) < MIN_SHARED_OUTPUTS:
+    def enter(self, agent_id: str) -> None:
+        """A request of this agent arrives: the pass goes on, or a new one begins with it."""
+        if agent_id in self.pass_agents:
+            self.last_pass, self.pass_agents, self.current_id = self.pass_agents, set(), None
+            self.pass_reads = set()
+        self.pass_agents.add(agent_id)
+
+    def read_before(self, outputs_read: frozenset[int]) -> bool:
+        """Whether another request of this pass read these outputs; they count as read now."""
+        seen = outputs_read in self.pass_reads
+        self.pass_reads.add(outputs_read)
+        return seen
+
+    def join(self, outputs_read: frozenset[int], expects_rounds: bool) -> RoundInfo | None:
+        """The round of the request that just entered; None when it is no round member."""
+        if not outputs_read or not expects_rounds:
             return None
-        state = self.rounds.get(outputs_read)
+        state = self.current
         if state is None:
-            self._close_current()
-            expected = self.last_size or len(outputs_read)
-            state = self.rounds[outputs_read] = RoundState(f"{self.session_id}/r{len(self.rounds) + 1}", expected)
-            self._current = outputs_read
+            state = RoundState(f"{self.session_id}/r{len(self.rounds) + 1}", len(self.last_pass or self.pass_agents))
+            self.rounds[state.id] = state
+            self.current_id = state.id
         index = state.num_requests
         state.num_requests += 1
-        self.unsaved.add(outputs_read)
-        if index == 1:
-            self.evidence.num_rounds += 1  # confirmed now: other sessions of the app need not wait for it to close
-        if index == 0 and not self.evidence.expects_rounds():
-            return None  # a lone reader, until a second one shows otherwise
+        state.reads |= outputs_read
+        self.unsaved.add(state.id)
         return RoundInfo(id=state.id, size=max(state.expected, state.num_requests), index=index)
-
-    def _close_current(self) -> None:
-        if self._current is None:
-            return
-        size = self.rounds[self._current].num_requests
-        if size >= 2:
-            self.last_size = size
-        else:
-            self.evidence.num_lone += 1

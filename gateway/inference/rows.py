@@ -15,7 +15,7 @@ from typing import Any
 from gateway.inference.agenttable import AgentState
 from gateway.inference.prefix import PrefixLearner
 from gateway.inference.rounds import RoundState
-from gateway.inference.state import AppState, KnownText, SessionState, TextRef
+from gateway.inference.state import MAX_INNER_KEPT, AppState, KnownText, SessionState, TextRef
 from gateway.inference.stepgraph import StepNode
 
 Row = dict[str, Any]
@@ -27,6 +27,7 @@ def agent_row(app_id: str, agent: AgentState, node: StepNode | None, now: dateti
             "prefix_candidate": agent.prefix.candidate, "prefix_hits": agent.prefix.hits,
             "fixed_prefix_chars": len(fixed) if fixed else 0,
             "waited_all": node.waited_all if node else 0, "waited_some": node.waited_some if node else 0,
+            "name": agent.name, "composed_reads": agent.composed_reads, "transcript_reads": agent.transcript_reads,
             "updated_at": now}
 
 
@@ -39,12 +40,12 @@ def edge_rows(app_id: str, target: str, node: StepNode) -> list[Row]:
 def session_row(app_id: str, session: SessionState) -> Row:
     series = {"responses": session.responses, "tools": session.tools,
               "read_by": {agent: sorted(seqs) for agent, seqs in session.read_by.items()},
-              "call_ids": session.call_ids}
-    current = session.rounds.current
+              "call_ids": session.call_ids, "members": sorted(session.members),
+              "pass": sorted(session.rounds.pass_agents), "last_pass": sorted(session.rounds.last_pass)}
     return {"app_id": app_id, "session_id": session.id, "num_requests": session.num_requests,
             "question_seq": session.question_seq, "last_agent": session.last_agent,
-            "series": json.dumps(series), "last_round_size": session.rounds.last_size,
-            "current_round": current.id if current else None,
+            "series": json.dumps(series), "last_round_size": len(session.rounds.last_pass) or None,
+            "current_round": session.rounds.current_id,
             "first_seen": session.first_seen_at, "last_seen": session.last_seen_at}
 
 
@@ -61,18 +62,18 @@ def segment_rows(app: AppState, app_id: str, session: SessionState, start: int, 
     return rows
 
 
-def round_rows(app_id: str, session: SessionState, keys: set[frozenset[int]]) -> list[Row]:
+def round_rows(app_id: str, session: SessionState, ids: set[str]) -> list[Row]:
     rounds = session.rounds.rounds
-    return [{"app_id": app_id, "session_id": session.id, "round_id": rounds[outputs].id,
-             "outputs": json.dumps(sorted(outputs)), "expected": rounds[outputs].expected,
-             "num_requests": rounds[outputs].num_requests} for outputs in keys]
+    return [{"app_id": app_id, "session_id": session.id, "round_id": round_id,
+             "outputs": json.dumps(sorted(rounds[round_id].reads)), "expected": rounds[round_id].expected,
+             "num_requests": rounds[round_id].num_requests} for round_id in sorted(ids)]
 
 
 def restore_agent(app: AppState, row: Any, learner: PrefixLearner) -> None:
     """An agent saved in SQL, as the app's most recently used (rows come oldest first, so
     past `max_agents` the longest unused stay out)."""
     learner.candidate, learner.hits = row.prefix_candidate, row.prefix_hits
-    app.agents.add(AgentState(row.agent_id, row.model, learner))
+    app.agents.add(AgentState(row.agent_id, row.model, learner, row.name, row.composed_reads, row.transcript_reads))
     app.graph.restore_waits(row.agent_id, row.waited_all, row.waited_some)
 
 
@@ -85,25 +86,29 @@ def restore_edge(app: AppState, row: Any) -> None:
 
 def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[Any]) -> SessionState:
     """Rebuild a session and index its texts; `segments` in seq order."""
-    session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp(),
-                           round_evidence=app.round_evidence)
+    session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp())
     series = json.loads(row.series)
     session.responses = {agent: list(seqs) for agent, seqs in series["responses"].items()}
     session.tools = {agent: list(seqs) for agent, seqs in series["tools"].items()}
     session.read_by = {agent: set(seqs) for agent, seqs in series["read_by"].items()}
     session.call_ids = list(series.get("call_ids", []))
+    session.members = set(series.get("members", session.read_by))
+    session.rounds.pass_agents = set(series.get("pass", []))
     session.num_requests, session.question_seq, session.last_agent = row.num_requests, row.question_seq, row.last_agent
     for segment in segments:
         if segment.seq != session.next_seq():
             break  # a gap: later texts could not be numbered the same again
         app.index.add(segment.text, TextRef(session.id, segment.seq))
+        if len(segment.text) < app.index.anchor_chars:
+            session.inner = [*session.inner[-MAX_INNER_KEPT + 1:], segment.seq]
         session.texts[segment.seq] = KnownText(segment.kind, segment.agent_id, segment.request_id,
                                                segment.content_hash)
     session.num_saved_texts = session.next_seq()
-    for r in rounds:
-        session.rounds.rounds[frozenset(json.loads(r.outputs))] = RoundState(r.round_id, r.expected, r.num_requests)
-    session.rounds.last_size = row.last_round_size
-    session.rounds.restore_current(row.current_round)
+    for r in sorted(rounds, key=lambda r: _round_number(r.round_id)):
+        session.rounds.rounds[r.round_id] = RoundState(r.round_id, r.expected, r.num_requests,
+                                                       frozenset(json.loads(r.outputs)))
+    session.rounds.last_pass = set(series.get("last_pass", []))
+    session.rounds.current_id = row.current_round if row.current_round in session.rounds.rounds else None
     app.adopt(session)
     return session
 
@@ -114,3 +119,9 @@ def _aware(value: datetime) -> datetime:
 
 def _monotonic(wall: datetime) -> float:
     return time.monotonic() - max(0.0, time.time() - _aware(wall).timestamp())
+
+
+def _round_number(round_id: str) -> int:
+    """The n of `<session>/r<n>`, so rounds come back in the order they formed."""
+    number = round_id.rpartition("/r")[2]
+    return int(number) if number.isdigit() else 0

@@ -12,17 +12,18 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, OrderedDict
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Literal, NamedTuple
 
 from gateway.inference.agenttable import AgentTable
-from gateway.inference.rounds import RoundDetector, RoundEvidence
+from gateway.inference.rounds import RoundDetector
 from gateway.inference.stepgraph import StepGraph
 from gateway.inference.template import OpeningTemplates
 from gateway.inference.textindex import TextIndex
 
 TextKind = Literal["response", "tool", "question", "block"]
+MAX_INNER_KEPT = 64  # short texts a session keeps to look for inside its prompts (segments.py)
 
 
 class TextRef(NamedTuple):
@@ -51,14 +52,14 @@ class SessionState:
     read_by: dict[str, set[int]] = field(default_factory=dict)  # agent -> response seqs its prompts quoted
     question_tried: set[str] = field(default_factory=set)  # agents whose template was compared with the question
     call_ids: list[str] = field(default_factory=list)  # ids of the tool calls its answers made
+    inner: list[int] = field(default_factory=list)  # seqs of its texts shorter than the index's anchor, newest last
     first_seen: float = field(default_factory=time.time)  # wall clock, for the records
     num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
+    members: set[str] = field(default_factory=set)  # agents that have sent a request of it
     rounds: RoundDetector = field(init=False)
 
-    round_evidence: InitVar[RoundEvidence | None] = None  # the app's, shared by its sessions
-
-    def __post_init__(self, round_evidence: RoundEvidence | None) -> None:
-        self.rounds = RoundDetector(self.id, round_evidence or RoundEvidence())
+    def __post_init__(self) -> None:
+        self.rounds = RoundDetector(self.id)
 
     def next_seq(self) -> int:
         return len(self.texts)
@@ -74,7 +75,7 @@ class SessionState:
 
     def has_asked(self, agent_id: str) -> bool:
         """Whether this agent has sent a request of the session."""
-        return agent_id in self.read_by or agent_id == self.last_agent
+        return agent_id in self.members
 
     def placeholder_name(self, seq: int, horizon: int | None = None) -> str | None:
         """The KVCOMM name of text `seq` (None for a block), counting back from text
@@ -122,7 +123,6 @@ class AppState:
         self.bounded: Counter[str] = bounded if bounded is not None else Counter()  # what a bound cut, by kind
         self.graph = StepGraph(max_step_sources, self.bounded)
         self.agents = AgentTable(max_agents, same_agent_ratio, self.graph.remove, self.bounded)
-        self.round_evidence = RoundEvidence()
         self.openings = OpeningTemplates()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
@@ -137,7 +137,7 @@ class AppState:
         self.expire(now)
         state = self.sessions.get(session_id)
         if state is None:
-            state = self.sessions[session_id] = SessionState(session_id, now, round_evidence=self.round_evidence)
+            state = self.sessions[session_id] = SessionState(session_id, now)
             self._trim()
         self.sessions.move_to_end(session_id)
         state.last_seen = now
@@ -161,6 +161,8 @@ class AppState:
         seq = session.next_seq()
         if not self.index.add(text, TextRef(session.id, seq), forms):
             return None
+        if len(text.strip()) < self.index.anchor_chars:
+            session.inner = [*session.inner[-MAX_INNER_KEPT + 1:], seq]
         session.texts[seq] = known
         return seq
 

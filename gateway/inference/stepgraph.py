@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,8 +64,8 @@ class StepGraph:
         self.max_sources = max_sources
         self.bounded: Counter[str] = bounded if bounded is not None else Counter()
         # Kept in step with `nodes` by every change, so no query rebuilds them:
-        self._preds: dict[str, frozenset[str]] = {}  # agent -> its predecessors
-        self._succ: dict[str, set[str]] = {}  # agent -> the agents it is a predecessor of
+        self._edges = _Adjacency()  # predecessors: dataflow sources, else succession sources
+        self._order = _Adjacency()  # what the steps walk: sources it reads and ran right after (see _refresh)
         self._named_by: dict[str, set[str]] = {}  # agent -> the nodes whose counters name it
         self._version = 0  # bumped whenever a predecessor set changes
         self._dominators: OrderedDict[str, tuple[int, Dominators[str]]] = OrderedDict()
@@ -79,7 +80,7 @@ class StepGraph:
         if previous is not None and previous != agent:
             self._count(agent, node.succession, previous, 1)
         self._refresh(agent)
-        predecessors = self._preds[agent]
+        predecessors = self._edges.preds[agent]
         fresh = fresh_from & predecessors
         if len(predecessors) >= 2 and fresh:
             if fresh == predecessors:
@@ -104,20 +105,25 @@ class StepGraph:
             return
         for source in (*node.dataflow, *node.succession):
             self._named_by.get(source, set()).discard(agent)
-        for source in self._preds.pop(agent, frozenset()):
-            self._succ.get(source, set()).discard(agent)
         for target in self._named_by.pop(agent, set()):
             other = self.nodes[target]
             other.dataflow.pop(agent, None)
             other.succession.pop(agent, None)
             self._refresh(target)
-        self._succ.pop(agent, None)
+        self._edges.remove(agent)
+        self._order.remove(agent)
         self._version += 1
         self._dominators.pop(agent, None)
 
     # -- reading ----------------------------------------------------------------------------------
     def predecessors(self, agent: str) -> frozenset[str]:
-        return self._preds.get(agent, frozenset())
+        """Its dataflow sources, else the agents it ran right after (the graph's edges)."""
+        return self._edges.preds.get(agent, frozenset())
+
+    def step_predecessors(self, agent: str) -> frozenset[str]:
+        """What the steps walk (see _refresh): its sources it has also run right after,
+        else the agents it ran right after, else its sources."""
+        return self._order.preds.get(agent, frozenset())
 
     def aggregation(self, agent: str) -> Aggregation:
         node = self.nodes.get(agent)
@@ -152,7 +158,7 @@ class StepGraph:
                 steps[agent] = step
                 if len(steps) == limit or (len(steps) % _DEADLINE_EVERY == 0 and deadline.expired()):
                     return steps
-                for target in self._succ.get(agent, ()):
+                for target in self._order.succ.get(agent, ()):
                     if target in steps:
                         continue
                     if self.aggregation(target) == "or":
@@ -165,7 +171,7 @@ class StepGraph:
                             dominators = dominators or self._dominators_from(current, deadline)
                         except OutOfTime:
                             return steps
-                        waiting[target] = sum(1 for p in self._preds[target]
+                        waiting[target] = sum(1 for p in self._order.preds[target]
                                               if dominators.reachable(p) and not dominators.dominates(target, p))
                     # A predecessor reached is always one it waits for: it was reached without passing through it.
                     waiting[target] -= 1
@@ -179,17 +185,26 @@ class StepGraph:
                 return steps
 
     def workflow(self, current: str, limit: int | None = None, deadline: Deadline = NO_DEADLINE) -> WorkflowInfo:
+        """Steps from `current`, and the agents at step 1; when none is (no agent's step
+        predecessors hold `current`: agents that run together, as a round's do, follow
+        each other in any order), the agent that most often ran right after it."""
         steps = self.steps_to_execution(current, limit, deadline)
-        return WorkflowInfo(steps_to_execution=steps, next=sorted(a for a, s in steps.items() if s == 1))
+        following = sorted(a for a, s in steps.items() if s == 1)
+        if not following:
+            after = [(self.nodes[a].succession[current], a) for a in self._named_by.get(current, ())
+                     if self.nodes[a].succession[current]]
+            following = [max(after)[1]] if after else []
+        return WorkflowInfo(steps_to_execution=steps, next=following)
 
-    def mermaid(self, agents: set[str] | None = None) -> str:
+    def mermaid(self, agents: set[str] | None = None, names: Mapping[str, str] | None = None) -> str:
         """The graph (or its part among `agents`) as Mermaid flowchart text: AND nodes as
-        rhombi, dataflow edges solid, succession edges dotted."""
+        rhombi, dataflow edges solid, succession edges dotted; a node is labelled with
+        its name in `names`, else its id."""
         keep = sorted(set(self.nodes) if agents is None else agents & set(self.nodes))
         ids = {agent: f"n{i}" for i, agent in enumerate(keep)}  # agent ids are free text: never used as ids
         lines = ["flowchart LR"]
         for agent in keep:
-            label = '"' + agent.replace('"', "#quot;") + '"'
+            label = '"' + (names or {}).get(agent, agent).replace('"', "#quot;") + '"'
             lines.append(f"    {ids[agent]}{{{label}}}" if self.aggregation(agent) == "and" else f"    {ids[agent]}[{label}]")
         for src, dst, kind in self.edges():
             if src in ids and dst in ids:
@@ -201,7 +216,7 @@ class StepGraph:
         node = self.nodes.get(agent)
         if node is None:
             node = self.nodes[agent] = StepNode()
-            self._preds[agent] = frozenset()
+            self._edges.preds[agent] = self._order.preds[agent] = frozenset()
         return node
 
     def _count(self, target: str, counter: Counter[str], source: str, count: int, replace: bool = False) -> None:
@@ -217,25 +232,25 @@ class StepGraph:
         counter[source] = count if replace else counter[source] + count
 
     def _refresh(self, agent: str) -> None:
-        """Recompute an agent's predecessors after its counters changed."""
+        """Recompute an agent's predecessors after its counters changed: its dataflow
+        sources (else those it ran after), and, for the steps, the sources it both reads
+        and has run right after (else those it ran after, else those it reads). In a
+        transcript every agent reads every other, so reading alone says nothing of the
+        order: a round-robin's critic reads the planner and the writer but runs after
+        the writer, and the planner runs after the critic."""
         node = self.nodes[agent]
-        now = frozenset(node.dataflow) or frozenset(node.succession)
-        before = self._preds.get(agent, frozenset())
-        if now == before:
-            return
-        for source in before - now:
-            self._succ[source].discard(agent)
-        for source in now - before:
-            self._succ.setdefault(source, set()).add(agent)
-        self._preds[agent] = now
-        self._version += 1
+        reads, after = frozenset(node.dataflow), frozenset(node.succession)
+        changed = self._edges.update(agent, reads or after)
+        changed |= self._order.update(agent, (reads & after) or after or reads)
+        if changed:
+            self._version += 1
 
     def _dominators_from(self, current: str, deadline: Deadline) -> Dominators[str]:
         kept = self._dominators.get(current)
         if kept is not None and kept[0] == self._version:
             self._dominators.move_to_end(current)
             return kept[1]
-        tree = Dominators(current, self._succ, self._preds, deadline)
+        tree = Dominators(current, self._order.succ, self._order.preds, deadline)
         self._dominators[current] = (self._version, tree)
         self._dominators.move_to_end(current)
         while len(self._dominators) > _KEPT_DOMINATOR_TREES:
@@ -254,3 +269,28 @@ class StepGraph:
                 heapq.heappush(queue, (after + 1, agent))
                 return True
         return False
+
+
+class _Adjacency:
+    """Predecessor sets and the successor sets they imply, kept in step."""
+
+    def __init__(self) -> None:
+        self.preds: dict[str, frozenset[str]] = {}  # agent -> its predecessors
+        self.succ: dict[str, set[str]] = {}  # agent -> the agents it is a predecessor of
+
+    def update(self, agent: str, now: frozenset[str]) -> bool:
+        """Set an agent's predecessors; whether they changed."""
+        before = self.preds.get(agent, frozenset())
+        if now == before:
+            return False
+        for source in before - now:
+            self.succ.get(source, set()).discard(agent)
+        for source in now - before:
+            self.succ.setdefault(source, set()).add(agent)
+        self.preds[agent] = now
+        return True
+
+    def remove(self, agent: str) -> None:
+        for source in self.preds.pop(agent, frozenset()):
+            self.succ.get(source, set()).discard(agent)
+        self.succ.pop(agent, None)

@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -39,7 +39,7 @@ class _Saved(NamedTuple):
 
     session: SessionState
     num_texts: int
-    rounds: set[frozenset[int]]
+    rounds: set[str]  # round ids
 
 
 class LoadResult(NamedTuple):
@@ -76,18 +76,10 @@ class StateStore:
             live = InferredSessionRow.__table__.c
             segments = await _children(conn, SegmentRow, live, cutoff, SegmentRow.seq)
             rounds = await _children(conn, RoundRow, live, cutoff, RoundRow.round_id)
-            evidence = (await conn.execute(select(RoundRow.app_id, RoundRow.num_requests, func.count())
-                                           .group_by(RoundRow.app_id, RoundRow.num_requests))).all()
         for row in agents:
             rows.restore_agent(inference.app(row.app_id), row, inference.new_learner())
         for row in edges:
             rows.restore_edge(inference.app(row.app_id), row)
-        for app_id, num_requests, count in evidence:  # how the app's earlier sets turned out
-            app_evidence = inference.app(app_id).round_evidence
-            if num_requests >= 2:
-                app_evidence.num_rounds += count
-            else:
-                app_evidence.num_lone += count
         for row in sessions:
             key = (row.app_id, row.session_id)
             rows.restore_session(inference.app(row.app_id), row, segments.get(key, []), rounds.get(key, []))

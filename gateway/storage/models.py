@@ -96,6 +96,9 @@ class InferredAgentRow(Base):
     fixed_prefix_chars: Mapped[int] = mapped_column(Integer)  # 0 until the prefix is confirmed
     waited_all: Mapped[int] = mapped_column(Integer)  # step-graph triggers (see StepGraph)
     waited_some: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str | None] = mapped_column(StorableString(128))  # what the traffic calls it, once seen
+    composed_reads: Mapped[int] = mapped_column(Integer, default=0)  # round evidence (gateway/inference/rounds.py)
+    transcript_reads: Mapped[int] = mapped_column(Integer, default=0)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 
 

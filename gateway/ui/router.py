@@ -137,11 +137,12 @@ def ui_router() -> APIRouter:
         detail = await _detail(state, session_id)
         agents = [a["id"] for a in detail["agents"]] if detail else sorted({r["agent_id"] for r in report["requests"]
                                                                              if r["agent_id"]})
+        names = {a["id"]: a["name"] for a in detail["agents"] if a["name"]} if detail else {}
         edges = detail["step_graph"]["edges"] if detail else []
-        graph = [{"data": {"id": a}} for a in agents] + \
+        graph = [{"data": {"id": a, "label": names.get(a, a)}} for a in agents] + \
             [{"data": {"id": f"{e['source']}->{e['target']}:{e['kind']}", "source": e["source"], "target": e["target"],
                        "colour": EDGE_COLOURS.get(e["kind"], "#999999")}} for e in edges]
-        return page("session.html", title=f"Session {session_id}", session_id=session_id, agents=agents,
+        return page("session.html", title=f"Session {session_id}", session_id=session_id, agents=agents, names=names,
                     rounds=report["rounds"], requests=report["requests"], totals=report["totals"],
                     tokens_reused=sum(r["cached_tokens"] or 0 for r in report["requests"]),
                     graph_json=_script_json(graph), waterfall=waterfall_svg(report["requests"]),

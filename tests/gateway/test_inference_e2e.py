@@ -193,10 +193,10 @@ def test_all_gather_rounds_are_detected_with_size_and_index(fake_upstream, start
         fake = fake_upstream()
         gw = start_gateway([fake.url])
         rounds = _all_gather(gw, fake, separator)
-        assert all(p.round is None for p in rounds[0])  # nobody read two earlier outputs yet
-        # The app's first reader of a set is a lone reader until a second confirms the round.
-        assert rounds[1][0].round is None and [p.round.index for p in rounds[1][1:]] == [1, 2]
-        assert [p.round.index for p in rounds[2]] == [0, 1, 2]  # the app has shown rounds now
+        assert all(p.round is None for p in rounds[0])  # nobody read earlier outputs yet
+        # Each reads the last round in its own shuffled order, a composed view: a round at once.
+        assert [p.round.index for p in rounds[1]] == [0, 1, 2]
+        assert [p.round.index for p in rounds[2]] == [0, 1, 2]
         ids = []
         for plans in rounds[1:]:
             members = [p for p in plans if p.round is not None]
@@ -271,9 +271,9 @@ def test_with_a_round_hold_the_requests_of_a_round_leave_together(fake_upstream,
             {"role": "system", "content": f"You are villager {i}, living in a small town by the river."},
             {"role": "user", "content": "What your neighbours said:\n\n" + "\n\n".join(outputs)}])
 
-    member(0)  # one by one: this first round confirms that the app runs rounds at all
-    member(1)
-    member(2)
+    for i in range(3):  # one by one, each with its own answer: this first round shows the app runs rounds
+        fake.behaviour.pieces = [f"Villager {i} heard everyone: the market first, then the library, then the harvest."]
+        member(i)
     outputs = [f"Villager {i}, second day: the bakery is closed, so I help at the mill and then fish by the bridge."
                for i in range(3)]
     for i, text in enumerate(outputs):

@@ -194,7 +194,8 @@ def test_session_from_metadata_and_user_fields(fake_upstream, start_gateway):
         http.post("/v1/chat/completions", json={**CHAT, "user": "u-s", "metadata": {"session_id": "m-s"}},
                   headers={"x-kvrelay-session-id": "h-s", "x-kvrelay-agent-id": "h-a"})
     rows = gw.rows(3)
-    assert [(r.session_id, r.agent_id) for r in rows] == [("m-s", "m-a"), ("u-s", "default@fake"), ("h-s", "h-a")]
+    assert [(r.session_id, r.agent_id) for r in rows][::2] == [("m-s", "m-a"), ("h-s", "h-a")]
+    assert rows[1].session_id == "u-s" and rows[1].agent_id.startswith("agent-")  # inferred: no system prompt
 
 
 def test_load_guard_through_the_gateway(fake_upstream, start_gateway):

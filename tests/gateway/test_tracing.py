@@ -71,6 +71,28 @@ def test_unary_call_is_one_genai_span_with_the_records_facts(fake_upstream, star
     assert "error.type" not in a and span.status.status_code is StatusCode.UNSET
 
 
+def test_an_agent_named_by_the_traffic_carries_its_name_on_its_spans(fake_upstream, start_gateway, provider,
+                                                                      spans):
+    """AutoGen quotes an agent's answer under the agent's `name`: the gateway learns it."""
+    answer = "Day one: the castle and Alfama. Day two: Belem and its tower. Day three: the tile museum."
+    up = fake_upstream(pieces=[answer])
+    gw = start_gateway([up.url], tracer_provider=provider)
+    planner = {"role": "system", "content": "You are the planner. Break the task into concrete steps."}
+    writer = {"role": "system", "content": "You are the writer. Turn the plan into a friendly answer."}
+    task = {"role": "user", "name": "user", "content": "Plan three days in Lisbon on a small budget, please."}
+    with gw.client() as c:
+        for messages in ([planner, task], [writer, task, {"role": "user", "name": "planner", "content": answer}],
+                         [planner, task, {"role": "assistant", "content": answer}]):
+            assert c.post("/v1/chat/completions", json={"model": "fake", "messages": messages}).status_code == 200
+    deadline = time.monotonic() + 5
+    while len(spans.get_finished_spans()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    first, _, last = spans.get_finished_spans()
+    assert "gen_ai.agent.name" not in first.attributes  # not named yet
+    assert last.attributes["gen_ai.agent.name"] == "planner"
+    assert last.attributes["gen_ai.agent.id"] == first.attributes["gen_ai.agent.id"]
+
+
 def test_stream_span_has_time_to_first_chunk_and_usage_even_when_stripped(fake_upstream, start_gateway,
                                                                           provider, spans):
     up = fake_upstream(first_content_delay=0.05)

@@ -7,7 +7,7 @@
     elements: data,
     layout: { name: "breadthfirst", directed: true, padding: 10 },
     style: [
-      { selector: "node", style: { "label": "data(id)", "background-color": "#6fa8dc", "font-size": 11 } },
+      { selector: "node", style: { "label": "data(label)", "background-color": "#6fa8dc", "font-size": 11 } },
       { selector: "edge", style: { "curve-style": "bezier", "target-arrow-shape": "triangle", "width": 2,
         "line-color": "data(colour)", "target-arrow-color": "data(colour)" } },
     ],

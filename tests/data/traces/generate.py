@@ -170,6 +170,7 @@ class Record:
     key: str
     response: str
     origin: str  # model | template | fixed
+    wave: int  # the step it was sent in: a session's requests of one wave run at the same time
 
 
 # --------------------------------------------------------------------------------------
@@ -352,7 +353,7 @@ def drive(traces: list[TraceSpec], answerer: Answerer) -> dict[str, list[Record]
                 text, origin = next(answers)
                 key = f"r{item.num_answers}"
                 item.num_answers += 1
-                records[item.spec.trace].append(Record(item.spec, draft, key, text, origin))
+                records[item.spec.trace].append(Record(item.spec, draft, key, text, origin, wave))
                 said.append(Said(key, draft.agent, text))
             try:
                 item.pending = item.run.send(said)
@@ -432,27 +433,11 @@ def placeholder_labels(records: list[Record]) -> list[list[list[Any]]]:
 
 
 def round_labels(records: list[Record]) -> list[str | None]:
-    """Per request, its round by the definition the gateway is asked to apply: requests
-    of one session whose prompts quote the same set of at least two earlier answers form
-    an All-Gather round (whoever sends them, in whatever order). Computed from what the
-    generator quoted, never from the gateway."""
-    keys = []
-    for record in records:
-        answers = frozenset(q.ref for q in record.draft.quotes if q.ref.kind == "output")
-        keys.append((record.spec.app, record.spec.label, answers) if len(answers) >= 2 else None)
-    sizes: dict[tuple, int] = {}
-    for key in keys:
-        if key is not None:
-            sizes[key] = sizes.get(key, 0) + 1
-    names: dict[tuple, str] = {}
-    labels: list[str | None] = []
-    for key in keys:
-        if key is None or sizes[key] < 2:
-            labels.append(None)
-            continue
-        names.setdefault(key, f"{key[1]}/round{sum(1 for k in names if k[:2] == key[:2]) + 1}")
-        labels.append(names[key])
-    return labels
+    """Per request, its round as the generator built it: the round of the app's own
+    protocol (an All-Gather round, a KVCOMM debate round) on the requests that read
+    earlier answers, None everywhere else (group chats, pipelines and loops have no
+    rounds). Written where each prompt is drafted, never computed by a rule."""
+    return [record.draft.round for record in records]
 
 
 def true_edges(records: list[Record]) -> dict[str, list[list[str]]]:
@@ -516,7 +501,7 @@ def write_trace(trace: TraceSpec, records: list[Record], out_dir: Path) -> Path:
         line = {"headers": {"content-type": "application/json", **spec.headers}, "model": MODEL, "body": body,
                 "response": record.response,
                 "labels": {"app": spec.app, "session": spec.label, "agent": draft.agent,
-                           "placeholders": placeholders, "round": round_label}}
+                           "placeholders": placeholders, "round": round_label, "wave": record.wave}}
         lines.append(json.dumps(line, ensure_ascii=False))
     path = out_dir / f"{trace.name}.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -687,8 +672,8 @@ def _agent_block(content: Content, number: int, role: str, said: Said) -> None:
     content.text(f"Agent {number}, role is {KVCOMM_ROLES[role].display}, output is:\n\n").said(said).text("\n\n")
 
 
-def kvcomm_session(item: Choice, roles: list[str], rounds: int,
-                   memory: frozenset[str]) -> Callable[[random.Random], SessionRun]:
+def kvcomm_session(item: Choice, roles: list[str], rounds: int, memory: frozenset[str],
+                   label: str) -> Callable[[random.Random], SessionRun]:
     def run(rng: random.Random) -> SessionRun:
         history: dict[str, list[Said]] = {role: [] for role in roles}
         for r in range(rounds):
@@ -713,7 +698,8 @@ def kvcomm_session(item: Choice, roles: list[str], rounds: int,
                         for other in others:
                             _agent_block(user, roles.index(other) + 1, other, history[other][r - 2])
                 fallbacks = kvcomm_fallbacks(rng, KVCOMM_ROLES[role], item, j > 0 or r > 0)
-                [said] = yield [prompt.draft(role, fallbacks)]
+                round_label = f"{label}/round{r + 1}" if j > 0 or r > 0 else None  # reads answers of this round or the last
+                [said] = yield [prompt.draft(role, fallbacks, round_label)]
                 history[role].append(said)
     return run
 
@@ -723,7 +709,7 @@ def kvcomm_trace(n: int, num_sessions: int, rounds: int, memory: frozenset[str],
     roles = list(KVCOMM_ROLES)[:n]
     items = rng.sample(MMLU, num_sessions)
     name = f"kvcomm_{n}agents"
-    specs = [SessionSpec(name, "default", f"s{i + 1}", kvcomm_session(item, roles, rounds, memory),
+    specs = [SessionSpec(name, "default", f"s{i + 1}", kvcomm_session(item, roles, rounds, memory, f"s{i + 1}"),
                          openai_headers("gptswarm")) for i, item in enumerate(items)]
     return TraceSpec(name, f"KVCOMM/GPTSwarm fully connected, {n} agents, {rounds} rounds: each prompt holds the "
                      "question, this round's earlier answers, last round's answers of all others, and for some "

@@ -80,13 +80,23 @@ def test_a_tool_call_id_continues_the_session_whose_answer_made_the_call():
 def test_a_short_text_is_a_placeholder_as_a_whole_message_and_never_inside_one():
     app = App()
     tool = {"role": "tool", "tool_call_id": "c1", "content": "911.872"}
-    first = app.ask(PLANNER, user(TASK), tool, answer="About 912 dollars.")
+    first = app.ask(PLANNER, user(TASK), tool, answer="About 912.")
     assert (2, 0, 7, f"condition_{first.agent_id}_current") in placeholders(first)
-    again = app.ask(PLANNER, user(TASK), tool, {"role": "assistant", "content": "About 912 dollars."},
-                    user("Is 911.872 exact? About 912 dollars."))
+    again = app.ask(PLANNER, user(TASK), tool, {"role": "assistant", "content": "About 912."},
+                    user("Is 911.872 exact? About 912."))
     found = placeholders(again)
-    assert (2, 0, 7) in [p[:3] for p in found] and (3, 0, 18) in [p[:3] for p in found]
+    assert (2, 0, 7) in [p[:3] for p in found] and (3, 0, 10) in [p[:3] for p in found]
     assert not [p for p in found if p[0] == 4]  # the same strings inside a longer message are not quoted
+
+
+def test_an_answer_of_sixteen_characters_or_more_is_found_inside_a_message_as_whole_words():
+    app = App()
+    first = app.ask(PLANNER, user(TASK), answer="The answer is 12")
+    name = f"agent_{first.agent_id}_current"
+    found = placeholders(app.ask(WRITER, user(TASK), user("Agent 1 said: The answer is 12.\nCheck it.")))
+    assert (2, 14, 30, name) in found
+    inside = placeholders(app.ask(WRITER, user(TASK), user("Agent 1 said: The answer is 123.")))
+    assert not [p for p in inside if p[0] == 2]  # not inside a longer word
 
 
 def test_an_answer_is_found_with_its_trailing_whitespace_or_without_it():

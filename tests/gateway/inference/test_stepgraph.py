@@ -96,14 +96,14 @@ def _reachable_avoiding(g: StepGraph, start: str, avoid: str) -> set[str]:
     while todo:
         at = todo.pop()
         for agent in g.nodes:
-            if at in g.predecessors(agent) and agent != avoid and agent not in seen:
+            if at in g.step_predecessors(agent) and agent != avoid and agent not in seen:
                 seen.add(agent)
                 todo.append(agent)
     return seen
 
 
 def _waits_for(g: StepGraph, agent: str, current: str) -> set[str]:
-    return set(g.predecessors(agent)) & _reachable_avoiding(g, current, agent)
+    return set(g.step_predecessors(agent)) & _reachable_avoiding(g, current, agent)
 
 
 def _reference_steps(g: StepGraph, current: str) -> dict[str, int]:
@@ -115,7 +115,7 @@ def _reference_steps(g: StepGraph, current: str) -> dict[str, int]:
     while True:
         offers = {}
         for agent in g.nodes:
-            preds = g.predecessors(agent)
+            preds = g.step_predecessors(agent)
             if agent in steps or not preds:
                 continue
             if g.aggregation(agent) == "or":
@@ -130,12 +130,12 @@ def _reference_steps(g: StepGraph, current: str) -> dict[str, int]:
             low = min(offers.values())
             steps.update({agent: step for agent, step in offers.items() if step == low})
             continue
-        waiting = [a for a in g.nodes if a not in steps and g.predecessors(a) & steps.keys()]
+        waiting = [a for a in g.nodes if a not in steps and g.step_predecessors(a) & steps.keys()]
         if not waiting:
             return steps
-        first = min(waiting, key=lambda a: (max(steps[p] for p in g.predecessors(a) & steps.keys()),
+        first = min(waiting, key=lambda a: (max(steps[p] for p in g.step_predecessors(a) & steps.keys()),
                                             -g.nodes[a].succession[current], a))
-        steps[first] = max(steps[p] for p in g.predecessors(first) & steps.keys()) + 1
+        steps[first] = max(steps[p] for p in g.step_predecessors(first) & steps.keys()) + 1
 
 
 def _relaxed_steps(g: StepGraph, current: str) -> dict[str, int] | None:
@@ -146,7 +146,7 @@ def _relaxed_steps(g: StepGraph, current: str) -> dict[str, int] | None:
     while changed:
         changed = False
         for agent in g.nodes:
-            preds = g.predecessors(agent)
+            preds = g.step_predecessors(agent)
             if agent == current or not preds:
                 continue
             if g.aggregation(agent) == "or":
@@ -157,7 +157,7 @@ def _relaxed_steps(g: StepGraph, current: str) -> dict[str, int] | None:
                 value = max(steps[p] for p in waits) + 1 if waits and waits <= steps.keys() else None
             if value is not None and value < steps.get(agent, value + 1):
                 steps[agent], changed = value, True
-    if any(a not in steps and g.predecessors(a) & steps.keys() for a in g.nodes):
+    if any(a not in steps and g.step_predecessors(a) & steps.keys() for a in g.nodes):
         return None
     return steps
 
@@ -235,3 +235,18 @@ def test_a_node_keeps_at_most_max_sources_of_each_kind_and_counts_the_rest():
     g = StepGraph(max_sources=3, bounded=bounded)
     g.observe("join", {f"s{i}" for i in range(5)}, set(), None)
     assert len(g.predecessors("join")) == 3 and bounded["step_edges_not_kept"] == 2
+
+
+def test_in_a_transcript_the_steps_follow_who_ran_after_whom():
+    """A round-robin chat: every agent reads every other, so reading says nothing of the
+    order; the steps walk the sources each agent also ran right after."""
+    g = StepGraph()
+    g.observe("planner", set(), set(), None)
+    g.observe("writer", {"planner"}, {"planner"}, "planner")
+    g.observe("critic", {"planner", "writer"}, {"planner", "writer"}, "writer")
+    g.observe("planner", {"writer", "critic"}, {"writer", "critic"}, "critic")
+    g.observe("writer", {"planner", "critic"}, {"planner", "critic"}, "planner")
+    assert g.predecessors("planner") == {"writer", "critic"}  # the edges: who reads whom
+    assert g.step_predecessors("planner") == {"critic"} and g.step_predecessors("writer") == {"planner"}
+    assert g.workflow("critic").next == ["planner"]
+    assert g.workflow("planner").next == ["writer"]

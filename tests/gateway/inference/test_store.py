@@ -91,7 +91,9 @@ def test_only_new_texts_are_written_again(db_url):
             await store.flush()
             _request(inference, "Planner", 1, transcript, "a", "s1")
             written = await store.flush()
-        assert written == 1 + 1 + 1 + 3 + 1  # the session, its new answer, the agent, its 3 edges, its new round
+        # The session, its new answer, the agent and its 3 edges, and the Critic with its 3: its answer is
+        # quoted under its name for the first time, which names it. A transcript forms no round.
+        assert written == 1 + 1 + (1 + 3) + (1 + 3)
         engine = create_async_engine(db_url)
         async with engine.connect() as conn:
             assert (await conn.execute(select(func.count()).select_from(SegmentRow))).scalar_one() == 5

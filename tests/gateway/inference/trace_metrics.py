@@ -23,7 +23,8 @@ V = TypeVar("V", bound=Hashable)
 Span = tuple[int, int, int, str]  # (message_index, char_start, char_end, placeholder name)
 Edge = tuple[str, str, str]  # (app, source agent, target agent)
 
-METRICS = ("session", "agent", "placeholder_precision", "placeholder_recall", "round", "edge_f1")
+METRICS = ("session", "agent", "placeholder_precision", "placeholder_recall", "round", "edge_f1", "next_agent",
+           "next_agent_warm")
 _PLACEHOLDER = re.compile(r"^(agent|condition)_(.+)_(current|history_\d+)$")
 
 
@@ -35,7 +36,9 @@ class Observed:
     session: str
     agent: str
     placeholders: frozenset[Span]
-    round: str | None  # None: not part of an All-Gather round
+    round: str | None  # None: not part of a round
+    next: frozenset[str] = frozenset()  # predicted only: the plan's `workflow.next`
+    wave: int | None = None  # truth only: the step the generator sent it in (a session's requests of one run together)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class Scores:
     round_forward: float  # predicted round -> majority true round only: blind to rounds invented or split
     spurious_rounds: int  # requests given a round although they belong to none
     edge_f1: float
+    next_agent: float  # at each agent change in a session, whether the plan named the agent that came next
+    next_agent_warm: float  # the same where the agent had been seen followed by another before
 
 
 def majority(pairs: Iterable[tuple[K, V]]) -> dict[K, V]:
@@ -118,7 +123,39 @@ def score(truth: Sequence[Observed], predicted: Sequence[Observed], true_edges: 
         round_forward=_round_forward([_round_key(p) for p in predicted], [_round_key(t) for t in truth]),
         spurious_rounds=sum(t.round is None and p.round is not None for t, p in zip(truth, predicted)),
         edge_f1=f1(set(true_edges), translated_edges),
+        next_agent=next_agent_accuracy(truth, predicted, agents),
+        next_agent_warm=next_agent_accuracy(truth, predicted, agents, warm_only=True),
     )
+
+
+def next_agent_accuracy(truth: Sequence[Observed], predicted: Sequence[Observed],
+                        agents: Mapping[tuple[str, str], str], warm_only: bool = False) -> float:
+    """For every request after which another agent ran next in its session (the agents
+    of the session's next wave: a round's agents run together), the share whose plan
+    named one of them in `workflow.next` (ids read through `agents`). `warm_only`: only
+    requests whose agent the gateway had already seen followed by another (before this
+    request, an earlier request of that agent had a successor): where it could know."""
+    waves: dict[tuple[str, str], dict[int, list[int]]] = {}  # (app, session) -> wave -> its requests
+    for n, t in enumerate(truth):
+        waves.setdefault((t.app, t.session), {}).setdefault(n if t.wave is None else t.wave, []).append(n)
+    followed_at: dict[tuple[str, str], int] = {}  # (app, agent) -> when the gateway first saw its successor
+    changes = hits = 0
+    for n, (t, p) in enumerate(zip(truth, predicted)):
+        session = waves[(t.app, t.session)]
+        wave = n if t.wave is None else t.wave
+        later = [w for w in session if w > wave]
+        following = session[min(later)] if later else []
+        agents_next = {truth[m].agent for m in following}
+        if not agents_next - {t.agent}:
+            continue
+        key = (t.app, t.agent)
+        warm = followed_at.get(key, n) < n
+        followed_at[key] = min(followed_at.get(key, following[0]), following[0])
+        if warm_only and not warm:
+            continue
+        changes += 1
+        hits += bool(agents_next & {agents.get((p.app, a), a) for a in p.next})
+    return hits / changes if changes else 1.0
 
 
 def _round_forward(predicted: Sequence[Hashable], true: Sequence[Hashable]) -> float:
@@ -138,10 +175,10 @@ def _round_key(observed: Observed) -> tuple[str, str] | None:
 def table(rows: Mapping[str, Scores]) -> str:
     """A compact fixed-width table, one trace per line."""
     head = (f"{'trace':<28}{'reqs':>5}{'sess':>7}{'agent':>7}{'ph_P':>7}{'ph_R':>7}{'round':>7}{'r_fwd':>7}"
-            f"{'spur':>6}{'edgeF1':>8}")
+            f"{'spur':>6}{'edgeF1':>8}{'next':>7}{'n_warm':>7}")
     lines = [head, "-" * len(head)]
     for name, s in rows.items():
         lines.append(f"{name:<28}{s.requests:>5}{s.session:>7.3f}{s.agent:>7.3f}{s.placeholder_precision:>7.3f}"
                      f"{s.placeholder_recall:>7.3f}{s.round:>7.3f}{s.round_forward:>7.3f}{s.spurious_rounds:>6}"
-                     f"{s.edge_f1:>8.3f}")
+                     f"{s.edge_f1:>8.3f}{s.next_agent:>7.3f}{s.next_agent_warm:>7.3f}")
     return "\n".join(lines)

@@ -1,0 +1,59 @@
+"""Which live session a request without a session id continues, from what its prompt quotes.
+
+The session whose answers and tool results cover most of the prompt, if any. Of those
+that cover as much, the most recently used: a repeated run of a task produces the same
+texts again, and its next prompt continues the new run, not the old one. The question
+counts only between sessions that share none of their outputs with the prompt. Short
+texts (found only as whole messages) recur by chance and link nothing.
+
+A session is continued when the prompt holds its outputs, or anything after its
+question. One that this agent has already asked, and of which the prompt holds only the
+question as its last message, is started over: that is a new run of the same task (a
+second agent asking the same question is the same run: a round's next member).
+
+Tool-call ids are stronger than any text: they are unique per answer, so a prompt that
+carries the id of a call one of a session's answers made continues that session.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from gateway.inference.state import AppState, TextKind
+from gateway.inference.textindex import Match
+
+_LINKING_KINDS: frozenset[TextKind] = frozenset({"response", "tool", "question"})
+
+
+def find_texts(app: AppState, content: str) -> list[Match]:
+    """The known texts in one message: long ones anywhere in it, a short one as the whole message."""
+    matches = app.index.find(content)
+    if not matches and (whole := app.index.find_whole(content)) is not None:
+        matches = [whole]
+    return matches
+
+
+def linked_session(app: AppState, found: dict[int, list[Match]], agent_id: str, last_message: int) -> str | None:
+    """The session a prompt continues, by the texts `found` in each message (by index)."""
+    chars: Counter[str] = Counter()  # of outputs
+    asked: Counter[str] = Counter()  # of the question
+    continued: set[str] = set()
+    for index, matches in found.items():
+        for match in matches:
+            if match.end - match.start < app.index.anchor_chars:
+                continue
+            counted: set[str] = set()  # a match counts once per session, however many of its texts it equals
+            for ref in match.refs:
+                session = app.sessions.get(ref.session_id)
+                kind = session.texts[ref.seq].kind if session is not None else None
+                if kind in _LINKING_KINDS and ref.session_id not in counted:
+                    counted.add(ref.session_id)
+                    (asked if kind == "question" else chars)[ref.session_id] += match.end - match.start
+                    if kind != "question" or index < last_message:
+                        continued.add(ref.session_id)
+    recency = {session_id: n for n, session_id in enumerate(app.sessions)}  # least recently used first
+    for session_id in sorted(chars | asked, key=lambda s: (chars[s], bool(chars[s]) or asked[s], recency[s]),
+                             reverse=True):
+        if session_id in continued or not app.sessions[session_id].has_asked(agent_id):
+            return session_id
+    return None
