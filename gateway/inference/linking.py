@@ -13,6 +13,14 @@ second agent asking the same question is the same run: a round's next member).
 
 Tool-call ids are stronger than any text: they are unique per answer, so a prompt that
 carries the id of a call one of a session's answers made continues that session.
+
+A prompt that continues one session and also quotes the outputs of others joins them
+(`sessions_to_merge`): agents that each kept a conversation of their own (an All-Gather
+app whose first round shares no text) are one workflow once they read each other. Only
+outputs found nowhere in the continued session count (not the question, which an answer
+may repeat), only into a session that already had requests, and only sessions none of
+whose agents has asked in it: a new run of a task whose answers repeat an old run's is
+not merged with it.
 """
 
 from __future__ import annotations
@@ -57,3 +65,24 @@ def linked_session(app: AppState, found: dict[int, list[Match]], agent_id: str, 
         if session_id in continued or not app.sessions[session_id].has_asked(agent_id):
             return session_id
     return None
+
+
+def sessions_to_merge(app: AppState, found: dict[int, list[Match]], session_id: str) -> list[str]:
+    """The other live sessions whose outputs this prompt of `session_id` quotes (see above)."""
+    session = app.sessions[session_id]
+    if not session.num_requests:
+        return []  # a session this prompt starts: it continues none, so it joins none
+    others: list[str] = []
+    for matches in found.values():
+        for match in matches:
+            if match.end - match.start < app.index.anchor_chars or any(r.session_id == session_id for r in match.refs):
+                continue
+            kinds: dict[str, set[str]] = {}
+            for ref in match.refs:
+                if (other := app.sessions.get(ref.session_id)) is not None:
+                    kinds.setdefault(ref.session_id, set()).add(other.texts[ref.seq].kind)
+            for other_id, found_kinds in kinds.items():  # an answer that repeats its session's question is the question
+                if found_kinds == {"response"} and other_id not in others \
+                        and not app.sessions[other_id].members & session.members:
+                    others.append(other_id)
+    return others

@@ -25,7 +25,7 @@ from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent
 from gateway.inference.agenttable import AgentState
 from gateway.inference.budget import Deadline
-from gateway.inference.linking import find_texts, linked_session
+from gateway.inference.linking import find_texts, linked_session, sessions_to_merge
 from gateway.inference.messages import call_ids, prompt_messages, sha256
 from gateway.inference.prefix import PrefixLearner
 from gateway.inference.rounds import read_pattern
@@ -88,6 +88,11 @@ class Inference:
                       or linked_session(app, found, agent.id, messages[-1].index if messages else 0)
                       or f"sess-{uuid.uuid4().hex[:16]}")
         session = app.session(session_id)
+        if ident.session_id is None and (joined := sessions_to_merge(app, found, session_id)):
+            for other in joined:
+                app.merge(session, app.sessions[other])
+                self.changes.merged.add((ident.app_id, other))
+            found = {m.index: find_texts(app, m.content) for m in messages if m.content}  # now texts of this session
         session.num_requests += 1
         session.members.add(agent.id)
         fixed_chars = agent.prefix.observe(system.content).fixed_chars if system and system.content else 0

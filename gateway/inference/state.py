@@ -102,18 +102,20 @@ class Changes:
 
     sessions: set[tuple[str, str]] = field(default_factory=set)  # (app, session)
     agents: set[tuple[str, str]] = field(default_factory=set)  # (app, agent): its prefix and step-graph node
+    merged: set[tuple[str, str]] = field(default_factory=set)  # (app, session) merged into another: its rows go
 
     def take(self) -> Changes:
-        taken = Changes(self.sessions, self.agents)
-        self.sessions, self.agents = set(), set()
+        taken = Changes(self.sessions, self.agents, self.merged)
+        self.sessions, self.agents, self.merged = set(), set(), set()
         return taken
 
     def merge(self, other: Changes) -> None:
         self.sessions |= other.sessions
         self.agents |= other.agents
+        self.merged |= other.merged
 
     def __bool__(self) -> bool:
-        return bool(self.sessions or self.agents)
+        return bool(self.sessions or self.agents or self.merged)
 
 
 class AppState:
@@ -176,6 +178,30 @@ class AppState:
     def session_of_calls(self, call_ids: list[str]) -> str | None:
         """The live session whose answers made the first of these tool calls it knows."""
         return next((self._calls[c] for c in call_ids if c in self._calls), None)
+
+    def merge(self, into: SessionState, other: SessionState) -> None:
+        """Take `other`'s texts, agents and tool calls into `into` and drop `other`: a
+        prompt of `into` quoted `other`'s outputs, so they are one workflow (agents that
+        each kept a conversation of their own until they read each other). `other`'s
+        texts are numbered after `into`'s, in their order; its rounds are not kept."""
+        renumbered: dict[int, int] = {}
+        for seq in sorted(other.texts):
+            ref = TextRef(other.id, seq)
+            forms = self.index.forms_of(ref)
+            if forms and (new := self.add_text(into, forms[0], other.texts[seq], forms[1:])) is not None:
+                renumbered[seq] = new
+        for mine, theirs in ((into.responses, other.responses), (into.tools, other.tools)):
+            for agent, seqs in theirs.items():
+                mine.setdefault(agent, []).extend(renumbered[s] for s in seqs if s in renumbered)
+        for agent, seqs in other.read_by.items():
+            into.read_by.setdefault(agent, set()).update(renumbered[s] for s in seqs if s in renumbered)
+        into.members |= other.members
+        into.num_requests += other.num_requests
+        into.first_seen = min(into.first_seen, other.first_seen)
+        calls = other.call_ids
+        self._drop(other.id)
+        for call_id in calls:
+            self.add_call(into, call_id)
 
     def replace_text(self, session: SessionState, seq: int, text: str, known: KnownText) -> None:
         """Narrow a known text (the question, to the part agents share); saved again."""

@@ -18,7 +18,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from typing import NamedTuple
 
-from sqlalchemy import and_, select
+from sqlalchemy import and_, delete, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -117,6 +117,9 @@ class StateStore:
         batch, advance = self._rows(changes)
         try:
             async with self._engine.begin() as conn:
+                for app_id, session_id in sorted(changes.merged):  # merged into another session: gone
+                    for table in (InferredSessionRow, SegmentRow, RoundRow):
+                        await conn.execute(delete(table).where(table.app_id == app_id, table.session_id == session_id))
                 for table, values in batch.items():
                     if values:
                         await conn.execute(self._upserts[table], values)

@@ -115,6 +115,10 @@ class TextIndex(Generic[Ref]):
         forms = self._forms.get(ref)
         return forms[0] if forms else None
 
+    def forms_of(self, ref: Ref) -> tuple[str, ...]:
+        """Every form `ref` is indexed under, the first as given; () when unknown."""
+        return tuple(self._forms.get(ref, ()))
+
     def remove(self, ref: Ref) -> None:
         for form in self._forms.pop(ref, ()):
             if len(form) < self.anchor_chars:

@@ -131,3 +131,38 @@ def test_tasks_that_merely_begin_alike_keep_their_words():
     app.ask(PLANNER, user("What is the weather in Rome tomorrow?"))
     result = app.ask(PLANNER, user("What is your shipping policy?"))
     assert placeholders(result)[0][1:3] == (0, len("What is your shipping policy?"))
+
+
+def test_agents_that_kept_their_own_conversations_join_one_session_once_they_read_each_other():
+    """An All-Gather app whose first round shares no text: each villager starts a session
+    of its own; the first round-2 prompt that reads the others' answers joins them, and
+    every later prompt finds every answer as a placeholder of that one session."""
+    app = App()
+    systems = [f"You are villager {i}, living in a small river town; you speak plainly." for i in range(3)]
+    mornings = [f"Good morning, villager {i}. What will you do today in your own part of the town?" for i in range(3)]
+    answers = [f"Villager {i}: I will mend the nets, then walk the dog along the river to the mill." for i in range(3)]
+    first = [app.ask(systems[i], user(mornings[i]), answer=answers[i]) for i in range(3)]
+    assert len({r.session_id for r in first}) == 3  # nothing shared yet
+    later = []
+    for i in range(3):
+        others = "\n\n".join(answers[j] for j in range(3) if j != i)
+        later.append(app.ask(systems[i], user(mornings[i]), {"role": "assistant", "content": answers[i]},
+                             user(f"Your neighbours said:\n\n{others}")))
+    (joined,) = {r.session_id for r in later}
+    assert joined in {r.session_id for r in first}  # the one the first round-2 prompt continued
+    assert {r.session_id for r in first} & set(app.inference.apps["default"].sessions) == {joined}  # merged away
+    for i, result in enumerate(later[1:], start=1):
+        names = {p[3] for p in placeholders(result)}
+        assert {f"agent_{r.agent_id}_current" for r in first} <= names  # own answer and both neighbours'
+    changes = app.inference.changes.take()
+    assert {("default", r.session_id) for r in first if r.session_id != joined} <= changes.merged
+
+
+def test_a_new_run_whose_answers_repeat_an_old_run_s_is_not_merged_with_it():
+    app = App()
+    old = app.ask(PLANNER, user(TASK), answer=PLAN)
+    app.ask(WRITER, user(TASK), user(PLAN), answer="Enjoy Lisbon!")
+    new = app.ask(PLANNER, user(TASK), answer=PLAN)  # the same answer again, in a new run
+    writer = app.ask(WRITER, user(TASK), user(PLAN))
+    assert writer.session_id == new.session_id != old.session_id
+    assert old.session_id in app.inference.apps["default"].sessions

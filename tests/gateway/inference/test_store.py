@@ -219,3 +219,36 @@ def test_agents_evicted_between_saves_do_not_break_them_and_a_restart_keeps_the_
 
 def _agent_of(inference: Inference, app: str, role: str) -> str:
     return next(a.id for a in inference.app(app).agents.values() if a.prefix.candidate and role in a.prefix.candidate)
+
+
+def test_a_session_merged_into_another_leaves_sql_and_its_texts_come_back_in_the_other(db_url):
+    async def run() -> None:
+        inference = Inference(InferenceSettings())
+        async with _store(db_url, inference) as store:
+            _converse(inference, "a", "s1", 1)
+            _converse(inference, "a", "s2", 1)
+            await store.flush()
+            app = inference.app("a")
+            merged_texts = len(app.sessions["s2"].texts)
+            app.sessions["s1"].members.clear()  # as if s2's agents had never asked in s1
+            app.merge(app.sessions["s1"], app.sessions["s2"])
+            inference.changes.merged.add(("a", "s2"))
+            inference.changes.sessions.add(("a", "s1"))
+            await store.flush()
+            kept = len(app.sessions["s1"].texts)
+        engine = create_async_engine(db_url)
+        async with engine.connect() as conn:
+            sessions = (await conn.execute(select(InferredSessionRow.session_id))).scalars().all()
+            segments = (await conn.execute(select(func.count()).select_from(SegmentRow)
+                                           .where(SegmentRow.session_id == "s1"))).scalar_one()
+            orphans = (await conn.execute(select(func.count()).select_from(SegmentRow)
+                                          .where(SegmentRow.session_id == "s2"))).scalar_one()
+        await engine.dispose()
+        assert sessions == ["s1"] and orphans == 0 and segments == kept
+        assert kept >= merged_texts + 1  # s2's texts, renumbered after s1's own
+        rebuilt = Inference(InferenceSettings())
+        async with _store(db_url, rebuilt) as store:
+            await store.load()
+        assert not rebuilt.has_session("a", "s2") and len(rebuilt.app("a").sessions["s1"].texts) == kept
+
+    asyncio.run(run())
