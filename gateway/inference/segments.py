@@ -130,7 +130,8 @@ class SegmentBuilder:
                 if span.equal:
                     places[span.equal].append((spans, at))
         for equal, quoted in places.items():
-            newest = equal[-len(quoted):] if len(quoted) <= len(equal) else equal + (equal[-1],) * (len(quoted) - len(equal))
+            # k quotes read the k newest; more quotes than texts read the newest again
+            newest = equal[-len(quoted):] + (equal[-1],) * max(0, len(quoted) - len(equal))
             for (spans, at), seq in zip(quoted, newest):
                 spans.replace(at, spans[at]._replace(seq=seq, source_request=self.session.texts[seq].request_id))
         for spans in self._spans.values():
