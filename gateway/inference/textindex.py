@@ -26,6 +26,7 @@ import numpy as np
 Ref = TypeVar("Ref", bound=Hashable)
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible mod 2^64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 2**64))
+MAX_INSIDE = 64  # places inside matches looked up for a longer overlapping text, per prompt
 
 
 class Match(NamedTuple, Generic[Ref]):
@@ -147,8 +148,11 @@ class TextIndex(Generic[Ref]):
         return None
 
     def find(self, prompt: str) -> list[Match[Ref]]:
-        """Known texts inside `prompt`, leftmost first, the longest at each position,
-        never overlapping."""
+        """Known texts inside `prompt`, never overlapping: leftmost first, the longest at
+        each position; a longer text that starts inside a match and reaches past it takes
+        its place (an answer that repeats the start of the task, inside the task's
+        message, gives way to the task). At most MAX_INSIDE places inside matches are
+        looked up per prompt, and one compared per match, so a repetitive prompt stays linear."""
         k = self.anchor_chars
         if len(prompt) < k or not self._by_anchor:
             return []
@@ -156,18 +160,32 @@ class TextIndex(Generic[Ref]):
         filter_, mask = self._filter()
         candidates = np.flatnonzero(filter_[windows & mask])  # a superset: low hash bits only
         matches: list[Match[Ref]] = []
-        covered_until = 0
+        covered_until, compared, lookups = 0, True, MAX_INSIDE  # the latest match's end; whether it was looked into
         for start in candidates.tolist():
             if start < covered_until:
+                if compared or not lookups:
+                    continue  # the common case, kept to one comparison: a repetitive prompt has a candidate everywhere
+                lookups -= 1
+                latest, anchor = matches[-1], int(windows[start])
+                if anchor not in self._by_anchor or anchor == int(windows[latest.start]):
+                    continue  # the filter's false alarm, or the same texts again (a repetitive prompt)
+                compared = True  # one full comparison inside a match
+                found = self._longest_at(prompt, start, anchor)
+                if found is not None and found.end > latest.end and found.end - found.start > latest.end - latest.start:
+                    matches[-1], covered_until, compared = found, found.end, False
                 continue
-            best: tuple[str, list[Ref]] | None = None
-            for text, refs in self._by_anchor.get(int(windows[start]), {}).items():  # {} when the filter erred
-                if (best is None or len(text) > len(best[0])) and prompt.startswith(text, start):
-                    best = (text, refs)
-            if best is not None:
-                matches.append(Match(start, start + len(best[0]), tuple(best[1])))
-                covered_until = start + len(best[0])
+            found = self._longest_at(prompt, start, int(windows[start]))
+            if found is not None:
+                matches.append(found)
+                covered_until, compared = found.end, False
         return matches
+
+    def _longest_at(self, prompt: str, start: int, anchor: int) -> Match[Ref] | None:
+        best: tuple[str, list[Ref]] | None = None
+        for text, refs in self._by_anchor.get(anchor, {}).items():  # {} when the filter erred
+            if (best is None or len(text) > len(best[0])) and prompt.startswith(text, start):
+                best = (text, refs)
+        return Match(start, start + len(best[0]), tuple(best[1])) if best is not None else None
 
     def _filter(self) -> tuple[np.ndarray, np.uint64]:
         """A table indexed by the low bits of a hash, true where some anchor has those bits.

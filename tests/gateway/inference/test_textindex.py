@@ -66,10 +66,19 @@ def test_shorter_text_is_found_when_the_longer_one_does_not_match():
     assert idx.find("xx" + "ABCDEFGHijQQQQQQ" + "yy") == [Match(2, 12, ("short",))]
 
 
-def test_overlapping_candidates_keep_only_the_leftmost():
-    first, second = "0123456789abcdef", "89abcdefGHIJ"  # second starts inside first
+def test_overlapping_candidates_keep_the_leftmost_unless_a_longer_one_reaches_past_it():
+    first, second = "0123456789abcdef", "89abcdefGHIJ"  # second starts inside first, and is shorter
     idx = index((first, "first"), (second, "second"), anchor_chars=8)
     assert idx.find("..0123456789abcdefGHIJ..") == [Match(2, 18, ("first",))]
+    longer = "89abcdefGHIJKLMNOPQR"  # starts inside first, reaches past it and is longer: it wins
+    idx = index((first, "first"), (longer, "longer"), anchor_chars=8)
+    assert idx.find("..0123456789abcdefGHIJKLMNOPQR..") == [Match(10, 30, ("longer",))]
+
+
+def test_a_repetitive_prompt_looks_inside_each_match_a_bounded_number_of_times():
+    idx = index(("a" * 40, "run"), ("a" * 39 + "b", "other"), anchor_chars=8)
+    matches = idx.find("a" * 4000)
+    assert [m.end - m.start for m in matches] == [40] * 100
 
 
 def test_second_text_found_right_after_the_first_ends():
