@@ -50,7 +50,7 @@ def test_an_all_gather_round_is_prefilled_collectively(srv, start_gateway):
         plans = ["buy bread at the market", "repair the old mill", "paint the school fence"]
         outputs = [_ask(client, i, f"Day starts. Your own plan: {plans[i]}.").choices[0].message.content
                    for i in range(NUM_AGENTS)]
-        # The first reader of the outputs is a lone reader to the gateway; the other two are the round.
+        # The first reader runs alone; the other two arrive together and are prefilled as one group.
         first = _ask(client, 0, _round_prompt(outputs, 0))
         with ThreadPoolExecutor(2) as pool:
             rest = list(pool.map(lambda i: _ask(client, i, _round_prompt(outputs, i)), (1, 2)))
@@ -69,6 +69,6 @@ def test_an_all_gather_round_is_prefilled_collectively(srv, start_gateway):
     for r, report in zip(rest, reports):
         assert r.usage.prompt_tokens_details.cached_tokens >= report["tokens_reused"] > 0
     stats = srv.llm.diff_store.stats()
-    # The round: one master and one mirror. The lone first reader ran on placed (approximate)
+    # The group: one master and one mirror. The first reader, alone, ran on placed (approximate)
     # KV too, so its prompt was kept for its next turn, as a master of its own.
     assert (stats["masters"], stats["mirrors"]) == (2, 1)

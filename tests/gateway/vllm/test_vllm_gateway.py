@@ -105,8 +105,7 @@ def _peak_overlap(rows) -> int:
 
 
 def test_an_all_gather_round_stays_on_its_session_s_replica(gw):
-    """Six agents speak, then read all six outputs: one first (a lone reader to the
-    gateway until another joins), then five at once. Four requests in flight on the
+    """Six agents speak, then read all six outputs: one first, alone, then five at once. Four requests in flight on the
     session's replica (none on the other) is enough for the load guard to move a plain
     request away (the control session shows it), but a round's requests share their KV
     only on one replica, so the gateway holds them all there. The concurrent requests
