@@ -252,9 +252,9 @@ def _next_agent(workloads: list[Workload], records: Mapping[Key, Record],
     changes = hits = 0
     for workload in workloads:
         followed_at: dict[str, float] = {}  # agent -> when a successor of it first started
+        runs = {run.name: run for run in workload.runs}
         for request in sorted(workload.requests, key=lambda r: r.t_start):
-            run = next(r for r in workload.runs if r.name == request.run)
-            following = next_agents(run, request)
+            following = next_agents(runs[request.run], request)
             agents_next = {r.agent for r in following}
             if request.key not in records or not agents_next - {request.agent}:
                 continue

@@ -59,9 +59,8 @@ def linked_session(app: AppState, found: dict[int, list[Match]], agent_id: str, 
                     (asked if kind == "question" else chars)[ref.session_id] += match.end - match.start
                     if kind != "question" or index < last_message:
                         continued.add(ref.session_id)
-    recency = {session_id: n for n, session_id in enumerate(app.sessions)}  # least recently used first
-    for session_id in sorted(chars | asked, key=lambda s: (chars[s], bool(chars[s]) or asked[s], recency[s]),
-                             reverse=True):
+    for session_id in sorted(chars | asked, reverse=True,
+                             key=lambda s: (chars[s], bool(chars[s]) or asked[s], app.sessions[s].used)):
         if session_id in continued or not app.sessions[session_id].has_asked(agent_id):
             return session_id
     return None

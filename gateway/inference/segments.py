@@ -62,6 +62,8 @@ class SegmentBuilder:
         self._texts: dict[int, str] = {}
         self.responses_read: set[int] = set()  # seqs of this session's responses found in the prompt (see settle)
         self.renamed: set[str] = set()  # agents that got a name from this prompt
+        self._inner: dict[str, list[int]] = {}  # the session's short texts by text, built once per prompt ...
+        self._inner_of: int | None = None  # ... for the session's newest short text then (a new one rebuilds it)
 
     def add_message(self, message: PromptMessage, matches: list[Match], fixed_chars: int,
                     separators: list[str]) -> None:
@@ -197,11 +199,13 @@ class SegmentBuilder:
 
     def _add_inner(self, spans: Spans, content: str, fixed_chars: int) -> None:
         """The session's short texts inside this message, as whole words."""
-        by_text: dict[str, list[int]] = defaultdict(list)
-        for seq in self.session.inner:
-            if (text := self.app.index.text_of(TextRef(self.session.id, seq))) and len(text) >= INNER_MIN_CHARS:
-                by_text[text].append(seq)
-        for text, seqs in by_text.items():
+        newest = self.session.inner[-1] if self.session.inner else None
+        if newest != self._inner_of:  # seqs only grow: a changed newest is a new short text
+            self._inner, self._inner_of = defaultdict(list), newest
+            for seq in self.session.inner:
+                if (text := self.app.index.text_of(TextRef(self.session.id, seq))) and len(text) >= INNER_MIN_CHARS:
+                    self._inner[text].append(seq)
+        for text, seqs in self._inner.items():
             at = content.find(text, fixed_chars)
             for _ in range(MAX_INNER_PLACES):
                 if at < 0:

@@ -10,6 +10,7 @@ forgets an evicted agent with it, so its size follows the agents'.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -56,6 +57,7 @@ class SessionState:
     first_seen: float = field(default_factory=time.time)  # wall clock, for the records
     num_saved_texts: int = 0  # texts 0 .. n-1 are in SQL (seqs are dense: a text is only numbered once kept)
     members: set[str] = field(default_factory=set)  # agents that have sent a request of it
+    used: int = 0  # when it was last used, as the app's use counter: its place in the app's LRU order
     rounds: RoundDetector = field(init=False)
 
     def __post_init__(self) -> None:
@@ -129,6 +131,7 @@ class AppState:
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._calls: dict[str, str] = {}  # tool-call id -> the session whose answer made the call
+        self._uses = itertools.count(1)  # stamps SessionState.used, so recency needs no walk of the sessions
         self._ttl_s = session_ttl_s
         self._max_sessions = max_sessions
         self._max_texts = max_texts_per_session
@@ -142,7 +145,7 @@ class AppState:
             state = self.sessions[session_id] = SessionState(session_id, now)
             self._trim()
         self.sessions.move_to_end(session_id)
-        state.last_seen = now
+        state.last_seen, state.used = now, next(self._uses)
         return state
 
     def adopt(self, session: SessionState) -> None:
@@ -150,6 +153,7 @@ class AppState:
         if session.id in self.sessions:
             self._drop(session.id)
         self.sessions[session.id] = session
+        session.used = next(self._uses)
         for call_id in session.call_ids:
             self._calls.setdefault(call_id, session.id)
         self._trim()
