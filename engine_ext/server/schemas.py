@@ -51,6 +51,25 @@ class TextPart(BaseModel):
     text: Text
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json]
+
+    name: Text
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    """A tool call an earlier answer made, as an assistant message sends it back."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json]
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, Json]  # other fields reach the chat template: checked too
@@ -58,6 +77,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextPart] | None = None
     name: Text | None = None
+    tool_calls: list[ToolCall] | None = None  # typed: the gateway links sessions on their ids
+    tool_call_id: Text | None = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:

@@ -64,6 +64,14 @@ POISON = [
     ("text", text(suffix=LONE), "suffix"),
     ("text", text(kv_transfer_params={"note": float("nan")}), "kv_transfer_params"),
     ("chat", chat(tools=[{"type": "function", "function": {"name": "f", "x": float("inf")}}]), "tools"),
+    ("chat", chat(messages=msgs({"role": "user", "content": "Hi"}, {"role": "tool", "content": "214",
+                                                                   "tool_call_id": [1, 2]})), "messages.1.tool_call_id"),
+    ("chat", chat(messages=msgs({"role": "user", "content": "Hi"},
+                                {"role": "assistant", "content": None, "tool_calls": "nope"})), "messages.1.tool_calls"),
+    ("chat", chat(messages=msgs({"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": 7, "type": "function", "function": {"name": "f", "arguments": "{}"}}]})), "messages.1.tool_calls"),
+    ("chat", chat(messages=msgs({"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c" + LONE, "type": "function", "function": {"name": "f", "arguments": "{}"}}]})), "messages.1.tool_calls"),
 ]
 
 
