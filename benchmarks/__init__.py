@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "engine": "benchmarks.engine",
     "faithful": "benchmarks.faithful",
     "gateway": "benchmarks.gateway",
+    "grammars": "benchmarks.grammars",
     "icarus": "benchmarks.icarus",
     "inference": "benchmarks.inference",
     "kvcomm": "benchmarks.kvcomm",

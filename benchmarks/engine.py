@@ -1,7 +1,9 @@
 """kvrelay's embedded engine against HF transformers (eager attention), same model, same prompts.
 
-Measures prefill tokens/s, decode tokens/s at batch 1 and 8, and the TTFT of a request
-whose first 90% is a prefix-cache hit relative to a cold one.
+Measures prefill tokens/s, decode tokens/s at batch 1 and 8, the TTFT of a request
+whose first 90% is a prefix-cache hit relative to a cold one, and what constrained
+decoding costs: decode tokens/s answering with a JSON Schema's grammar over tokens/s of
+the same prompt and the same number of tokens, free.
 """
 
 from __future__ import annotations
@@ -76,6 +78,41 @@ def engine_prefix_ttft_ratio(engine: LLMEngine, prompts: PromptSource, n: int, r
     return min(hit_s), min(cold_s)
 
 
+def _decode_seconds(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
+    """Seconds from the first token to the last, and the tokens decoded in them."""
+    seq = engine.add_request(f"con-{time.monotonic_ns()}", prompt, params)
+    while not seq.output_token_ids:
+        engine.step()
+    start = time.perf_counter()
+    while not seq.is_finished:
+        engine.step()
+    return time.perf_counter() - start, len(seq.output_token_ids) - 1
+
+
+def constrained_decode_ratio(engine: LLMEngine, num_schemas: int) -> tuple[float, float]:
+    """Decode tokens/s with each seeded schema's grammar (benchmarks/json_schemas.py),
+    and free, on the same chat prompt for the same number of tokens (batch 1)."""
+    from benchmarks.json_schemas import prompt_for, seeded_schemas
+    from engine_ext.structured.grammar import Grammar, GrammarCompiler
+
+    tokenizer = engine.tokenizer
+    grammars = GrammarCompiler(tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
+    constrained_s = free_s = 0.0
+    tokens = 0
+    for schema in seeded_schemas(num_schemas):
+        prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": prompt_for(schema)}]))
+        constraint = grammars.constraint(Grammar.json_schema(schema, "response_format"))
+        seconds, n = _decode_seconds(engine, prompt, SamplingParams(max_tokens=160, temperature=0.0,
+                                                                    constraint=constraint))
+        if n < 4:
+            continue
+        free, free_n = _decode_seconds(engine, prompt, SamplingParams(max_tokens=n + 1, temperature=0.0,
+                                                                      ignore_eos=True))
+        constrained_s, free_s, tokens = constrained_s + seconds, free_s + free, tokens + n
+        assert free_n == n
+    return tokens / constrained_s, tokens / free_s
+
+
 # -- HF transformers baseline -----------------------------------------------------------
 def hf_prefill(model, prompts: PromptSource, n: int) -> None:
     ids = torch.tensor([prompts.take(n)])
@@ -136,7 +173,14 @@ def run(quick: bool, model: str | None) -> BenchResult:
     rows.append((f"TTFT ms, 90% prefix hit @ {sizes.prefix_prompt_len}", f"{hit_s * 1e3:.1f}",
                  f"{cold_s * 1e3:.1f} (kvrelay cold)", f"{hit_s / cold_s:.3f}"))
 
+    constrained, free = constrained_decode_ratio(engine, 4 if quick else 12)
+    rows.append(("decode tok/s, JSON Schema vs free", f"{constrained:.1f}", f"{free:.1f} (kvrelay free)",
+                 f"{constrained / free:.2f}x"))
+
     metrics.update({
+        "constrained_decode_tps": constrained,
+        "free_decode_tps": free,
+        "constrained_decode_ratio": constrained / free,
         "prefill_speedup_vs_hf": min(prefill_ratios),
         "decode_speedup_vs_hf": decode[1][0] / decode[1][1],
         "batch8_decode_throughput_ratio": decode[8][0] / decode[1][0],

@@ -417,6 +417,8 @@ class LLMEngine:
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
+        if seq.sampling.constraint is not None:
+            seq.sampling.constraint.accept(token)
         if seq.timeline.first_token is None:
             seq.timeline.first_token = time.monotonic()
         params = seq.sampling

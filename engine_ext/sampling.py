@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_ext.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from engine_ext.structured.grammar import TokenConstraint
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this sample greedily
@@ -24,6 +28,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # The grammar the answer must follow (engine_ext/structured): stateful, one per request.
+    constraint: TokenConstraint | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -36,6 +42,9 @@ class SamplingParams:
             raise InvalidRequestError("top_k must be >= 0 (0 disables it)", param="top_k")
         if len(self.stop) > 4 or any(not s for s in self.stop):
             raise InvalidRequestError("stop takes up to 4 non-empty strings", param="stop")
+        if self.constraint is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with a constrained answer, which ends "
+                                      "where its grammar ends", param="ignore_eos")
 
     @property
     def greedy(self) -> bool:
@@ -61,7 +70,13 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> list[int]:
-        """logits (B, vocab) fp32 -> one token id per row."""
+        """logits (B, vocab) fp32 -> one token id per row. A row with a grammar
+        constraint has the tokens its grammar forbids masked first (in place)."""
+        if any(p.constraint is not None for p in params):
+            logits = logits.clone()  # the model's output is an inference tensor: not writable here
+            for row, p in zip(logits, params):
+                if p.constraint is not None:
+                    p.constraint.mask_(row)
         if all(p.greedy for p in params):
             return logits.argmax(dim=-1).tolist()
         out = []

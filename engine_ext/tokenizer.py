@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -33,8 +34,12 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self._template = env.from_string(source)
+            # A template with a tools branch reads the `tools` variable; one without
+            # (SmolLM2's) would drop them silently (engine_ext/tools: the generic format).
+            self.takes_tools = "tools" in meta.find_undeclared_variables(env.parse(source))
         except jinja2.TemplateSyntaxError as exc:
             raise ModelLoadError(f"chat template does not compile: {exc}") from exc
+        self.source = source
         self._special = special_tokens
 
     def render(
@@ -89,6 +94,10 @@ class Tokenizer:
         if isinstance(source, list):  # named templates: take the default one
             source = next((t["template"] for t in source if t.get("name") == "default"), None)
         self.chat_template = ChatTemplate(source, special) if source else None
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (grammar libraries build their vocabulary from it)."""
+        return self._tok.to_str()
 
     @property
     def vocab_size(self) -> int:

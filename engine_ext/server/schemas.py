@@ -7,9 +7,10 @@ rather than silently ignored (a client asking for n=3 must not get one answer).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
@@ -51,6 +52,75 @@ class TextPart(BaseModel):
     text: Text
 
 
+# Content parts other than text: the served models read text only. Named here so the 400
+# says so, instead of pydantic listing every way the part failed to be text.
+UNSUPPORTED_PARTS = frozenset({"image_url", "input_audio", "file", "image", "audio", "video_url", "refusal"})
+
+
+def _text_parts(parts: Any) -> Any:
+    if isinstance(parts, list):
+        for i, part in enumerate(parts):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in UNSUPPORTED_PARTS:
+                raise ValueError(f"content[{i}]: {kind} parts are not supported: the served model reads text only")
+    return parts
+
+
+ToolName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json]  # unused, but checked like every field a request carries
+
+    name: ToolName
+    description: Text | None = None
+    parameters: JsonObject | None = None  # a JSON Schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, Json]
+
+    type: Literal["function"]  # the only kind a chat completion takes
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    json_schema: JsonObject = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="allow")
     __pydantic_extra__: dict[str, Json]
@@ -75,7 +145,7 @@ class ChatMessage(BaseModel):
     __pydantic_extra__: dict[str, Json]  # other fields reach the chat template: checked too
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Text | list[TextPart] | None = None
+    content: Text | Annotated[list[TextPart], BeforeValidator(_text_parts)] | None = None
     name: Text | None = None
     tool_calls: list[ToolCall] | None = None  # typed: the gateway links sessions on their ids
     tool_call_id: Text | None = None
@@ -87,13 +157,25 @@ class ChatMessage(BaseModel):
         return self
 
     def to_template(self) -> dict[str, Any]:
-        """The message as chat templates expect it: text content as one string."""
+        """The message as chat templates expect it: text content as one string, and a
+        tool call's arguments as an object where they are one (HF templates apply
+        `tojson` to them; a JSON string would be encoded twice)."""
         data = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             data["content"] = "".join(part.text for part in self.content)
         elif self.content is None:
             data["content"] = ""
+        for call in data.get("tool_calls", ()):
+            call["function"]["arguments"] = _arguments_object(call["function"]["arguments"])
         return data
+
+
+def _arguments_object(arguments: str) -> Any:
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
 
 
 class _GenerationRequest(BaseModel):
@@ -149,7 +231,25 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: TokenCount | None = None
-    tools: list[JsonObject] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # None: the client did not say. OpenAI's default lets the model make several calls;
+    # a grammar allows several only when the client asked (engine_ext/server/shaping.py).
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("each tool needs a distinct function name", param="tools")
+        choice = self.tool_choice
+        if choice in ("required",) or isinstance(choice, NamedToolChoice):
+            if not names:
+                raise InvalidRequestError("tool_choice needs tools to choose from", param="tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise InvalidRequestError(f"no tool named {choice.function.name!r} among the request's tools",
+                                      param="tool_choice")
 
     @property
     def resolved_max_tokens(self) -> int | None:

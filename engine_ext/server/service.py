@@ -6,7 +6,10 @@ prompt is built and how a choice is shaped.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import logging
 import time
@@ -26,6 +29,11 @@ from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, repor
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.plans import PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
+from engine_ext.server.shaping import ChatShape, shape_chat
+from engine_ext.structured.grammar import GrammarCompiler
+from engine_ext.tools.calls import ParsedAnswer, ToolCall
+from engine_ext.tools.formats import FORMATS, pick_format
+from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
 from engine_ext.timeline import TTFT_KEY, Timeline, breakdown, wants_breakdown
 
@@ -35,13 +43,16 @@ logger = logging.getLogger(__name__)
 
 class CompletionService:
     def __init__(self, engine: AsyncEngine, model_name: str, tracer: Tracer | None = None,
-                 plans: PlanReader | None = None) -> None:
+                 plans: PlanReader | None = None, generic_tool_auto: AutoPolicy = "call-first") -> None:
         self.engine = engine
         self.model_name = model_name
         self.plans = plans if plans is not None else PlanReader()
         self.tracer = tracer if tracer is not None else NoOpTracer()
         self.tokenizer = engine.engine.tokenizer
         self.aligner = PromptAligner(self.tokenizer)
+        self.tool_format = pick_format(self.tokenizer, FORMATS)  # how this model's template takes tools
+        if isinstance(self.tool_format, GenericFormat):
+            self.tool_format.auto_policy = generic_tool_auto
 
     def models(self) -> dict[str, Any]:
         """The base model, then each adapter as `base:adapter`."""
@@ -64,18 +75,21 @@ class CompletionService:
         return ref.name
 
     # -- prompt ----------------------------------------------------------------------
-    def _prompt(self, req: Request) -> tuple[AlignedPrompt, bool]:
+    def _prompt(self, req: Request) -> tuple[AlignedPrompt, bool, ChatShape | None]:
         """Token ids of the prompt, segment-aligned when the request carries a plan, and
-        whose caches it may use (its scope); and whether its plan asks for a fidelity probe."""
+        whose caches it may use (its scope); whether its plan asks for a fidelity probe;
+        and, for a chat, the shape its answer must take (engine_ext/server/shaping.py)."""
         self._adapter(req.model)
         req.check_supported()
         plan = self.plans.read(req.kv_transfer_params)
+        shape = None
         if isinstance(req, ChatCompletionRequest):
-            messages = [m.to_template() for m in req.messages]
+            shape = shape_chat(req, self.tool_format)
             if plan is None:
-                prompt = AlignedPrompt(self.tokenizer.encode(self.tokenizer.render_chat(messages, tools=req.tools)), [])
+                text = self.tokenizer.render_chat(shape.messages, tools=shape.tools)
+                prompt = AlignedPrompt(self.tokenizer.encode(text), [])
             else:
-                prompt = self.aligner.chat(messages, req.tools, plan)
+                prompt = self.aligner.chat(shape.messages, shape.tools, shape.plan_for_template(plan))
         else:
             text = req.prompt_input()
             if isinstance(text, list):  # token ids: nothing to align
@@ -84,7 +98,7 @@ class CompletionService:
                 prompt = AlignedPrompt(self.tokenizer.encode(text), [])
             else:
                 prompt = self.aligner.text(text, plan)
-        return prompt._replace(scope=self._scope(plan)), plan is not None and plan.probe
+        return prompt._replace(scope=self._scope(plan)), plan is not None and plan.probe, shape
 
     def _scope(self, plan: SegmentPlan | None) -> ReuseScope | None:
         """The plan's tenant, app and agent. Without a plan: the default tenant, except
@@ -98,14 +112,26 @@ class CompletionService:
             return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
         return None
 
-    def _outputs(self, req: Request, request_id: str,
-                 line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None]:
-        prompt, probe = self._prompt(req)
+    async def _outputs(self, req: Request, request_id: str,
+                       line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None, ChatShape | None]:
+        prompt, probe, shape = self._prompt(req)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
-        outputs = self.engine.generate(request_id, prompt.token_ids, req.sampling_params(max_tokens),
+        sampling = req.sampling_params(max_tokens)
+        if shape is not None and shape.grammar is not None:
+            # Building a matcher can take a while for a large schema: off the event loop.
+            grammar = shape.grammar
+            constraint = await asyncio.to_thread(lambda: self.grammars.constraint(grammar))
+            sampling = dataclasses.replace(sampling, constraint=constraint)
+        outputs = self.engine.generate(request_id, prompt.token_ids, sampling,
                                        req.kv_transfer_params, prompt.segments, prompt.scope,
                                        self._adapter(req.model), line, probe)
-        return outputs, prompt.note
+        return outputs, prompt.note, shape
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Built on the first constrained request (it indexes the whole vocabulary once)."""
+        engine = self.engine.engine
+        return GrammarCompiler(self.tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
 
     # -- non-streaming -----------------------------------------------------------------
     async def complete(self, req: Request, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -114,7 +140,7 @@ class CompletionService:
         text: list[str] = []
         line, last, error = Timeline(), None, "cancelled"  # stays "cancelled" if the client goes away
         try:
-            outputs, note = self._outputs(req, request_id, line)
+            outputs, note, shape = await self._outputs(req, request_id, line)
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
                     text.append(out.delta_text)
@@ -130,7 +156,11 @@ class CompletionService:
         content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
         if is_chat:
-            choice["message"] = {"role": "assistant", "content": content}
+            answer = shape.parse(content) if shape is not None else ParsedAnswer(content)
+            choice["message"] = {"role": "assistant", "content": answer.content}
+            if answer.calls:
+                choice["message"]["tool_calls"] = [call.to_openai() for call in answer.calls]
+                choice["finish_reason"] = _finish_with_calls(last.finish_reason)
         else:
             choice["text"] = content
         body = self._envelope(req, request_id, is_chat, chunk=False)
@@ -149,23 +179,27 @@ class CompletionService:
         request_id = _new_id(is_chat)
         line = Timeline()
         try:
-            outputs, note = self._outputs(req, request_id, line)
+            outputs, note, shape = await self._outputs(req, request_id, line)
             first = await anext(outputs)  # raises validation errors here, before any byte is sent
         except Exception as exc:
             self._trace(headers or {}, is_chat, req.model, line, None, type(exc).__name__)
             raise
-        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line)
+        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line, shape)
 
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
                    rest: AsyncIterator[RequestOutput], note: str | None,
-                   headers: Mapping[str, str], line: Timeline) -> AsyncIterator[str]:
+                   headers: Mapping[str, str], line: Timeline, shape: ChatShape | None) -> AsyncIterator[str]:
+        reader = shape.format.stream() if shape is not None and shape.format is not None else None
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
-        def chunk(delta: str | None, finish_reason: str | None, role: bool = False) -> str:
+        def chunk(delta: str | None, finish_reason: str | None, role: bool = False,
+                  calls: tuple[ToolCall, ...] = ()) -> str:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
             if is_chat:
                 choice["delta"] = ({"role": "assistant", "content": ""} if role
                                    else ({} if delta is None else {"content": delta}))
+                if calls:
+                    choice["delta"]["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
             else:
                 choice["text"] = delta or ""
             body = {**envelope, "choices": [choice]}
@@ -179,12 +213,24 @@ class CompletionService:
             if is_chat:
                 yield chunk(None, None, role=True)
             out: RequestOutput | None = first
+            answer = ""  # the whole text so far, which a tool format reads
             while out is not None:
-                if out.delta_text:
-                    yield chunk(out.delta_text, None)
+                answer += out.delta_text
+                delta = reader.feed(answer) if reader is not None else out.delta_text
+                if delta:
+                    yield chunk(delta, None)
                 last = out
                 out = None if out.finished else await anext(rest, None)
-            yield chunk(None, last.finish_reason)
+            finish_reason = last.finish_reason
+            if reader is not None:
+                delta, calls = reader.finish(answer)
+                calls = shape.kept(calls) if shape is not None else calls
+                if delta:
+                    yield chunk(delta, None)
+                if calls:
+                    yield chunk(None, None, calls=calls)
+                    finish_reason = _finish_with_calls(finish_reason)
+            yield chunk(None, finish_reason)
             self._trace(headers, is_chat, req.model, line, last, None)
             traced = True
             if req.include_usage:
@@ -232,6 +278,11 @@ class CompletionService:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
         # The model the client asked for: the base, or `base:adapter` (validated in _prompt).
         return {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
+
+
+def _finish_with_calls(reason: str | None) -> str | None:
+    """An answer that ends in tool calls finishes with "tool_calls", unless it was cut short."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def _operation(is_chat: bool) -> str:

@@ -1,0 +1,127 @@
+"""Tool calls for any model, in the spirit of llama.cpp's generic format: for a chat
+template without a tools branch (SmolLM2's), the tools are described in a system
+message and the answer is one JSON object, constrained by a grammar to be either
+
+    {"tool_call": {"name": ..., "arguments": {...}}}      (or "tool_calls": [...], parallel)
+    {"response": "the answer to the user"}
+
+With tool_choice "auto" the model picks the key; "required" or a named function leaves
+only the call. A model without tool training does not pick well: SmolLM2-135M answered
+{"response": ...} to every request a tool was for. Under the "call-first" policy (the
+default, `--generic-tool-auto`), "auto" is therefore decided by the turn: an answer to a
+user message calls a tool, and once the turn holds tool results the model chooses (it
+then answers). "model" leaves every choice to the model. Earlier calls in the chat are written back in the same JSON, so the model
+reads its own format; tool results keep the `tool` role and their text as sent.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from engine_ext.structured.grammar import Grammar, json_rule
+from engine_ext.tools.calls import ParsedAnswer
+from engine_ext.tools.formats.base import Choice, Function, Prepared, ToolFormat
+from engine_ext.tools.stream import AnswerStream, JsonFieldStream
+
+RESPONSE_PREFIX = '{"response": "'
+AutoPolicy = Literal["call-first", "model"]
+
+
+class GenericFormat(ToolFormat):
+    name = "generic"
+    auto_policy: AutoPolicy = "call-first"
+
+    def effective_choice(self, messages: list[dict[str, Any]], choice: Choice) -> Choice:
+        if choice != "auto" or self.auto_policy == "model":
+            return choice
+        turn = [m.get("role") for m in messages if m.get("role") not in ("system", "developer")]
+        return "required" if turn and turn[-1] == "user" else "auto"
+
+    @classmethod
+    def matches(cls, template: str) -> bool:
+        return True
+
+    def prepare(self, messages: list[dict[str, Any]], functions: Sequence[Function], choice: Choice,
+                parallel: bool) -> Prepared:
+        """The tools' system message goes after the chat's leading system messages, so an
+        agent's own system prompt stays the start of its prompt (and its cached prefix)."""
+        at = 0
+        while at < len(messages) and messages[at].get("role") in ("system", "developer"):
+            at += 1
+        rewritten = [_with_calls_as_json(m, parallel) for m in messages]
+        system = {"role": "system", "content": _instructions(functions, choice, parallel)}
+        index_map = [i if i < at else i + 1 for i in range(len(messages))]
+        return Prepared(rewritten[:at] + [system] + rewritten[at:], None, index_map)
+
+    def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
+        return f"calls: {json_rule(self._calls_schema(functions, parallel))}\n"
+
+    def grammar(self, functions: Sequence[Function], choice: Choice, parallel: bool,
+                text_schema: dict[str, Any] | None) -> Grammar | None:
+        chosen = [f for f in functions if choice in ("auto", "required") or f.name == choice]
+        calls = self._calls_schema(chosen, parallel)
+        if choice != "auto":
+            return Grammar(f"start: {json_rule(calls)}\n", "tool_choice")
+        # The response alternative: a string, or the app's JSON (response_format) inside it.
+        # One schema, not two grammar alternatives: both open with `{"`, which llguidance's
+        # lexer must not have to split between a literal and a JSON lexeme.
+        value = {"type": "string"} if text_schema is None else \
+            {k: v for k, v in text_schema.items() if k != "x-guidance"}
+        response = {"type": "object", "properties": {"response": value}, "required": ["response"]}
+        strict = all(f.strict for f in chosen) and text_schema is not None and \
+            not text_schema.get("x-guidance", {}).get("lenient", True)
+        return Grammar(f"start: {json_rule({'anyOf': [calls, response], 'x-guidance': {'lenient': not strict}})}\n",
+                       "tool_choice")
+
+    def _calls_schema(self, functions: Sequence[Function], parallel: bool) -> dict[str, Any]:
+        schemas = [self.call_schema(f) for f in functions]
+        call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+        if parallel:
+            key, value = "tool_calls", {"type": "array", "items": call, "minItems": 1}
+        else:
+            key, value = "tool_call", call
+        return {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False,
+                "x-guidance": {"lenient": not all(f.strict for f in functions)}}
+
+    def parse(self, text: str) -> ParsedAnswer:
+        try:
+            data = json.loads(text)
+        except ValueError:
+            return ParsedAnswer(text)
+        if not isinstance(data, dict):
+            return ParsedAnswer(text)
+        if "response" in data:
+            response = data["response"]
+            return ParsedAnswer(response if isinstance(response, str) else json.dumps(response, ensure_ascii=False))
+        return self.answer_of_calls(data["tool_calls"] if "tool_calls" in data else [data.get("tool_call")], text)
+
+    def stream(self) -> AnswerStream:
+        return JsonFieldStream(self, RESPONSE_PREFIX)
+
+
+def _instructions(functions: Sequence[Function], choice: Choice, parallel: bool) -> str:
+    tools = [{"name": f.name, **({"description": f.description} if f.description else {}),
+              "parameters": f.arguments_schema()} for f in functions]
+    call = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]}' if parallel
+            else '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}')
+    if choice == "auto":
+        how = (f"To call a tool, answer with {call}. To answer directly, answer with "
+               '{"response": <your answer to the user>}.')
+    else:
+        how = f"Answer by calling {'a tool' if choice == 'required' else 'the tool ' + choice}: {call}."
+    return ("You can call these tools (each one's arguments as a JSON Schema):\n"
+            f"{json.dumps(tools, ensure_ascii=False)}\n"
+            f"Answer with one JSON object. {how}")
+
+
+def _with_calls_as_json(message: dict[str, Any], parallel: bool) -> dict[str, Any]:
+    """An assistant message's tool calls, written as this format's JSON answer."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    items = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]} for c in calls]
+    answer = {"tool_call": items[0]} if len(items) == 1 else {"tool_calls": items}
+    return {k: v for k, v in message.items() if k != "tool_calls"} | {
+        "content": json.dumps(answer, ensure_ascii=False)}
