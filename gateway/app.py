@@ -28,7 +28,7 @@ from gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from gateway.call import GatewayState, ProxiedCall
 from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
-from gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES
+from gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES, RESPONSES_BODY
 from gateway.settings import GatewaySettings
 from gateway.storage import migrate
 from gateway.storage.writer import RecordWriter
@@ -111,6 +111,10 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     @app.post("/v1/completions", openapi_extra=COMPLETION_BODY, responses=PROXY_RESPONSES)
     async def completions(request: Request, state: State) -> Response:
         return await ProxiedCall(state, "/v1/completions", request).run()
+
+    @app.post("/v1/responses", openapi_extra=RESPONSES_BODY, responses=PROXY_RESPONSES)
+    async def responses(request: Request, state: State) -> Response:
+        return await ProxiedCall(state, "/v1/responses", request).run()
 
     @app.get("/v1/models")
     async def models(state: State) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.limits import check_messages, check_prompt
+from gateway.responses_view import answer_facts, chat_view, error_event
 from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done, tool_call_ids
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
@@ -48,6 +49,7 @@ REUSE_HEADER = "x-kvrelay-reuse"
 REQUEST_ID_HEADER = "x-kvrelay-request-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
+RESPONSES = "/v1/responses"
 
 
 @dataclass
@@ -69,8 +71,9 @@ class GatewayState:
 class ProxiedCall:
     def __init__(self, state: GatewayState, endpoint: str, request: Request) -> None:
         self.state = state
-        self.endpoint = endpoint  # "/v1/chat/completions" or "/v1/completions"
+        self.endpoint = endpoint  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
         self.request = request
+        self.view: dict[str, Any] = {}  # the body as planning reads it: chat-shaped for /v1/responses
         self.received = time.perf_counter()
         self.started_at = datetime.now(UTC)
         self.record = RequestRecord(
@@ -86,6 +89,7 @@ class ProxiedCall:
         self._completion: list[str] = []
         self._tool_call_ids: list[str] = []  # of the answer: later prompts that carry them continue its session
         self._finish_reasons: list[str] = []
+        self._last_sequence = -1  # of a Responses stream's events: the gateway's own error event follows it
         self._charge: Charge | None = None
         self._app_id: str | None = None
         self._round: RoundInfo | None = None
@@ -107,8 +111,8 @@ class ProxiedCall:
             key = self.state.access.authenticate(self.request.headers)
             self.record.api_key_id = key.id if key is not None else None
             body = self._parse(await self._read_body())
-            self._charge = self.state.access.admit(key, body)
-            ident = identify(self.request.headers, body, self.record.api_key_id)
+            self._charge = self.state.access.admit(key, self.view)
+            ident = identify(self.request.headers, self.view, self.record.api_key_id)
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
             body = self._infer(body, ident)
@@ -167,8 +171,14 @@ class ProxiedCall:
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
         self.record.model = model[:256]
-        describe_request(self.span, self.endpoint, body, self.record.model)
-        if self.endpoint.endswith("chat/completions"):
+        if self.endpoint == RESPONSES and not isinstance(body.get("input"), (str, list)):
+            raise BadRequestError("input: a string or a list of input items is required", param="input")
+        self.view = chat_view(body) if self.endpoint == RESPONSES else body
+        describe_request(self.span, self.endpoint, self.view, self.record.model)
+        if self.endpoint == RESPONSES:
+            check_messages(self.view["messages"], self.state.settings.limits)
+            prompt_text = json.dumps(self.view["messages"], sort_keys=True, ensure_ascii=False)
+        elif self.endpoint.endswith("chat/completions"):
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
                 raise BadRequestError("messages: a non-empty list of message objects is required", param="messages")
@@ -194,7 +204,7 @@ class ProxiedCall:
         The adapter the plan routes to is applied either way: routing is not reuse."""
         model = self.record.model or ""
         choice = self._reuse_choice()
-        result = self.state.inference.plan(ident, body, self.record.id, model)
+        result = self.state.inference.plan(ident, self.view, self.record.id, model)
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
@@ -224,9 +234,10 @@ class ProxiedCall:
             raise BadRequestError(f"{REUSE_HEADER} {exc}", param=REUSE_HEADER) from exc
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
-        """The upstream body: usage is always requested for streams, and stripped again
-        for a client that did not ask for it."""
-        if self.record.stream:
+        """The upstream body: usage is always requested for chat and completion streams,
+        and stripped again for a client that did not ask for it (a Responses stream
+        always ends with its usage)."""
+        if self.record.stream and self.endpoint != RESPONSES:
             options = body.get("stream_options")
             options = options if isinstance(options, dict) else {}
             if not options.get("include_usage"):
@@ -252,22 +263,33 @@ class ProxiedCall:
         except (ValueError, RecursionError) as exc:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
-            self._take_usage(parsed.get("usage"))
+            self._take_answer(parsed)
             params = parsed.get("kv_transfer_params")
             self._take_engine_reports(params)
             if isinstance(params, dict) and any(key in params for key in self.hidden):
                 content = json.dumps(without_params(parsed, self.hidden), separators=(",", ":")).encode()
-            choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
-            self._finish_reasons.extend(finish_reasons_of(choices))
-            for choice in choices:
-                if not isinstance(choice, dict):
-                    continue
-                message = choice.get("message") or {}
-                text = message.get("content") if isinstance(message, dict) else None
-                text = text if isinstance(text, str) else choice.get("text")
-                self._completion.append(text if isinstance(text, str) else "")
-                self._tool_call_ids += tool_call_ids([message])
         return Response(content, status_code=dispatch.response.status, media_type="application/json")
+
+    def _take_answer(self, parsed: dict[str, Any]) -> None:
+        """Usage, text, tool-call ids and finish reasons of a unary answer."""
+        if self.endpoint == RESPONSES:
+            facts = answer_facts(parsed)
+            self._take_usage(facts.usage)
+            self._completion.append(facts.text)
+            self._tool_call_ids += facts.call_ids
+            self._finish_reasons.extend(facts.finish_reasons)
+            return
+        self._take_usage(parsed.get("usage"))
+        choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
+        self._finish_reasons.extend(finish_reasons_of(choices))
+        for choice in choices:
+            if not isinstance(choice, dict):
+                continue
+            message = choice.get("message") or {}
+            text = message.get("content") if isinstance(message, dict) else None
+            text = text if isinstance(text, str) else choice.get("text")
+            self._completion.append(text if isinstance(text, str) else "")
+            self._tool_call_ids += tool_call_ids([message])
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:
         content = await dispatch.response.read()
@@ -310,6 +332,9 @@ class ProxiedCall:
                             event = event_without_params(event, self.hidden)
                     if info.error is not None:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
+                    if info.sequence_number is not None:
+                        self._last_sequence = info.sequence_number
+                    delivered = delivered or info.terminal
                     if not (info.is_usage_only and self.strip_usage):
                         forward.append(event)
                 if forward:
@@ -321,10 +346,10 @@ class ProxiedCall:
                 yield reader.rest
         except UpstreamTimeoutError as exc:
             self.record.status, self.record.http_status, self.record.error_type = "timeout", 504, type(exc).__name__
-            yield _sse_error("the upstream stalled mid-stream", "timeout", "upstream_timeout")
+            yield self._sse_error("the upstream stalled mid-stream", "timeout", "upstream_timeout")
         except UpstreamFailedError as exc:
             self.record.status, self.record.http_status, self.record.error_type = "upstream_error", 502, type(exc).__name__
-            yield _sse_error("the upstream broke the stream", "upstream_error", "upstream_failed")
+            yield self._sse_error("the upstream broke the stream", "upstream_error", "upstream_failed")
         except BaseException:
             if not delivered:
                 self.record.status, self.record.http_status, self.record.error_type = \
@@ -334,6 +359,12 @@ class ProxiedCall:
             self._observe_upstream(dispatch)
             await stack.aclose()
             self._finish()
+
+    def _sse_error(self, message: str, type_: str, code: str) -> bytes:
+        """The gateway's own in-band error: a chat error chunk, or a Responses error event."""
+        if self.endpoint == RESPONSES:
+            return error_event(message, type_, code, self._last_sequence + 1)
+        return _sse_error(message, type_, code)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _fail(self, exc: GatewayError) -> Response:
@@ -386,7 +417,7 @@ class ProxiedCall:
         self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
             self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
-                                                  "".join(self._completion), tuple(self._tool_call_ids))
+                                                  "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids)))
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 

@@ -49,7 +49,16 @@ def without_params(body: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any
 
 
 def event_without_params(event: bytes, keys: tuple[str, ...]) -> bytes:
-    """An SSE event whose data JSON holds kv_transfer_params, re-encoded without `keys`."""
-    data = b"".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
+    """An SSE event whose data JSON holds kv_transfer_params (a chat chunk's, or the
+    Response's in a Responses event), re-encoded without `keys`; its other fields (the
+    `event:` name) kept."""
+    lines = event.splitlines()
+    data = b"".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
     body = json.loads(data)
-    return b"data: " + json.dumps(without_params(body, keys), separators=(",", ":")).encode() + b"\n\n"
+    response = body.get("response")
+    if "kv_transfer_params" not in body and isinstance(response, dict) and "kv_transfer_params" in response:
+        body = {**body, "response": without_params(response, keys)}
+    else:
+        body = without_params(body, keys)
+    fields = b"".join(line + b"\n" for line in lines if line and not line.startswith(b"data:"))
+    return fields + b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

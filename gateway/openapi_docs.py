@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.openai_errors import error_responses
+from kvrelay.openai_responses import REQUEST_SCHEMA
 
 _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True,
             "properties": {"role": {"type": "string"}, "name": {"type": "string"},
@@ -30,6 +31,8 @@ def _body(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
 CHAT_BODY = _body(["model", "messages"], {"messages": {"type": "array", "minItems": 1, "items": _MESSAGE}})
 COMPLETION_BODY = _body(["model", "prompt"], {"prompt": {"anyOf": [
     {"type": "string", "minLength": 1}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]}})
+# The Responses API: the engine's schema for it (kvrelay/openai_responses.py).
+RESPONSES_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": REQUEST_SCHEMA}}}}
 
 # 400 invalid, 401 key, 404 model, 413 body, 429 rate limit, 502/504 upstream failed or
 # stalled, 503 no upstream.

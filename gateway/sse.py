@@ -3,6 +3,8 @@
 Events are forwarded byte for byte; the gateway only parses the `data:` JSON to find the
 first generated content (TTFT) and the usage chunk (which it may strip); the final
 chunk is re-encoded only to drop what the client must not see (gateway/engine_params.py).
+Chat and text completion chunks, and the typed events of the Responses API (`type`
+response.*; its usage and the engine's reports ride in the final Response) alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class EventInfo(NamedTuple):
     finish_reasons: tuple[str, ...]
     kv_transfer_params: dict[str, Any] | None = None  # the engine's reports, on the final chunk
     tool_call_ids: tuple[str, ...] = ()  # ids of the tool calls it opens (structure inference links on them)
+    terminal: bool = False  # a Responses stream's last event (completed, incomplete, failed)
+    sequence_number: int | None = None  # a Responses event's number
 
 
 _NOTHING = EventInfo(False, "", None, False, None, ())
@@ -101,6 +105,8 @@ def inspect(event: bytes) -> EventInfo:
         return _NOTHING
     if not isinstance(body, dict):
         return _NOTHING
+    if isinstance(kind := body.get("type"), str):  # chat and completion chunks have no `type`
+        return _responses_event(kind, body)
     listed = body.get("choices")
     if isinstance(listed, list) and len(listed) == 1 and isinstance(listed[0], dict):
         choice = listed[0]
@@ -120,6 +126,64 @@ def inspect(event: bytes) -> EventInfo:
                      error if isinstance(error, dict) else None, finish_reasons,
                      params if isinstance(params, dict) else None,
                      tool_call_ids(c.get("delta") for c in choices) if has_content else ())
+
+
+def _responses_event(kind: str, body: dict[str, Any]) -> EventInfo:
+    """What a Responses API event carries: text deltas, function calls (by call_id), and
+    in the final Response the usage and the engine's kv_transfer_params."""
+    sequence = body.get("sequence_number")
+    sequence = sequence if isinstance(sequence, int) and not isinstance(sequence, bool) else None
+    if kind == "response.output_text.delta":
+        delta = body.get("delta")
+        return EventInfo(True, delta if isinstance(delta, str) else "", None, False, None, (), sequence_number=sequence)
+    if kind == "response.function_call_arguments.delta":
+        return EventInfo(True, "", None, False, None, (), sequence_number=sequence)
+    if kind in ("response.output_item.added", "response.output_item.done"):
+        calls = response_call_ids([body.get("item")])
+        return EventInfo(bool(calls) and kind.endswith("added"), "", None, False, None, (), tool_call_ids=calls,
+                         sequence_number=sequence)
+    if kind in ("response.completed", "response.incomplete", "response.failed"):
+        response = body.get("response") if isinstance(body.get("response"), dict) else {}
+        error, params = response.get("error"), response.get("kv_transfer_params")
+        failed = kind == "response.failed"
+        return EventInfo(False, "", chat_usage(response.get("usage")), False,
+                         (error if isinstance(error, dict) else {"message": "the response failed"}) if failed else None,
+                         () if failed else response_finish_reasons(response),
+                         params if isinstance(params, dict) else None, terminal=True, sequence_number=sequence)
+    if kind == "error":
+        return EventInfo(False, "", None, False, {k: body.get(k) for k in ("message", "code", "param")}, (),
+                         sequence_number=sequence)
+    return _NOTHING._replace(sequence_number=sequence)
+
+
+def chat_usage(usage: Any) -> dict[str, Any] | None:
+    """A Responses usage ({input_tokens, output_tokens, input_tokens_details}) in chat's terms."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("input_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {"prompt_tokens": usage.get("input_tokens"), "completion_tokens": usage.get("output_tokens"),
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def response_finish_reasons(response: dict[str, Any]) -> tuple[str, ...]:
+    """A Response's status as chat's finish reason: length when its token bound stopped it."""
+    status = response.get("status")
+    if status == "incomplete":
+        details = response.get("incomplete_details")
+        reason = details.get("reason") if isinstance(details, dict) else None
+        return ("length",) if reason == "max_output_tokens" else (str(reason or "incomplete"),)
+    if status == "completed":
+        output = response.get("output")
+        calls = response_call_ids(output if isinstance(output, list) else [])
+        return ("tool_calls",) if calls else ("stop",)
+    return ()
+
+
+def response_call_ids(items: list[Any]) -> tuple[str, ...]:
+    """The call_ids of the function_call items among Responses output items."""
+    return tuple(item["call_id"] for item in items if isinstance(item, dict) and item.get("type") == "function_call"
+                 and isinstance(item.get("call_id"), str) and item["call_id"])
 
 
 def _loads(data: bytes) -> Any:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
     from engine_ext.config import AdapterSpec
     from engine_ext.engine import LLMEngine
     from engine_ext.plan_seal import PlanSeal
+    from engine_ext.tools.formats.generic import AutoPolicy
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -144,13 +145,20 @@ def _plan_seal(host: str) -> PlanSeal | None:
     return None
 
 
-def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None) -> FastAPI:
+def _tool_auto(value: str) -> AutoPolicy:
+    """--generic-tool-auto, checked before the model loads."""
+    if value == "call-first" or value == "model":
+        return value
+    raise _fail(f"--generic-tool-auto: expected call-first or model, got {value!r}")
+
+
+def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None, generic_tool_auto: AutoPolicy) -> FastAPI:
     from engine_ext.async_engine import AsyncEngine
     from engine_ext.otel import TracingConfigError
     from engine_ext.server import create_app
 
     try:
-        return create_app(AsyncEngine(llm), llm.model_name, plan_seal=seal)
+        return create_app(AsyncEngine(llm), llm.model_name, plan_seal=seal, generic_tool_auto=generic_tool_auto)
     except TracingConfigError as exc:
         raise _fail(str(exc)) from exc
 
@@ -188,6 +196,9 @@ LoadAheadOpt = Annotated[Optional[int], typer.Option(min=0, max=64, help="prefet
 AdapterOpt = Annotated[Optional[list[str]], typer.Option(help="serve a PEFT LoRA adapter as NAME=PATH (repeat); clients ask for model 'BASE:NAME'")]
 AdapterModeOpt = Annotated[str, typer.Option(help="adapters: auto (icarus for adapters `kvrelay train icarus` marked, multi_lora for others) | icarus (one shared KV cache; refuses adapters not marked as ICaRus-trained) | multi_lora")]
 FirstTokenOpt = Annotated[str, typer.Option(help="icarus: sample the first token from the adapter or from the base (the paper's variant)")]
+GenericToolAutoOpt = Annotated[str, typer.Option(help="tool_choice auto on a model whose chat template has no tools branch "
+                                                      "(the default SmolLM2): call-first (an answer to a user message calls a tool; "
+                                                      "after the results the model chooses) | model (the model always chooses)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
@@ -223,6 +234,7 @@ def engine(
     adapter: AdapterOpt = None,
     adapter_mode: AdapterModeOpt = "auto",
     adapter_first_token: FirstTokenOpt = "adapter",
+    generic_tool_auto: GenericToolAutoOpt = "call-first",
     log_level: LogOpt = "info",
 ) -> None:
     """Serve one model over the OpenAI API with kvrelay's embedded engine."""
@@ -230,6 +242,7 @@ def engine(
 
     _setup_logging(log_level)
     seal = _plan_seal(host)  # before the model loads: a refusal should be quick
+    tool_auto = _tool_auto(generic_tool_auto)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
@@ -237,7 +250,7 @@ def engine(
     llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
                         max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
                         _adapter_specs(adapter, adapter_mode, adapter_first_token))
-    engine_app = _build_engine_app(llm, seal)
+    engine_app = _build_engine_app(llm, seal, tool_auto)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(engine_app, host=host, port=port, log_level=log_level)
 
@@ -290,6 +303,7 @@ def up(
     adapter: AdapterOpt = None,
     adapter_mode: AdapterModeOpt = "auto",
     adapter_first_token: FirstTokenOpt = "adapter",
+    generic_tool_auto: GenericToolAutoOpt = "call-first",
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -300,6 +314,7 @@ def up(
     from engine_ext.plan_seal import PlanSeal
 
     _setup_logging(log_level)
+    tool_auto = _tool_auto(generic_tool_auto)
     reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
                           anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
                           diff_store)
@@ -310,7 +325,7 @@ def up(
     gateway_app = _build_gateway_app(settings)
     secret = settings.plan_secret
     seal = PlanSeal(secret.get_secret_value(), settings.plan_max_age_s) if secret is not None else None
-    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal),
+    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, tool_auto),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
                                                    log_level=log_level))

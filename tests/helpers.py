@@ -155,3 +155,23 @@ def cpu_ratio(run_small: Callable[[], object], run_large: Callable[[], object]) 
         return max(min(times), 1e-4)
 
     return best(run_large) / best(run_small)
+
+
+def slow_with_abort_spy(llm: LLMEngine, monkeypatch, step_s: float = 0.01) -> list[str]:
+    """Slow each engine step down (so a long request outlives its client) and return the
+    list the ids of aborted requests are appended to."""
+    aborted: list[str] = []
+    step, abort = llm.step, llm.abort
+
+    def slow_step():
+        time.sleep(step_s)
+        return step()
+
+    def spy_abort(request_id):
+        ok = abort(request_id)
+        aborted.append(request_id)
+        return ok
+
+    monkeypatch.setattr(llm, "step", slow_step)
+    monkeypatch.setattr(llm, "abort", spy_abort)
+    return aborted

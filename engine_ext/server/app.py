@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Body, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -16,9 +16,11 @@ from engine_ext.otel import build_provider
 from engine_ext.plan_seal import PlanSeal
 from engine_ext.server.errors import error_response, install_error_handlers
 from engine_ext.server.plans import PlanReader
+from engine_ext.server.responses import RESPONSES_BODY, ResponsesAPI, ResponseStore
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
 from engine_ext.server.tracing import engine_tracer
+from engine_ext.tools.formats.generic import AutoPolicy
 from kvrelay.openai_errors import error_responses
 
 _DISCONNECT_POLL_S = 0.2
@@ -36,12 +38,23 @@ def get_service(request: Request) -> CompletionService:
 Service = Annotated[CompletionService, Depends(get_service)]
 
 
+def get_responses(request: Request) -> ResponsesAPI:
+    return request.app.state.responses
+
+
+Responses = Annotated[ResponsesAPI, Depends(get_responses)]
+
+
 def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProvider | None = None,
-               plan_seal: PlanSeal | None = None) -> FastAPI:
+               plan_seal: PlanSeal | None = None, response_store: ResponseStore | None = None,
+               generic_tool_auto: AutoPolicy = "call-first") -> FastAPI:
     """Build the app around a constructed engine; the engine thread runs for the app's
     lifespan. Spans go to `tracer_provider`, else to the exporters the OTEL_* variables
     name (engine_ext/otel.py), else nowhere. With `plan_seal`, only plans the gateway
-    sealed are followed (engine_ext/plan_seal.py)."""
+    sealed are followed (engine_ext/plan_seal.py). `response_store` keeps the responses
+    previous_response_id continues (default: ResponseStore.from_env()). `generic_tool_auto`
+    decides tool_choice "auto" for a model whose chat template has no tools branch
+    (engine_ext/tools/formats/generic.py)."""
     owned_provider = build_provider(default_service="kvrelay-engine") if tracer_provider is None else None
     provider = tracer_provider or owned_provider
 
@@ -55,7 +68,10 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
             owned_provider.shutdown()  # flushes the spans still batched
 
     app = FastAPI(title="kvrelay engine", lifespan=lifespan)
-    app.state.service = CompletionService(engine, model_name, engine_tracer(provider), PlanReader(plan_seal))
+    app.state.service = CompletionService(engine, model_name, engine_tracer(provider), PlanReader(plan_seal),
+                                          generic_tool_auto)
+    app.state.responses = ResponsesAPI(app.state.service,
+                                       response_store if response_store is not None else ResponseStore.from_env())
     install_error_handlers(app)
 
     @app.get("/health")
@@ -90,16 +106,32 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
     async def completions(body: CompletionRequest, request: Request, service: Service) -> Response:
         return await _respond(service, body, request)
 
+    @app.post("/v1/responses", responses=COMPLETION_RESPONSES, openapi_extra=RESPONSES_BODY)
+    async def responses(body: Annotated[dict[str, Any], Body()], request: Request, api: Responses) -> Response:
+        """The Responses API, translated over chat completions (engine_ext/server/responses.py)."""
+        prepared = api.prepare(body)
+        if prepared.stream:
+            return _event_stream(await api.stream(prepared, request.headers))
+        return await _unless_disconnected(api.complete(prepared, request.headers), request)
+
     return app
+
+
+def _event_stream(lines: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(lines, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _respond(service: CompletionService, body: ChatCompletionRequest | CompletionRequest,
                    request: Request) -> Response:
     if body.stream:
-        lines = await service.stream(body, request.headers)
-        return StreamingResponse(lines, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    task = asyncio.ensure_future(service.complete(body, request.headers))
+        return _event_stream(await service.stream(body, request.headers))
+    return await _unless_disconnected(service.complete(body, request.headers), request)
+
+
+async def _unless_disconnected(work: Awaitable[dict[str, Any]], request: Request) -> Response:
+    """The JSON answer, or 499 once the client is gone (the work is cancelled)."""
+    task = asyncio.ensure_future(work)
     # Starlette only notices a vanished client when it reads the socket: poll for it so
     # an abandoned non-streaming request stops computing and frees its KV blocks.
     while True:

@@ -27,7 +27,7 @@ from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
-from engine_ext.server.plans import PlanReader
+from engine_ext.server.plans import MessageShift, PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.shaping import ChatShape, shape_chat
 from engine_ext.structured.grammar import GrammarCompiler
@@ -75,13 +75,15 @@ class CompletionService:
         return ref.name
 
     # -- prompt ----------------------------------------------------------------------
-    def _prompt(self, req: Request) -> tuple[AlignedPrompt, bool, ChatShape | None]:
+    def _prompt(self, req: Request, shift: MessageShift | None) -> tuple[AlignedPrompt, bool, ChatShape | None]:
         """Token ids of the prompt, segment-aligned when the request carries a plan, and
         whose caches it may use (its scope); whether its plan asks for a fidelity probe;
-        and, for a chat, the shape its answer must take (engine_ext/server/shaping.py)."""
+        and, for a chat, the shape its answer must take (engine_ext/server/shaping.py).
+        `shift`: messages the engine inserted after the gateway planned (a Responses
+        request's stored history), which the plan's segments move past."""
         self._adapter(req.model)
         req.check_supported()
-        plan = self.plans.read(req.kv_transfer_params)
+        plan = self.plans.read(req.kv_transfer_params, shift)
         shape = None
         if isinstance(req, ChatCompletionRequest):
             shape = shape_chat(req, self.tool_format)
@@ -112,9 +114,9 @@ class CompletionService:
             return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
         return None
 
-    async def _outputs(self, req: Request, request_id: str,
-                       line: Timeline) -> tuple[AsyncIterator[RequestOutput], str | None, ChatShape | None]:
-        prompt, probe, shape = self._prompt(req)
+    async def _outputs(self, req: Request, request_id: str, line: Timeline, shift: MessageShift | None
+                       ) -> tuple[AsyncIterator[RequestOutput], str | None, ChatShape | None]:
+        prompt, probe, shape = self._prompt(req, shift)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         sampling = req.sampling_params(max_tokens)
         if shape is not None and shape.grammar is not None:
@@ -134,13 +136,14 @@ class CompletionService:
         return GrammarCompiler(self.tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
 
     # -- non-streaming -----------------------------------------------------------------
-    async def complete(self, req: Request, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    async def complete(self, req: Request, headers: Mapping[str, str] | None = None,
+                       shift: MessageShift | None = None) -> dict[str, Any]:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         text: list[str] = []
         line, last, error = Timeline(), None, "cancelled"  # stays "cancelled" if the client goes away
         try:
-            outputs, note, shape = await self._outputs(req, request_id, line)
+            outputs, note, shape = await self._outputs(req, request_id, line, shift)
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
                 async for out in outputs:
                     text.append(out.delta_text)
@@ -172,14 +175,15 @@ class CompletionService:
         return body
 
     # -- streaming ---------------------------------------------------------------------
-    async def stream(self, req: Request, headers: Mapping[str, str] | None = None) -> AsyncIterator[str]:
+    async def stream(self, req: Request, headers: Mapping[str, str] | None = None,
+                     shift: MessageShift | None = None) -> AsyncIterator[str]:
         """SSE lines. Validation errors surface before the first yield so the route can
         still answer with a proper error status."""
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         line = Timeline()
         try:
-            outputs, note, shape = await self._outputs(req, request_id, line)
+            outputs, note, shape = await self._outputs(req, request_id, line, shift)
             first = await anext(outputs)  # raises validation errors here, before any byte is sent
         except Exception as exc:
             self._trace(headers or {}, is_chat, req.model, line, None, type(exc).__name__)

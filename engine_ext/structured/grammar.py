@@ -49,8 +49,59 @@ def json_rule(schema: dict[str, Any]) -> str:
     say whether other keys are allowed allows only the ones it lists (a model free to add keys invents
     them one after another)."""
     options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    closed = close_objects(schema)
+    closed = close_objects(hoist_defs(schema))
     return f"%json {json.dumps({**closed, 'x-guidance': {**options, **schema.get('x-guidance', {})}})}"
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def hoist_defs(schema: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `schema` with the definitions of embedded schemas moved to its root.
+
+    A tool's parameters or an app's response schema, once placed inside a larger one (a
+    call object, the generic format's answer), still say `#/$defs/x` meaning their own
+    root; JSON Pointers resolve from the whole document's root. Each nested definitions
+    block moves to the root under fresh names, and the references inside it follow."""
+    root_defs: dict[str, Any] = dict(schema.get("$defs", {})) if isinstance(schema.get("$defs"), dict) else {}
+    fresh = iter(range(1 << 30))
+
+    def walk(node: Any, renames: dict[str, str], is_root: bool = False) -> Any:
+        if isinstance(node, list):
+            return [walk(item, renames) for item in node]
+        if not isinstance(node, dict):
+            return node
+        moved = {key: node[key] for key in _DEFS if not is_root and isinstance(node.get(key), dict)}
+        local: dict[str, str] = {}
+        for key, block in moved.items():
+            tag = next(fresh)
+            local.update({f"#/{key}/{name}": f"#/$defs/_{tag}_{name}" for name in block})
+        scope = {**renames, **local}
+        out = {}
+        for key, value in node.items():
+            if key in moved or (is_root and key == "$defs"):
+                continue
+            out[key] = _renamed(value, scope) if key == "$ref" else walk(value, scope)
+        for key, block in moved.items():
+            for name, sub in block.items():
+                root_defs[local[f"#/{key}/{name}"].removeprefix("#/$defs/")] = walk(sub, scope)
+        return out
+
+    out = walk(schema, {}, is_root=True)
+    if isinstance(schema.get("$defs"), dict):
+        for name, sub in schema["$defs"].items():
+            root_defs[name] = walk(sub, {})
+    if root_defs:
+        out["$defs"] = root_defs
+    return out
+
+
+def _renamed(ref: Any, renames: dict[str, str]) -> Any:
+    if isinstance(ref, str):
+        for old, new in renames.items():
+            if ref == old or ref.startswith(old + "/"):
+                return new + ref[len(old):]
+    return ref
 
 
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")

@@ -23,6 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gateway.storage.models import RequestRow
+from kvrelay.openai_responses import parse_request
+from kvrelay.openai_responses_output import response_from_chat
+from kvrelay.openai_responses_stream import ResponsesStream
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -113,6 +116,7 @@ class Behaviour:
     endless: bool = False  # stream content chunks (chunk_delay apart) until the client leaves
     raw_stream: list[bytes] | None = None  # stream: send exactly these writes, nothing else
     usage: dict[str, Any] = field(default_factory=lambda: dict(USAGE))
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # /v1/responses: chat tool calls it makes
 
 
 @dataclass
@@ -137,6 +141,7 @@ class FakeUpstream:
             Route("/v1/models", self._models),
             Route("/v1/chat/completions", self._complete, methods=["POST"]),
             Route("/v1/completions", self._complete, methods=["POST"]),
+            Route("/v1/responses", self._respond, methods=["POST"]),
         ])
         self.server = LoopbackServer(app)
         self.url = self.server.url
@@ -173,6 +178,33 @@ class FakeUpstream:
         if not body.get("stream"):
             return JSONResponse(self._unary_body(body, chat))
         return StreamingResponse(self._stream(body, chat), media_type="text/event-stream")
+
+    async def _respond(self, request: Request) -> Response:
+        """/v1/responses: the chat answer it would give, shaped by kvrelay's translation,
+        with the tool calls of `behaviour.tool_calls`; kv_transfer_params echoed back."""
+        b = self.behaviour
+        body = json.loads(await request.body())
+        self.received.append(Received(request.url.path, dict(request.headers), body))
+        if b.status != 200:
+            err = {"error": {"message": b.error_message, "type": "server_error", "param": None, "code": None}}
+            return JSONResponse(err, status_code=b.status)
+        req = parse_request(body)
+        echo = {"kv_transfer_params": body["kv_transfer_params"]} if "kv_transfer_params" in body else {}
+        calls = [{"index": i, **call} for i, call in enumerate(b.tool_calls)]
+        finish = "tool_calls" if calls else "stop"
+        if not req.stream:
+            message = {"role": "assistant", "content": "".join(b.pieces), "tool_calls": b.tool_calls}
+            chat = {"created": 0, "choices": [{"index": 0, "message": message, "finish_reason": finish}],
+                    "usage": b.usage, **echo}
+            return JSONResponse(response_from_chat(req, chat, "resp_fake"))
+        translator = ResponsesStream(req, "resp_fake", 0)
+        chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in b.pieces]
+        chunks += [{"choices": [{"index": 0, "delta": {"tool_calls": calls}}]}] if calls else []
+        chunks += [{"choices": [{"index": 0, "delta": {}, "finish_reason": finish}], **echo},
+                   {"choices": [], "usage": b.usage}]
+        events = translator.start() + [e for c in chunks for e in translator.feed(c)] + translator.finish()
+        self.sent.append([e.encode() for e in events])
+        return StreamingResponse(iter(self.sent[-1]), media_type="text/event-stream")
 
     def _unary_body(self, body: dict[str, Any], chat: bool) -> dict[str, Any]:
         text = "".join(self.behaviour.pieces)

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import openai
 import pytest
 
-from tests.helpers import make_engine
+from tests.helpers import make_engine, slow_with_abort_spy
 
 MODEL = "tiny-llama"
 MESSAGES = [{"role": "user", "content": "Hello, who are you?"}]
@@ -141,19 +140,7 @@ def test_models_lists_the_engine_model(gw, client):
 
 
 def test_client_disconnect_aborts_the_engine_request(srv, start_gateway, monkeypatch):
-    aborted: list[str] = []
-    step, abort = srv.llm.step, srv.llm.abort
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    def spy_abort(request_id):
-        aborted.append(request_id)
-        return abort(request_id)
-
-    monkeypatch.setattr(srv.llm, "step", slow_step)
-    monkeypatch.setattr(srv.llm, "abort", spy_abort)
+    aborted = slow_with_abort_spy(srv.llm, monkeypatch)
     gw = start_gateway([srv.base_url])
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
             "stream": True}

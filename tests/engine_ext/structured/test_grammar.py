@@ -116,3 +116,22 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field(compiler):
     with pytest.raises(InvalidRequestError) as err:
         compiler.constraint(Grammar("start: undefined_rule\n", "tool_choice"))
     assert err.value.param == "tool_choice"
+
+
+def test_embedded_definitions_move_to_the_root_and_their_references_follow(compiler, tokenizer):
+    from engine_ext.structured.grammar import hoist_defs
+
+    inner = {"type": "object", "properties": {"a": {"$ref": "#/$defs/item"}, "b": {"$ref": "#/definitions/n"}},
+             "required": ["a", "b"], "$defs": {"item": {"enum": ["x", "y"]}}, "definitions": {"n": {"type": "integer"}}}
+    outer = {"type": "object", "properties": {"call": inner, "own": {"$ref": "#/$defs/own"}},
+             "required": ["call", "own"], "$defs": {"own": {"type": "boolean"}}}
+    hoisted = hoist_defs(outer)
+    import jsonschema
+
+    jsonschema.validate({"call": {"a": "x", "b": 3}, "own": True}, hoisted)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"call": {"a": "z", "b": 3}, "own": True}, hoisted)
+    assert "$defs" not in hoisted["properties"]["call"] and "own" in hoisted["$defs"]
+    grammar = Grammar.json_schema(outer, "tool_choice")
+    assert _walk(compiler, tokenizer, grammar, '{"call": {"a": "y", "b": 12}, "own": false}')
+    assert not _walk(compiler, tokenizer, grammar, '{"call": {"a": "q", "b": 12}, "own": false}')
