@@ -54,8 +54,6 @@ def shape_chat(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatShape:
     identity = list(range(len(messages)))
     text_schema = _text_schema(req)
     choice = _choice(req)
-    if choice is not None:
-        choice = fmt.effective_choice(messages, choice)
     if choice is None:
         grammar = Grammar(f"start: {json_rule(text_schema)}\n", "response_format") if text_schema else None
         return ChatShape(messages, None, identity, grammar, None)
@@ -65,8 +63,10 @@ def shape_chat(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatShape:
     # a small model allowed a list of calls tends to repeat the first until max_tokens,
     # and one call is a valid answer either way.
     parallel = req.parallel_tool_calls is True
+    # The prompt follows the request's choice; the grammar, the choice this answer is
+    # made under (a format may decide "auto" for a model that cannot).
     prepared = fmt.prepare(messages, functions, choice, parallel)
-    grammar = fmt.grammar(functions, choice, parallel, text_schema)
+    grammar = fmt.grammar(functions, fmt.effective_choice(messages, choice), parallel, text_schema)
     return ChatShape(prepared.messages, prepared.tools, prepared.index_map, grammar, fmt,
                      single_call=req.parallel_tool_calls is False)
 

@@ -94,18 +94,11 @@ class JsonFieldStream(AnswerStream):
     def _safe(self, text: str) -> str:
         if not text.startswith(self.prefix):
             return ""
-        return _decoded_prefix(text[len(self.prefix):])
-
-    def finish(self, text: str) -> tuple[str, tuple[ToolCall, ...]]:
-        parsed = self.parse(text)
-        if parsed.calls or not self.released:
-            return self._release(parsed.content or ""), parsed.calls
-        # Cut short (max_tokens) inside the string: what was decoded so far is the content.
-        return self._release(parsed.content if parsed.content and parsed.content.startswith(self.released)
-                             else self.released), ()
+        return decoded_prefix(text[len(self.prefix):])
 
 
-def _decoded_prefix(body: str) -> str:
+
+def decoded_prefix(body: str) -> str:
     """The decoded text of a JSON string's body as far as it is complete: up to the
     closing quote, and short of an escape sequence still being written."""
     end, i = len(body), 0

@@ -17,7 +17,7 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
 
 from engine_ext.structured.grammar import Grammar, json_rule
 from engine_ext.tools.calls import ParsedAnswer, ToolCall, arguments_text, call_id
@@ -26,8 +26,10 @@ if TYPE_CHECKING:
     from engine_ext.tokenizer import Tokenizer
     from engine_ext.tools.stream import AnswerStream
 
-# "auto", "required", or the one function's name a request forces.
+# "auto", "required", or the one function's name a request forces; RESPOND (no call, an
+# answer) is a format's own decision (GenericFormat.effective_choice), never a request's.
 Choice = Literal["auto", "required"] | str
+RESPOND: Final = "<respond>"  # not a valid function name (schemas.ToolName), so never a named choice
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,13 @@ message and the answer is one JSON object, constrained by a grammar to be either
 
 With tool_choice "auto" the model picks the key; "required" or a named function leaves
 only the call. A model without tool training does not pick well: SmolLM2-135M answered
-{"response": ...} to every request a tool was for. Under the "call-first" policy (the
-default, `--generic-tool-auto`), "auto" is therefore decided by the turn: an answer to a
-user message calls a tool, and once the turn holds tool results the model chooses (it
-then answers). "model" leaves every choice to the model. Earlier calls in the chat are written back in the same JSON, so the model
+{"response": ...} to every request a tool was for, and after a tool's result it called
+the tool again as often as it answered. Under the "call-first" policy (the default,
+`--generic-tool-auto`), "auto" is therefore decided by the turn: an answer to a user
+message calls a tool, and an answer after the turn's tool results is a response. An
+agent loop thus makes one round of calls per user message and finishes. "model" leaves
+every choice to the model. The system message is the same under either decision, so
+the prompt (and its cached prefix) does not change with it. Earlier calls in the chat are written back in the same JSON, so the model
 reads its own format; tool results keep the `tool` role and their text as sent.
 """
 
@@ -22,8 +25,8 @@ from typing import Any, Literal
 
 from engine_ext.structured.grammar import Grammar, json_rule
 from engine_ext.tools.calls import ParsedAnswer
-from engine_ext.tools.formats.base import Choice, Function, Prepared, ToolFormat
-from engine_ext.tools.stream import AnswerStream, JsonFieldStream
+from engine_ext.tools.formats.base import RESPOND, Choice, Function, Prepared, ToolFormat
+from engine_ext.tools.stream import AnswerStream, JsonFieldStream, decoded_prefix
 
 RESPONSE_PREFIX = '{"response": "'
 AutoPolicy = Literal["call-first", "model"]
@@ -37,6 +40,8 @@ class GenericFormat(ToolFormat):
         if choice != "auto" or self.auto_policy == "model":
             return choice
         turn = [m.get("role") for m in messages if m.get("role") not in ("system", "developer")]
+        if turn and turn[-1] == "tool":
+            return RESPOND
         return "required" if turn and turn[-1] == "user" else "auto"
 
     @classmethod
@@ -62,7 +67,7 @@ class GenericFormat(ToolFormat):
                 text_schema: dict[str, Any] | None) -> Grammar | None:
         chosen = [f for f in functions if choice in ("auto", "required") or f.name == choice]
         calls = self._calls_schema(chosen, parallel)
-        if choice != "auto":
+        if choice not in ("auto", RESPOND):
             return Grammar(f"start: {json_rule(calls)}\n", "tool_choice")
         # The response alternative: a string, or the app's JSON (response_format) inside it.
         # One schema, not two grammar alternatives: both open with `{"`, which llguidance's
@@ -72,8 +77,8 @@ class GenericFormat(ToolFormat):
         response = {"type": "object", "properties": {"response": value}, "required": ["response"]}
         strict = all(f.strict for f in chosen) and text_schema is not None and \
             not text_schema.get("x-guidance", {}).get("lenient", True)
-        return Grammar(f"start: {json_rule({'anyOf': [calls, response], 'x-guidance': {'lenient': not strict}})}\n",
-                       "tool_choice")
+        answer = response if choice == RESPOND else {"anyOf": [calls, response]}
+        return Grammar(f"start: {json_rule({**answer, 'x-guidance': {'lenient': not strict}})}\n", "tool_choice")
 
     def _calls_schema(self, functions: Sequence[Function], parallel: bool) -> dict[str, Any]:
         schemas = [self.call_schema(f) for f in functions]
@@ -89,6 +94,8 @@ class GenericFormat(ToolFormat):
         try:
             data = json.loads(text)
         except ValueError:
+            if text.startswith(RESPONSE_PREFIX):  # cut by max_tokens inside the response
+                return ParsedAnswer(decoded_prefix(text[len(RESPONSE_PREFIX):]))
             return ParsedAnswer(text)
         if not isinstance(data, dict):
             return ParsedAnswer(text)

@@ -103,10 +103,8 @@ def test_generic_auto_calls_on_the_users_turn_and_answers_after_the_result(srv):
                                                 temperature=0)
     _check_calls(first.choices[0].message.tool_calls)
     answer = second.choices[0]
-    # After the result the model chooses; either way the answer is well formed.
-    assert (answer.finish_reason == "tool_calls") == bool(answer.message.tool_calls)
-    if answer.message.tool_calls:
-        _check_calls(answer.message.tool_calls)
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
+    assert answer.message.content is not None
 
 
 def test_tool_choice_none_renders_no_tools(srv):

@@ -14,6 +14,7 @@ import torch
 from engine_ext.structured.grammar import Grammar, GrammarCompiler, json_rule
 from engine_ext.tokenizer import Tokenizer
 from engine_ext.tools.formats import FORMATS, Function, pick_format
+from engine_ext.tools.formats.base import RESPOND
 from engine_ext.tools.formats.generic import GenericFormat
 from engine_ext.tools.formats.hermes import HermesFormat
 from engine_ext.tools.formats.llama3 import Llama3JsonFormat
@@ -133,6 +134,7 @@ def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
     (GenericFormat, '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]}', None, ["f", "g"]),
     (GenericFormat, '{"response": {"x": 1}}', '{"x": 1}', []),
     (GenericFormat, '{"tool_call": {"name": "f", "arg', '{"tool_call": {"name": "f", "arg', []),  # cut by length
+    (GenericFormat, '{"response": "cut \\"sh', 'cut "sh', []),  # cut by length: the decoded part
 ])
 def test_parse(tokenizer_with, fmt_cls, text, content, names):
     parsed = fmt_cls(tokenizer_with(None)).parse(text)
@@ -169,9 +171,6 @@ def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(tokenizer
             deltas, rest, calls = _stream_all(fmt, text, step)
             whole = fmt.parse(text)
             streamed = "".join(deltas) + rest
-            if fmt_cls is GenericFormat and text.endswith("sh"):
-                assert streamed == "cut sh"  # the decoded part of a string cut by max_tokens
-                continue
             assert streamed == (whole.content or ""), (text, step)
             assert [c.name for c in calls] == [c.name for c in whole.calls]
 
@@ -199,15 +198,25 @@ def test_generic_prepare_keeps_the_system_prompt_first_and_maps_messages(tokeniz
     assert prepared.messages[4] == messages[3]  # tool results as sent
 
 
-def test_generic_call_first_policy_calls_on_a_user_turn_and_lets_the_model_answer_after_results(tokenizer_with):
+def test_generic_call_first_policy_calls_on_a_user_turn_and_answers_after_results(tokenizer_with, compiler):
     fmt = GenericFormat(tokenizer_with(None))
     user = [{"role": "user", "content": "Weather?"}]
     after = user + [{"role": "assistant", "content": "{}"}, {"role": "tool", "content": "Rain"}]
     assert fmt.effective_choice(user, "auto") == "required"
-    assert fmt.effective_choice(after, "auto") == "auto"
+    assert fmt.effective_choice(after, "auto") == RESPOND
+    assert fmt.effective_choice(after + [{"role": "assistant", "content": "x"}], "auto") == "auto"
     assert fmt.effective_choice(user, "get_weather") == "get_weather"
+    assert fmt.effective_choice(after, "required") == "required"
+    tok = tokenizer_with(None)
+    respond = fmt.grammar([WEATHER], RESPOND, False, None)
+    assert walks(compiler, tok, respond, '{"response": "Rain."}')
+    assert not walks(compiler, tok, respond, CALLS["generic"])
+    # The prompt does not change with the decision: the system message follows the request.
+    assert fmt.prepare(user, [WEATHER], "auto", False).messages[0] == fmt.prepare(after, [WEATHER], "auto",
+                                                                                   False).messages[0]
     fmt.auto_policy = "model"
     assert fmt.effective_choice(user, "auto") == "auto"
+    assert fmt.effective_choice(after, "auto") == "auto"
 
 
 @pytest.mark.parametrize("template", ["hermes", "llama3", "mistral"])
