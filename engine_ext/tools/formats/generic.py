@@ -7,8 +7,8 @@ message and the answer is one JSON object, constrained by a grammar to be either
 
 With tool_choice "auto" the model picks the key; "required" or a named function leaves
 only the call. A model without tool training does not pick well: SmolLM2-135M answered
-{"response": ...} to every request a tool was for, and after a tool's result it called
-the tool again as often as it answered. Under the "call-first" policy (the default,
+{"response": ...} to every request a tool was for, and after a tool's result it sometimes
+called the same tool again instead of answering. Under the "call-first" policy (the default,
 `--generic-tool-auto`), "auto" is therefore decided by the turn: an answer to a user
 message calls a tool, and an answer after the turn's tool results is a response. An
 agent loop thus makes one round of calls per user message and finishes. "model" leaves
@@ -94,11 +94,14 @@ class GenericFormat(ToolFormat):
         try:
             data = json.loads(text)
         except ValueError:
-            if text.startswith(RESPONSE_PREFIX):  # cut by max_tokens inside the response
+            # Cut by max_tokens (the grammar admits nothing else): a response reads as its
+            # decoded part; an unfinished call, or an opening not yet decided, is neither
+            # call nor content: this format's JSON is the engine's, never the app's.
+            if text.startswith(RESPONSE_PREFIX):
                 return ParsedAnswer(decoded_prefix(text[len(RESPONSE_PREFIX):]))
-            return ParsedAnswer(text)
+            return ParsedAnswer(None)
         if not isinstance(data, dict):
-            return ParsedAnswer(text)
+            return ParsedAnswer(None)
         if "response" in data:
             response = data["response"]
             return ParsedAnswer(response if isinstance(response, str) else json.dumps(response, ensure_ascii=False))

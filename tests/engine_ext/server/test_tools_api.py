@@ -177,3 +177,19 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(srv, body, param, words
     error = r.json()["error"]
     assert error["param"] is not None and error["param"].startswith(param), error
     assert words in error["message"], error
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_generic_call_cut_by_max_tokens_shows_none_of_the_formats_json(srv, stream):
+    with _client(srv) as client:
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=TOOLS, tool_choice="required",
+                                           max_tokens=6, temperature=0, stream=stream)
+        if stream:
+            chunks = list(r)
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            calls = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls, \
+                r.choices[0].finish_reason
+    assert finish == "length" and not content and not calls

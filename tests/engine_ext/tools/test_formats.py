@@ -133,7 +133,9 @@ def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
     (MistralFormat, "[1, 2]", "[1, 2]", []),
     (GenericFormat, '{"tool_calls": [{"name": "f", "arguments": {}}, {"name": "g", "arguments": {}}]}', None, ["f", "g"]),
     (GenericFormat, '{"response": {"x": 1}}', '{"x": 1}', []),
-    (GenericFormat, '{"tool_call": {"name": "f", "arg', '{"tool_call": {"name": "f", "arg', []),  # cut by length
+    (GenericFormat, '{"tool_call": {"name": "f", "arg', None, []),  # an unfinished call, cut by length
+    (GenericFormat, '{"tool_calls": [{"name": "f"', None, []),
+    (GenericFormat, '{"tool_', None, []),  # the opening not yet decided
     (GenericFormat, '{"response": "cut \\"sh', 'cut "sh', []),  # cut by length: the decoded part
 ])
 def test_parse(tokenizer_with, fmt_cls, text, content, names):
@@ -164,7 +166,7 @@ def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(tokenizer
         Llama3JsonFormat: ['{"name": "f", "parameters": {}}', "  plain text", "{ not json"],
         MistralFormat: ['[TOOL_CALLS][{"name": "f", "arguments": {}}]', "plain", "[not json"],
         GenericFormat: ['{"tool_call": {"name": "f", "arguments": {}}}', '{"response": "a\\"b\\u00e9\\ud83d\\ude00 c"}',
-                        '{"response": "cut sh'],
+                        '{"response": "cut sh', '{"tool_call": {"name": "f", "argu'],
     }[fmt_cls]
     for text in answers:
         for step in (1, 2, 5):
