@@ -45,6 +45,10 @@ class SamplingParams:
         if self.constraint is not None and self.ignore_eos:
             raise InvalidRequestError("ignore_eos cannot be combined with a constrained answer, which ends "
                                       "where its grammar ends", param="ignore_eos")
+        if self.constraint is not None and self.stop:
+            raise InvalidRequestError("stop cannot be combined with a constrained answer (tools, or a JSON "
+                                      "response_format): a stop string would cut it short of its grammar",
+                                      param="stop")
 
     @property
     def greedy(self) -> bool:

@@ -30,7 +30,7 @@ from gateway.inference import Inference, RoundHold, StateStore
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
 from gateway.limits import check_messages, check_prompt
-from gateway.responses_view import answer_facts, chat_view, error_event
+from gateway.responses_view import ResponseSessions, answer_facts, chat_view, error_event
 from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done, tool_call_ids
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
@@ -66,6 +66,7 @@ class GatewayState:
     plan_seal: PlanSeal | None = None  # None: plans go unsealed (an engine on loopback)
     approximation: Approximation = field(default_factory=Approximation)  # exact unless opted in
     fidelity: FidelityGuard | None = None  # None: the fidelity guard is off
+    responses: ResponseSessions = field(default_factory=ResponseSessions)  # previous_response_id -> session
 
 
 class ProxiedCall:
@@ -89,6 +90,7 @@ class ProxiedCall:
         self._completion: list[str] = []
         self._tool_call_ids: list[str] = []  # of the answer: later prompts that carry them continue its session
         self._finish_reasons: list[str] = []
+        self._response_id: str | None = None  # a Responses answer's id: continuations join its session
         self._last_sequence = -1  # of a Responses stream's events: the gateway's own error event follows it
         self._charge: Charge | None = None
         self._app_id: str | None = None
@@ -113,6 +115,9 @@ class ProxiedCall:
             body = self._parse(await self._read_body())
             self._charge = self.state.access.admit(key, self.view)
             ident = identify(self.request.headers, self.view, self.record.api_key_id)
+            if self.endpoint == RESPONSES and ident.session_id is None:
+                continued = self.state.responses.session_of(ident.app_id, body.get("previous_response_id"))
+                ident = ident._replace(session_id=continued)
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
             body = self._infer(body, ident)
@@ -273,6 +278,7 @@ class ProxiedCall:
     def _take_answer(self, parsed: dict[str, Any]) -> None:
         """Usage, text, tool-call ids and finish reasons of a unary answer."""
         if self.endpoint == RESPONSES:
+            self._response_id = parsed.get("id") if isinstance(parsed.get("id"), str) else None
             facts = answer_facts(parsed)
             self._take_usage(facts.usage)
             self._completion.append(facts.text)
@@ -314,7 +320,7 @@ class ProxiedCall:
                     events = reader.feed(chunk)
                 except EventTooLargeError as exc:
                     raise UpstreamFailedError(str(exc)) from exc
-                forward = []  # the events of one read go out in one write
+                forward, terminal = [], False  # the events of one read go out in one write
                 for event in events:
                     info = inspect(event)
                     if info.has_content and self.record.first_token_at is None:
@@ -334,12 +340,13 @@ class ProxiedCall:
                         self.record.status, self.record.error_type = "upstream_error", "stream_error_event"
                     if info.sequence_number is not None:
                         self._last_sequence = info.sequence_number
-                    delivered = delivered or info.terminal
+                    terminal = terminal or info.terminal
+                    self._response_id = info.response_id or self._response_id
                     if not (info.is_usage_only and self.strip_usage):
                         forward.append(event)
                 if forward:
-                    yield b"".join(forward)
-                    delivered = delivered or any(is_done(event) for event in forward)
+                    yield b"".join(forward)  # delivered only once written: a hang-up during it is a 499
+                    delivered = delivered or terminal or any(is_done(event) for event in forward)
                 if time.perf_counter() > deadline:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
             if reader.rest:
@@ -415,6 +422,8 @@ class ProxiedCall:
             if isinstance(value, int):
                 metrics.tokens.labels(kind).inc(value)
         self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
+        if rec.status == "ok" and self._app_id is not None and rec.session_id and self._response_id:
+            self.state.responses.remember(self._app_id, self._response_id, rec.session_id)
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
             self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
                                                   "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids)))

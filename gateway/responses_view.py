@@ -15,6 +15,8 @@ come from the Response's output items, or from its stream's events (gateway/sse.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import json
 from typing import Any, NamedTuple
 
@@ -60,3 +62,25 @@ def error_event(message: str, type_: str, code: str, sequence_number: int) -> by
     body = {"type": "error", "sequence_number": sequence_number, "message": message, "code": code, "param": None,
             **error_body(message, type_, None, code)}
     return f"event: error\ndata: {json.dumps(body, separators=(',', ':'))}\n\n".encode()
+
+
+class ResponseSessions:
+    """Which session each relayed response belongs to, for the last `max_entries`.
+
+    A request that continues a response by `previous_response_id` may carry nothing
+    else to link it (`input: "go on"`), and the response's history lives in the engine
+    that answered it: naming the session keeps the continuation in that session, and
+    session affinity sends it to that engine. Keyed by app, so ids never cross tenants."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        self._sessions: OrderedDict[tuple[str, str], str] = OrderedDict()
+
+    def remember(self, app_id: str, response_id: str, session_id: str) -> None:
+        self._sessions[(app_id, response_id)] = session_id
+        self._sessions.move_to_end((app_id, response_id))
+        while len(self._sessions) > self.max_entries:
+            self._sessions.popitem(last=False)
+
+    def session_of(self, app_id: str, response_id: Any) -> str | None:
+        return self._sessions.get((app_id, response_id)) if isinstance(response_id, str) else None

@@ -26,6 +26,7 @@ class EventInfo(NamedTuple):
     kv_transfer_params: dict[str, Any] | None = None  # the engine's reports, on the final chunk
     tool_call_ids: tuple[str, ...] = ()  # ids of the tool calls it opens (structure inference links on them)
     terminal: bool = False  # a Responses stream's last event (completed, incomplete, failed)
+    response_id: str | None = None  # a Responses stream's id, on its terminal event
     sequence_number: int | None = None  # a Responses event's number
 
 
@@ -149,7 +150,8 @@ def _responses_event(kind: str, body: dict[str, Any]) -> EventInfo:
         return EventInfo(False, "", chat_usage(response.get("usage")), False,
                          (error if isinstance(error, dict) else {"message": "the response failed"}) if failed else None,
                          () if failed else response_finish_reasons(response),
-                         params if isinstance(params, dict) else None, terminal=True, sequence_number=sequence)
+                         params if isinstance(params, dict) else None, terminal=True, sequence_number=sequence,
+                         response_id=response.get("id") if isinstance(response.get("id"), str) else None)
     if kind == "error":
         return EventInfo(False, "", None, False, {k: body.get(k) for k in ("message", "code", "param")}, (),
                          sequence_number=sequence)

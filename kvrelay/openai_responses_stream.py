@@ -154,6 +154,8 @@ class ResponsesStream:
             if self._message is not None:  # the text before the calls ends here
                 events += self._close(self._message, "completed")
                 self._message = None
+            for earlier in self._calls.values():  # as OpenAI does, an item closes before the next opens
+                events += self._close(earlier, "completed")
             call_id = delta.get("id") if isinstance(delta.get("id"), str) and delta.get("id") else new_id("call")
             item = _Item(len(self._items), new_id("fc"), "function_call", call_id=call_id,
                          name=str(function.get("name") or ""))

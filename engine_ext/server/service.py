@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import json
+import threading
 import logging
 import time
 import uuid
@@ -51,6 +51,8 @@ class CompletionService:
         self.tokenizer = engine.engine.tokenizer
         self.aligner = PromptAligner(self.tokenizer)
         self.tool_format = pick_format(self.tokenizer, FORMATS)  # how this model's template takes tools
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         if isinstance(self.tool_format, GenericFormat):
             self.tool_format.auto_policy = generic_tool_auto
 
@@ -129,11 +131,16 @@ class CompletionService:
                                        self._adapter(req.model), line, probe)
         return outputs, prompt.note, shape
 
-    @functools.cached_property
+    @property
     def grammars(self) -> GrammarCompiler:
-        """Built on the first constrained request (it indexes the whole vocabulary once)."""
-        engine = self.engine.engine
-        return GrammarCompiler(self.tokenizer.to_json(), engine.model_config.vocab_size, engine.eos_token_ids)
+        """Built on the first constrained request (it indexes the whole vocabulary once,
+        in a worker thread: two first requests must not both build it)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                engine = self.engine.engine
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), engine.model_config.vocab_size,
+                                                 engine.eos_token_ids)
+            return self._grammars
 
     # -- non-streaming -----------------------------------------------------------------
     async def complete(self, req: Request, headers: Mapping[str, str] | None = None,
@@ -193,7 +200,7 @@ class CompletionService:
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
                    rest: AsyncIterator[RequestOutput], note: str | None,
                    headers: Mapping[str, str], line: Timeline, shape: ChatShape | None) -> AsyncIterator[str]:
-        reader = shape.format.stream() if shape is not None and shape.format is not None else None
+        reader = shape.stream() if shape is not None else None
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
         def chunk(delta: str | None, finish_reason: str | None, role: bool = False,

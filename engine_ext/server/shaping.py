@@ -21,6 +21,8 @@ from engine_ext.server.schemas import ChatCompletionRequest, JsonObjectFormat, J
 from engine_ext.structured.grammar import Grammar, json_rule
 from engine_ext.tools.calls import ParsedAnswer, ToolCall
 from engine_ext.tools.formats import Choice, Function, ToolFormat
+from engine_ext.tools.formats.base import Named, Reading, TextSchema
+from engine_ext.tools.stream import AnswerStream
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,17 @@ class ChatShape:
     index_map: list[int]  # the request's message i is messages[index_map[i]]
     grammar: Grammar | None  # None: the model is free
     format: ToolFormat | None  # reads calls out of the answer; None: the answer is content
+    reading: Reading = Reading(frozenset())
     single_call: bool = False  # parallel_tool_calls false: an answer keeps at most its first call
 
     def parse(self, text: str) -> ParsedAnswer:
         """The finished answer's content and tool calls."""
-        answer = self.format.parse(text) if self.format is not None else ParsedAnswer(text)
+        answer = self.format.parse(text, self.reading) if self.format is not None else ParsedAnswer(text)
         return ParsedAnswer(answer.content, self.kept(answer.calls))
+
+    def stream(self) -> AnswerStream | None:
+        """A reader of the answer while it streams; None: every delta is content."""
+        return self.format.stream(self.reading) if self.format is not None else None
 
     def kept(self, calls: tuple[ToolCall, ...]) -> tuple[ToolCall, ...]:
         return calls[:1] if self.single_call else calls
@@ -52,10 +59,10 @@ class ChatShape:
 def shape_chat(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatShape:
     messages = [m.to_template() for m in req.messages]
     identity = list(range(len(messages)))
-    text_schema = _text_schema(req)
+    text = _text_schema(req)
     choice = _choice(req)
     if choice is None:
-        grammar = Grammar(f"start: {json_rule(text_schema)}\n", "response_format") if text_schema else None
+        grammar = Grammar(f"start: {json_rule(text.schema, not text.strict)}\n", "response_format") if text else None
         return ChatShape(messages, None, identity, grammar, None)
     functions = [Function(t.function.name, t.function.description, t.function.parameters,
                           bool(t.function.strict)) for t in req.tools or ()]
@@ -66,8 +73,9 @@ def shape_chat(req: ChatCompletionRequest, fmt: ToolFormat) -> ChatShape:
     # The prompt follows the request's choice; the grammar, the choice this answer is
     # made under (a format may decide "auto" for a model that cannot).
     prepared = fmt.prepare(messages, functions, choice, parallel)
-    grammar = fmt.grammar(functions, fmt.effective_choice(messages, choice), parallel, text_schema)
-    return ChatShape(prepared.messages, prepared.tools, prepared.index_map, grammar, fmt,
+    grammar = fmt.grammar(functions, fmt.effective_choice(messages, choice), parallel, text)
+    reading = Reading(frozenset(f.name for f in functions), json_text=text is not None)
+    return ChatShape(prepared.messages, prepared.tools, prepared.index_map, grammar, fmt, reading,
                      single_call=req.parallel_tool_calls is False)
 
 
@@ -76,18 +84,17 @@ def _choice(req: ChatCompletionRequest) -> Choice | None:
     if not req.tools or req.tool_choice == "none":
         return None
     if isinstance(req.tool_choice, NamedToolChoice):
-        return req.tool_choice.function.name
+        return Named(req.tool_choice.function.name)
     return req.tool_choice or "auto"
 
 
-def _text_schema(req: ChatCompletionRequest) -> dict[str, Any] | None:
-    """The JSON Schema a text answer must follow; None for free text."""
+def _text_schema(req: ChatCompletionRequest) -> TextSchema | None:
+    """The JSON a text answer must be; None for free text. Under strict every keyword
+    must be enforced (an unsupported one is a 400); otherwise unknown keywords are
+    ignored, as OpenAI's non-strict mode does."""
     fmt = req.response_format
     if isinstance(fmt, JsonObjectFormat):
-        return {"type": "object"}
+        return TextSchema({"type": "object"}, strict=False)
     if isinstance(fmt, JsonSchemaFormat):
-        schema = fmt.json_schema.json_schema or {"type": "object"}
-        # strict: every keyword must be enforced, so an unsupported one is a 400;
-        # otherwise unknown keywords are ignored, as OpenAI's non-strict mode does.
-        return {**schema, "x-guidance": {"lenient": not fmt.json_schema.strict}}
+        return TextSchema(fmt.json_schema.json_schema or {"type": "object"}, bool(fmt.json_schema.strict))
     return None

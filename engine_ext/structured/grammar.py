@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,99 +37,96 @@ class Grammar:
     param: str
 
     @classmethod
-    def json_schema(cls, schema: dict[str, Any], param: str) -> Grammar:
-        return cls(f"start: {json_rule(schema)}\n", param)
+    def json_schema(cls, schema: dict[str, Any], param: str, lenient: bool = False) -> Grammar:
+        return cls(f"start: {json_rule(schema, lenient)}\n", param)
 
 
-def json_rule(schema: dict[str, Any]) -> str:
-    """A Lark expression matching compact JSON valid against `schema`.
+def json_rule(schema: dict[str, Any], lenient: bool = False) -> str:
+    """A Lark expression matching compact JSON valid against `schema`. `lenient`: JSON
+    Schema keywords llguidance cannot enforce are ignored instead of refused.
 
     Two narrowings keep a small model from writing until max_tokens, and every answer
     they allow is still valid against the schema as given: whitespace is not flexible
-    (a model free to add it can loop on newlines), and an object schema that does not
-    say whether other keys are allowed allows only the ones it lists (a model free to add keys invents
-    them one after another)."""
-    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    closed = close_objects(hoist_defs(schema))
-    return f"%json {json.dumps({**closed, 'x-guidance': {**options, **schema.get('x-guidance', {})}})}"
+    (a model free to add it can loop on newlines), and an object schema that lists its
+    properties, and says nothing else about other keys, allows only those (a model free
+    to add keys invents them one after another)."""
+    options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": lenient}
+    body = {k: v for k, v in close_objects(schema).items() if k != "x-guidance"}
+    return f"%json {json.dumps({**body, 'x-guidance': options})}"
 
 
-_DEFS = ("$defs", "definitions")
+# Where a JSON Schema keeps subschemas: only these are walked, so a property named
+# "definitions" or a `const` holding "$ref" is data, never rewritten.
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_VALUES = ("items", "additionalProperties", "unevaluatedProperties", "not", "if", "then", "else",
+                  "contains", "propertyNames")
+_COMPOSED = ("allOf", "anyOf", "oneOf", "$ref", "if", "not", "dependentSchemas")
 
 
-def hoist_defs(schema: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `schema` with the definitions of embedded schemas moved to its root.
-
-    A tool's parameters or an app's response schema, once placed inside a larger one (a
-    call object, the generic format's answer), still say `#/$defs/x` meaning their own
-    root; JSON Pointers resolve from the whole document's root. Each nested definitions
-    block moves to the root under fresh names, and the references inside it follow."""
-    root_defs: dict[str, Any] = dict(schema.get("$defs", {})) if isinstance(schema.get("$defs"), dict) else {}
-    fresh = iter(range(1 << 30))
-
-    def walk(node: Any, renames: dict[str, str], is_root: bool = False) -> Any:
-        if isinstance(node, list):
-            return [walk(item, renames) for item in node]
-        if not isinstance(node, dict):
-            return node
-        moved = {key: node[key] for key in _DEFS if not is_root and isinstance(node.get(key), dict)}
-        local: dict[str, str] = {}
-        for key, block in moved.items():
-            tag = next(fresh)
-            local.update({f"#/{key}/{name}": f"#/$defs/_{tag}_{name}" for name in block})
-        scope = {**renames, **local}
-        out = {}
-        for key, value in node.items():
-            if key in moved or (is_root and key == "$defs"):
-                continue
-            out[key] = _renamed(value, scope) if key == "$ref" else walk(value, scope)
-        for key, block in moved.items():
-            for name, sub in block.items():
-                root_defs[local[f"#/{key}/{name}"].removeprefix("#/$defs/")] = walk(sub, scope)
-        return out
-
-    out = walk(schema, {}, is_root=True)
-    if isinstance(schema.get("$defs"), dict):
-        for name, sub in schema["$defs"].items():
-            root_defs[name] = walk(sub, {})
-    if root_defs:
-        out["$defs"] = root_defs
+def map_subschemas(schema: dict[str, Any], fn: Callable[[Any, str], Any]) -> dict[str, Any]:
+    """A copy of `schema` with `fn(subschema, keyword)` applied to each direct subschema."""
+    out = dict(schema)
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(sub, key) for sub in out[key]]
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(sub, key) for name, sub in out[key].items()}
+    for key in _SCHEMA_VALUES:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key], key)
     return out
 
 
-def _renamed(ref: Any, renames: dict[str, str]) -> Any:
-    if isinstance(ref, str):
-        for old, new in renames.items():
-            if ref == old or ref.startswith(old + "/"):
-                return new + ref[len(old):]
-    return ref
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """A copy of `schema` in which an object schema that lists `properties`, and says
+    nothing else about other keys, sets `additionalProperties: false`.
 
-
-_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
-
-
-def close_objects(schema: Any) -> Any:
-    """A copy of `schema` in which every object schema that lists `properties` but not
-    `additionalProperties` (nor `patternProperties`, which decide instead) sets it to false."""
+    Left open: an object that composes with others (allOf members, $ref or anyOf
+    siblings: another part may bring the keys), one whose `required` names keys it does
+    not list, and a bare {"type": "object"} (json_object mode asks for any object)."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [close_objects(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: close_objects(s) for name, s in out[key].items()}
-    for key in _SUBSCHEMAS:
-        if isinstance(out.get(key), dict):
-            out[key] = close_objects(out[key])
-    # Only an object that lists its properties is closed: a bare {"type": "object"}
-    # (json_object mode) asks for any object, and closing it would allow only {}.
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out \
-            and "unevaluatedProperties" not in out:
+    out = map_subschemas(schema, lambda sub, key: close_objects(sub, key == "allOf"))
+    properties = out.get("properties")
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    if isinstance(properties, dict) and not in_all_of \
+            and not any(k in out for k in ("additionalProperties", "unevaluatedProperties", *_COMPOSED)) \
+            and "patternProperties" not in out and all(name in properties for name in required):
         out["additionalProperties"] = False
+    return out
+
+
+class SchemaDocument:
+    """One JSON Schema assembled from others (a call object around a tool's parameters,
+    the generic format's answer around an app's response schema).
+
+    Each embedded schema goes under the root's $defs whole, and its references follow
+    it: "#" and "#/..." in a tool's parameters meant the parameters' own root, which is
+    now "#/$defs/<name>"."""
+
+    def __init__(self) -> None:
+        self.defs: dict[str, Any] = {}
+
+    def embed(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """A reference to `schema`, which the document's root will hold."""
+        name = f"_embedded{len(self.defs)}"
+        body = {k: v for k, v in schema.items() if k != "x-guidance"}
+        self.defs[name] = _rebased(body, f"#/$defs/{name}")
+        return {"$ref": f"#/$defs/{name}"}
+
+    def root(self, schema: dict[str, Any]) -> dict[str, Any]:
+        return {**schema, "$defs": {**schema.get("$defs", {}), **self.defs}} if self.defs else schema
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = map_subschemas(schema, lambda sub, _: _rebased(sub, base))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
     return out
 
 
@@ -188,10 +186,6 @@ class GrammarCompiler:
             raise InvalidRequestError(f"{grammar.param}: cannot be enforced: {_first_line(matcher.get_error())}",
                                       param=grammar.param)
         return TokenConstraint(matcher, self._eos_ids)
-
-    def special_token(self, token_id: int) -> str:
-        """The Lark term for one token by id (a special token has no text to match)."""
-        return f"<[{token_id}]>"
 
 
 def _first_line(message: str) -> str:

@@ -38,8 +38,13 @@ def arguments_text(arguments: Any) -> str | None:
     if isinstance(arguments, str):  # some models write the object as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if arguments is None:
         arguments = {}
-    return json.dumps(arguments, ensure_ascii=False) if isinstance(arguments, dict) else None
+    if not isinstance(arguments, dict):
+        return None
+    try:  # NaN and Infinity are not JSON: a client's JSON.parse would fail on them
+        return json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return None

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING
 from engine_ext.tools.calls import ParsedAnswer, ToolCall
 
 if TYPE_CHECKING:
-    from engine_ext.tools.formats.base import ToolFormat
+    from engine_ext.tools.formats.base import Reading, ToolFormat
 
 
 class AnswerStream(ABC):
     """Fed the whole answer so far after each step; says what content to send now."""
 
-    def __init__(self, fmt: ToolFormat) -> None:
+    def __init__(self, fmt: ToolFormat, reading: Reading) -> None:
         self.format = fmt
+        self.reading = reading
         self.released = ""  # content sent so far
 
     @abstractmethod
@@ -41,7 +42,7 @@ class AnswerStream(ABC):
         return self._release(parsed.content or ""), parsed.calls
 
     def parse(self, text: str) -> ParsedAnswer:
-        return self.format.parse(text)
+        return self.format.parse(text, self.reading)
 
     def _release(self, content: str) -> str:
         if not content.startswith(self.released):
@@ -51,20 +52,21 @@ class AnswerStream(ABC):
 
 
 class MarkerStream(AnswerStream):
-    """Calls open with a marker that may follow text (Hermes' `<tool_call>`)."""
+    """Calls open with a marker that may follow text (Hermes' `<tool_call>`). Trailing
+    whitespace is held too: before a call, whitespace alone is no content."""
 
-    def __init__(self, fmt: ToolFormat, marker: str) -> None:
-        super().__init__(fmt)
+    def __init__(self, fmt: ToolFormat, reading: Reading, marker: str) -> None:
+        super().__init__(fmt, reading)
         self.marker = marker
 
     def _safe(self, text: str) -> str:
         found = text.find(self.marker)
         if found >= 0:
-            return text[:found]
+            return text[:found].rstrip()
         for k in range(min(len(text), len(self.marker) - 1), 0, -1):
             if self.marker.startswith(text[-k:]):
-                return text[:-k]
-        return text
+                return text[:-k].rstrip()
+        return text.rstrip()
 
 
 class LeadingStream(AnswerStream):
@@ -72,8 +74,8 @@ class LeadingStream(AnswerStream):
     (Llama 3's `{`, Mistral's `[TOOL_CALLS]`): the answer is held until its first
     characters decide, then streams as content if it is not a call."""
 
-    def __init__(self, fmt: ToolFormat, openers: tuple[str, ...]) -> None:
-        super().__init__(fmt)
+    def __init__(self, fmt: ToolFormat, reading: Reading, openers: tuple[str, ...]) -> None:
+        super().__init__(fmt, reading)
         self.openers = openers
 
     def _safe(self, text: str) -> str:
@@ -84,15 +86,16 @@ class LeadingStream(AnswerStream):
 
 
 class JsonFieldStream(AnswerStream):
-    """The answer is a JSON object whose `field` string is the content (the generic
-    format's {"response": "..."}): the string streams as it is decoded."""
+    """The answer is a JSON object whose string field is the content (the generic
+    format's {"response": "..."}): the string streams as it is decoded. Without a
+    prefix (the field holds JSON, not a string) the content goes out at the end."""
 
-    def __init__(self, fmt: ToolFormat, prefix: str) -> None:
-        super().__init__(fmt)
+    def __init__(self, fmt: ToolFormat, reading: Reading, prefix: str | None) -> None:
+        super().__init__(fmt, reading)
         self.prefix = prefix  # the object's text up to the string's opening quote
 
     def _safe(self, text: str) -> str:
-        if not text.startswith(self.prefix):
+        if self.prefix is None or not text.startswith(self.prefix):
             return ""
         return decoded_prefix(text[len(self.prefix):])
 

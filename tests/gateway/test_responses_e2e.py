@@ -92,6 +92,22 @@ def test_a_chain_through_the_gateway_has_its_plan_shifted_past_the_history(gw, c
                                                {"role": "user", "content": "And a fruit?"}]
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_continuation_by_previous_response_id_stays_in_the_responses_session(gw, client, stream):
+    """`input: "go on"` links to nothing by content: the response id names its session
+    (and so its engine, which holds the history)."""
+    def ask(**fields):
+        if not stream:
+            return client.responses.create(model=MODEL, **fields, **GEN)
+        return list(client.responses.create(model=MODEL, stream=True, **fields, **GEN))[-1].response
+
+    first = ask(input="Tell me a long story about a lighthouse keeper.")
+    ask(input="go on", previous_response_id=first.id)
+    ask(input="go on")  # the same words without the id: a session of its own
+    rows = gw.rows(3)
+    assert rows[0].session_id == rows[1].session_id != rows[2].session_id
+
+
 def test_an_engine_refusal_reaches_the_client_with_its_param(gw, client):
     with pytest.raises(openai.BadRequestError) as err:
         client.responses.create(model=MODEL, input=[{"role": "user", "content": [

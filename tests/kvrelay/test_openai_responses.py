@@ -265,6 +265,10 @@ def test_tool_call_deltas_become_function_call_items():
     assert kinds.index("response.output_item.done") < kinds.index("response.function_call_arguments.delta")
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert [(e.output_index, e.arguments) for e in done] == [(1, "{\"city\":\"Oslo\"}"), (2, "{}")]
+    # Each item closes before the next one opens, as OpenAI streams them.
+    opened = [(e.output_index, i) for i, e in enumerate(events) if e.type == "response.output_item.added"]
+    closed = {e.output_index: i for i, e in enumerate(events) if e.type == "response.output_item.done"}
+    assert all(closed[index] < opened[k + 1][1] for k, (index, _) in enumerate(opened[:-1]))
     final = events[-1].response
     assert [i.type for i in final.output] == ["message", "function_call", "function_call"]
     assert [i.call_id for i in final.output[1:]] == ["call_1", "call_2"]

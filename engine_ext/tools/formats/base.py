@@ -17,19 +17,41 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-from engine_ext.structured.grammar import Grammar, json_rule
+from engine_ext.structured.grammar import Grammar, SchemaDocument, json_rule
 from engine_ext.tools.calls import ParsedAnswer, ToolCall, arguments_text, call_id
 
 if TYPE_CHECKING:
     from engine_ext.tokenizer import Tokenizer
     from engine_ext.tools.stream import AnswerStream
 
-# "auto", "required", or the one function's name a request forces; RESPOND (no call, an
-# answer) is a format's own decision (GenericFormat.effective_choice), never a request's.
-Choice = Literal["auto", "required"] | str
-RESPOND: Final = "<respond>"  # not a valid function name (schemas.ToolName), so never a named choice
+@dataclass(frozen=True)
+class Named:
+    """tool_choice naming one function (a type of its own: "auto" is a valid function name)."""
+
+    name: str
+
+
+# What the answer may be: "respond" (an answer, no call) is a format's own decision
+# (GenericFormat.effective_choice), never a request's.
+Choice = Literal["auto", "required", "respond"] | Named
+
+
+@dataclass(frozen=True)
+class TextSchema:
+    """The JSON a text answer must be (response_format); strict: every keyword enforced."""
+
+    schema: dict[str, Any]
+    strict: bool
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What reading an answer back needs from its request."""
+
+    names: frozenset[str]  # the request's tools: an object naming any other is not a call
+    json_text: bool = False  # the text answer is JSON (response_format): content is JSON text
 
 
 @dataclass(frozen=True)
@@ -78,11 +100,12 @@ class ToolFormat(ABC):
         """Lark rules defining `calls`: one call (or several, when parallel) of the given functions."""
 
     @abstractmethod
-    def parse(self, text: str) -> ParsedAnswer:
-        """The answer's content and calls; text that is not a well-formed call is content."""
+    def parse(self, text: str, reading: Reading) -> ParsedAnswer:
+        """The answer's content and calls; text that is not a well-formed call of one
+        of the request's tools is content."""
 
     @abstractmethod
-    def stream(self) -> AnswerStream:
+    def stream(self, reading: Reading) -> AnswerStream:
         """A reader of the answer as it is generated (engine_ext/tools/stream.py)."""
 
     def effective_choice(self, messages: list[dict[str, Any]], choice: Choice) -> Choice:
@@ -95,32 +118,38 @@ class ToolFormat(ABC):
         return Prepared(messages, [f.to_template() for f in functions], list(range(len(messages))))
 
     def grammar(self, functions: Sequence[Function], choice: Choice, parallel: bool,
-                text_schema: dict[str, Any] | None) -> Grammar | None:
+                text: TextSchema | None) -> Grammar | None:
         """The answer's grammar: only calls when one is required (of the named function,
-        if named); calls or JSON valid against `text_schema` when the app asked for both
+        if named); calls or JSON valid against `text` when the app asked for both
         (response_format); none when the model is free."""
-        chosen = [f for f in functions if choice in ("auto", "required") or f.name == choice]
-        if choice != "auto":
-            return Grammar(f"start: calls\n{self.call_rule(chosen, parallel)}", "tool_choice")
-        if text_schema is not None:
-            return Grammar(f"start: {json_rule(text_schema)} | calls\n{self.call_rule(chosen, parallel)}",
-                           "response_format")
+        calls = self.call_rule(chosen(functions, choice), parallel)
+        if choice == "required" or isinstance(choice, Named):
+            return Grammar(f"start: calls\n{calls}", "tool_choice")
+        if text is not None:
+            return Grammar(f"start: {json_rule(text.schema, not text.strict)} | calls\n{calls}", "response_format")
         return None
 
     def new_call_id(self) -> str:
         return call_id()
 
     # -- helpers for subclasses -----------------------------------------------------------
-    def answer_of_calls(self, items: Any, text: str) -> ParsedAnswer:
+    def answer_of_calls(self, items: Any, text: str, reading: Reading) -> ParsedAnswer:
         """A non-empty list of {"name", "arguments"} objects as the answer's calls; the
-        text as content if any item is not a well-formed call."""
+        text as content if any item is not a call of one of the request's tools."""
         calls = []
         for item in items if isinstance(items, list) and items else [None]:
-            arguments = arguments_text(item.get("arguments")) if isinstance(item, dict) else None
-            if arguments is None or not isinstance(item.get("name"), str):
+            call = self.call_of(item, reading)
+            if call is None:
                 return ParsedAnswer(text)
-            calls.append(ToolCall(self.new_call_id(), item["name"], arguments))
+            calls.append(call)
         return ParsedAnswer(None, tuple(calls))
+
+    def call_of(self, item: Any, reading: Reading, arguments_key: str = "arguments") -> ToolCall | None:
+        """A call, if `item` is {"name": <one of the tools>, <arguments_key>: {...}}."""
+        if not isinstance(item, dict) or item.get("name") not in reading.names or arguments_key not in item:
+            return None
+        arguments = arguments_text(item[arguments_key])
+        return None if arguments is None else ToolCall(self.new_call_id(), item["name"], arguments)
 
     def marker(self, text: str) -> str:
         """The Lark term for a marker: its token when the vocabulary has it as one token
@@ -128,21 +157,24 @@ class ToolFormat(ABC):
         token = self.tokenizer.token_id(text)
         return f"<[{token}]>" if token is not None else json.dumps(text)
 
-    @staticmethod
-    def call_schema(function: Function, arguments_key: str = "arguments") -> dict[str, Any]:
-        """A JSON Schema of one call object, {"name": ..., "arguments": {...}}, name first."""
-        return {"type": "object",
-                "properties": {"name": {"const": function.name}, arguments_key: function.arguments_schema()},
-                "required": ["name", arguments_key], "additionalProperties": False}
 
-    @classmethod
-    def calls_json(cls, functions: Sequence[Function], arguments_key: str = "arguments",
-                   strict: bool | None = None) -> str:
-        """A Lark term for one call object of any of `functions`."""
-        schemas = [cls.call_schema(f, arguments_key) for f in functions]
-        schema = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
-        lenient = not all(f.strict for f in functions) if strict is None else not strict
-        return json_rule({**schema, "x-guidance": {"lenient": lenient}})
+def chosen(functions: Sequence[Function], choice: Choice) -> list[Function]:
+    """The functions an answer may call."""
+    return [f for f in functions if f.name == choice.name] if isinstance(choice, Named) else list(functions)
+
+
+def call_object(functions: Sequence[Function], doc: SchemaDocument, arguments_key: str = "arguments") -> dict[str, Any]:
+    """A JSON Schema of one call object, {"name": ..., <arguments_key>: {...}} (name
+    first), of any of `functions`; their parameter schemas are embedded in `doc`."""
+    schemas = [{"type": "object",
+                "properties": {"name": {"const": f.name}, arguments_key: doc.embed(f.arguments_schema())},
+                "required": ["name", arguments_key], "additionalProperties": False} for f in functions]
+    return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+
+
+def lenient(functions: Sequence[Function]) -> bool:
+    """Unless every function is strict, keywords the grammar cannot enforce are ignored."""
+    return not all(f.strict for f in functions)
 
 
 def pick_format(tokenizer: Tokenizer, formats: Sequence[type[ToolFormat]]) -> ToolFormat:

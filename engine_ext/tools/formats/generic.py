@@ -23,9 +23,10 @@ import json
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from engine_ext.structured.grammar import Grammar, json_rule
+from engine_ext.structured.grammar import Grammar, SchemaDocument, json_rule
 from engine_ext.tools.calls import ParsedAnswer
-from engine_ext.tools.formats.base import RESPOND, Choice, Function, Prepared, ToolFormat
+from engine_ext.tools.formats.base import (Choice, Function, Named, Prepared, Reading, TextSchema, ToolFormat,
+                                           call_object, chosen, lenient)
 from engine_ext.tools.stream import AnswerStream, JsonFieldStream, decoded_prefix
 
 RESPONSE_PREFIX = '{"response": "'
@@ -41,7 +42,7 @@ class GenericFormat(ToolFormat):
             return choice
         turn = [m.get("role") for m in messages if m.get("role") not in ("system", "developer")]
         if turn and turn[-1] == "tool":
-            return RESPOND
+            return "respond"
         return "required" if turn and turn[-1] == "user" else "auto"
 
     @classmethod
@@ -55,60 +56,63 @@ class GenericFormat(ToolFormat):
         at = 0
         while at < len(messages) and messages[at].get("role") in ("system", "developer"):
             at += 1
-        rewritten = [_with_calls_as_json(m, parallel) for m in messages]
+        rewritten = [_with_calls_as_json(m) for m in messages]
         system = {"role": "system", "content": _instructions(functions, choice, parallel)}
         index_map = [i if i < at else i + 1 for i in range(len(messages))]
         return Prepared(rewritten[:at] + [system] + rewritten[at:], None, index_map)
 
     def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
-        return f"calls: {json_rule(self._calls_schema(functions, parallel))}\n"
+        doc = SchemaDocument()
+        return f"calls: {json_rule(doc.root(self._calls(functions, parallel, doc)), lenient(functions))}\n"
 
     def grammar(self, functions: Sequence[Function], choice: Choice, parallel: bool,
-                text_schema: dict[str, Any] | None) -> Grammar | None:
-        chosen = [f for f in functions if choice in ("auto", "required") or f.name == choice]
-        calls = self._calls_schema(chosen, parallel)
-        if choice not in ("auto", RESPOND):
-            return Grammar(f"start: {json_rule(calls)}\n", "tool_choice")
-        # The response alternative: a string, or the app's JSON (response_format) inside it.
-        # One schema, not two grammar alternatives: both open with `{"`, which llguidance's
-        # lexer must not have to split between a literal and a JSON lexeme.
-        value = {"type": "string"} if text_schema is None else \
-            {k: v for k, v in text_schema.items() if k != "x-guidance"}
+                text: TextSchema | None) -> Grammar | None:
+        """One JSON Schema: the call object, the response object, or either. Not two
+        grammar alternatives: both open with `{"`, which llguidance's lexer must not
+        have to split between a literal and a JSON lexeme."""
+        functions = chosen(functions, choice)
+        doc = SchemaDocument()
+        calls = self._calls(functions, parallel, doc)
+        if choice == "required" or isinstance(choice, Named):
+            return Grammar(f"start: {json_rule(doc.root(calls), lenient(functions))}\n", "tool_choice")
+        # The response: a string, or the app's JSON (response_format) inside it.
+        value = {"type": "string"} if text is None else doc.embed(text.schema)
         response = {"type": "object", "properties": {"response": value}, "required": ["response"]}
-        strict = all(f.strict for f in chosen) and text_schema is not None and \
-            not text_schema.get("x-guidance", {}).get("lenient", True)
-        answer = response if choice == RESPOND else {"anyOf": [calls, response]}
-        return Grammar(f"start: {json_rule({**answer, 'x-guidance': {'lenient': not strict}})}\n", "tool_choice")
+        answer = response if choice == "respond" else {"anyOf": [calls, response]}
+        strict = (text is None or text.strict) and not lenient(functions)
+        return Grammar(f"start: {json_rule(doc.root(answer), not strict)}\n", "tool_choice")
 
-    def _calls_schema(self, functions: Sequence[Function], parallel: bool) -> dict[str, Any]:
-        schemas = [self.call_schema(f) for f in functions]
-        call = schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
+    @staticmethod
+    def _calls(functions: Sequence[Function], parallel: bool, doc: SchemaDocument) -> dict[str, Any]:
+        call = call_object(functions, doc)
         if parallel:
             key, value = "tool_calls", {"type": "array", "items": call, "minItems": 1}
         else:
             key, value = "tool_call", call
-        return {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False,
-                "x-guidance": {"lenient": not all(f.strict for f in functions)}}
+        return {"type": "object", "properties": {key: value}, "required": [key], "additionalProperties": False}
 
-    def parse(self, text: str) -> ParsedAnswer:
+    def parse(self, text: str, reading: Reading) -> ParsedAnswer:
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             # Cut by max_tokens (the grammar admits nothing else): a response reads as its
             # decoded part; an unfinished call, or an opening not yet decided, is neither
             # call nor content: this format's JSON is the engine's, never the app's.
-            if text.startswith(RESPONSE_PREFIX):
+            if text.startswith(RESPONSE_PREFIX) and not reading.json_text:
                 return ParsedAnswer(decoded_prefix(text[len(RESPONSE_PREFIX):]))
             return ParsedAnswer(None)
         if not isinstance(data, dict):
             return ParsedAnswer(None)
         if "response" in data:
             response = data["response"]
-            return ParsedAnswer(response if isinstance(response, str) else json.dumps(response, ensure_ascii=False))
-        return self.answer_of_calls(data["tool_calls"] if "tool_calls" in data else [data.get("tool_call")], text)
+            as_json = reading.json_text or not isinstance(response, str)
+            return ParsedAnswer(json.dumps(response, ensure_ascii=False) if as_json else response)
+        return self.answer_of_calls(data["tool_calls"] if "tool_calls" in data else [data.get("tool_call")], text,
+                                    reading)
 
-    def stream(self) -> AnswerStream:
-        return JsonFieldStream(self, RESPONSE_PREFIX)
+    def stream(self, reading: Reading) -> AnswerStream:
+        # A JSON text answer goes out whole at the end (its value is re-encoded compactly).
+        return JsonFieldStream(self, reading, RESPONSE_PREFIX if not reading.json_text else None)
 
 
 def _instructions(functions: Sequence[Function], choice: Choice, parallel: bool) -> str:
@@ -116,17 +120,19 @@ def _instructions(functions: Sequence[Function], choice: Choice, parallel: bool)
               "parameters": f.arguments_schema()} for f in functions]
     call = ('{"tool_calls": [{"name": <tool name>, "arguments": <its arguments>}, ...]}' if parallel
             else '{"tool_call": {"name": <tool name>, "arguments": <its arguments>}}')
-    if choice == "auto":
+    if isinstance(choice, Named):
+        how = f"Answer by calling the tool {choice.name}: {call}."
+    elif choice == "required":
+        how = f"Answer by calling a tool: {call}."
+    else:
         how = (f"To call a tool, answer with {call}. To answer directly, answer with "
                '{"response": <your answer to the user>}.')
-    else:
-        how = f"Answer by calling {'a tool' if choice == 'required' else 'the tool ' + choice}: {call}."
     return ("You can call these tools (each one's arguments as a JSON Schema):\n"
             f"{json.dumps(tools, ensure_ascii=False)}\n"
             f"Answer with one JSON object. {how}")
 
 
-def _with_calls_as_json(message: dict[str, Any], parallel: bool) -> dict[str, Any]:
+def _with_calls_as_json(message: dict[str, Any]) -> dict[str, Any]:
     """An assistant message's tool calls, written as this format's JSON answer."""
     calls = message.get("tool_calls")
     if not calls:

@@ -8,12 +8,13 @@ import json
 import re
 from collections.abc import Sequence
 
-from engine_ext.tools.calls import ParsedAnswer, ToolCall, arguments_text
-from engine_ext.tools.formats.base import Function, ToolFormat
+from engine_ext.structured.grammar import SchemaDocument, json_rule
+from engine_ext.tools.calls import ParsedAnswer
+from engine_ext.tools.formats.base import Function, Reading, ToolFormat, call_object, lenient
 from engine_ext.tools.stream import AnswerStream, MarkerStream
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(</tool_call>|$)", re.DOTALL)
 
 
 class HermesFormat(ToolFormat):
@@ -24,32 +25,28 @@ class HermesFormat(ToolFormat):
         return OPEN in template
 
     def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
+        doc = SchemaDocument()
+        call = json_rule(doc.root(call_object(functions, doc)), lenient(functions))
         more = ' ("\\n" call)*' if parallel else ""
-        return (f"calls: call{more}\n"
-                f'call: {self.marker(OPEN)} "\\n" {self.calls_json(functions)} "\\n" {self.marker(CLOSE)}\n')
+        return f'calls: call{more}\ncall: {self.marker(OPEN)} "\\n" {call} "\\n" {self.marker(CLOSE)}\n'
 
-    def parse(self, text: str) -> ParsedAnswer:
+    def parse(self, text: str, reading: Reading) -> ParsedAnswer:
         start = text.find(OPEN)
         if start < 0:
             return ParsedAnswer(text)
         calls = []
-        for block in _BLOCK.findall(text, start):
-            call = self._call(block)
+        for block, close in _BLOCK.findall(text, start):
+            try:
+                call = self.call_of(json.loads(block), reading)
+            except (ValueError, RecursionError):
+                call = None
             if call is None:
+                if not close:
+                    break  # the last block, cut by max_tokens: no call, and not the app's text
                 return ParsedAnswer(text)  # not a well-formed call: the model's text, as written
             calls.append(call)
         content = text[:start]
         return ParsedAnswer(content if content.strip() else None, tuple(calls))
 
-    def _call(self, block: str) -> ToolCall | None:
-        try:
-            data = json.loads(block)
-        except ValueError:
-            return None
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            return None
-        arguments = arguments_text(data.get("arguments"))
-        return None if arguments is None else ToolCall(self.new_call_id(), data["name"], arguments)
-
-    def stream(self) -> AnswerStream:
-        return MarkerStream(self, OPEN)
+    def stream(self, reading: Reading) -> AnswerStream:
+        return MarkerStream(self, reading, OPEN)

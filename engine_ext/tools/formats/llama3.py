@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from engine_ext.tools.calls import ParsedAnswer, ToolCall, arguments_text
-from engine_ext.tools.formats.base import Function, ToolFormat
+from engine_ext.structured.grammar import SchemaDocument, json_rule
+from engine_ext.tools.calls import ParsedAnswer
+from engine_ext.tools.formats.base import Function, Reading, ToolFormat, call_object, lenient
 from engine_ext.tools.stream import AnswerStream, LeadingStream
 
 PYTHON_TAG = "<|python_tag|>"
@@ -22,10 +23,12 @@ class Llama3JsonFormat(ToolFormat):
         return "<|start_header_id|>" in template and ('"parameters"' in template or PYTHON_TAG in template)
 
     def call_rule(self, functions: Sequence[Function], parallel: bool) -> str:
+        doc = SchemaDocument()
+        call = json_rule(doc.root(call_object(functions, doc, "parameters")), lenient(functions))
         more = ' ("; " call)*' if parallel else ""
-        return f"calls: call{more}\ncall: {self.calls_json(functions, 'parameters')}\n"
+        return f"calls: call{more}\ncall: {call}\n"
 
-    def parse(self, text: str) -> ParsedAnswer:
+    def parse(self, text: str, reading: Reading) -> ParsedAnswer:
         body = text.strip().removeprefix(PYTHON_TAG).lstrip()
         if not body.startswith("{"):
             return ParsedAnswer(text)
@@ -33,16 +36,16 @@ class Llama3JsonFormat(ToolFormat):
         while at < len(body):
             try:
                 data, at = _DECODER.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return ParsedAnswer(text)
-            arguments = arguments_text(data.get("parameters", data.get("arguments"))) if isinstance(data, dict) \
-                else None
-            if arguments is None or not isinstance(data.get("name"), str):
+            key = "parameters" if isinstance(data, dict) and "parameters" in data else "arguments"
+            call = self.call_of(data, reading, key)
+            if call is None:  # JSON that is not a call of the request's tools: the model's answer
                 return ParsedAnswer(text)
-            calls.append(ToolCall(self.new_call_id(), data["name"], arguments))
+            calls.append(call)
             while at < len(body) and body[at] in "; \n\t":
                 at += 1
         return ParsedAnswer(None, tuple(calls))
 
-    def stream(self) -> AnswerStream:
-        return LeadingStream(self, (PYTHON_TAG, "{"))
+    def stream(self, reading: Reading) -> AnswerStream:
+        return LeadingStream(self, reading, (PYTHON_TAG, "{"))

@@ -164,6 +164,7 @@ def test_json_object_answers_are_objects(srv):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "$ref": "#/$defs/missing"}}}}, "response_format", "missing"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "constrained"),
+    ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop", "cut it short"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
      "messages.0.content", "image_url parts are not supported"),
@@ -193,3 +194,13 @@ def test_a_generic_call_cut_by_max_tokens_shows_none_of_the_formats_json(srv, st
             content, calls, finish = r.choices[0].message.content, r.choices[0].message.tool_calls, \
                 r.choices[0].finish_reason
     assert finish == "length" and not content and not calls
+
+
+@pytest.mark.parametrize("server", ["srv", "hermes_srv"])
+def test_a_function_may_be_named_like_a_mode(request, server):
+    """"auto" and "required" are valid function names: naming one forces that call."""
+    tools = [{"type": "function", "function": {"name": "auto", "parameters": ADD}}, TOOLS[0]]
+    with _client(request.getfixturevalue(server)) as client:
+        r = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=300, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "auto"}})
+    assert [c.function.name for c in r.choices[0].message.tool_calls] == ["auto"]

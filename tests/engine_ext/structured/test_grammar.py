@@ -118,20 +118,39 @@ def test_a_grammar_that_cannot_compile_is_a_400_naming_its_field(compiler):
     assert err.value.param == "tool_choice"
 
 
-def test_embedded_definitions_move_to_the_root_and_their_references_follow(compiler, tokenizer):
-    from engine_ext.structured.grammar import hoist_defs
+def _document(inner: dict) -> dict:
+    from engine_ext.structured.grammar import SchemaDocument
 
-    inner = {"type": "object", "properties": {"a": {"$ref": "#/$defs/item"}, "b": {"$ref": "#/definitions/n"}},
-             "required": ["a", "b"], "$defs": {"item": {"enum": ["x", "y"]}}, "definitions": {"n": {"type": "integer"}}}
-    outer = {"type": "object", "properties": {"call": inner, "own": {"$ref": "#/$defs/own"}},
-             "required": ["call", "own"], "$defs": {"own": {"type": "boolean"}}}
-    hoisted = hoist_defs(outer)
-    import jsonschema
+    doc = SchemaDocument()
+    return doc.root({"type": "object", "properties": {"call": doc.embed(inner)}, "required": ["call"]})
 
-    jsonschema.validate({"call": {"a": "x", "b": 3}, "own": True}, hoisted)
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"call": {"a": "z", "b": 3}, "own": True}, hoisted)
-    assert "$defs" not in hoisted["properties"]["call"] and "own" in hoisted["$defs"]
+
+def test_an_embedded_schema_keeps_its_definitions_and_its_own_root(compiler, tokenizer):
+    tree = {"type": "object", "properties": {"label": {"enum": ["a", "b"]}, "kind": {"$ref": "#/$defs/kind"},
+                                             "children": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+            "required": ["label"], "$defs": {"kind": {"type": "integer"}}}
+    outer = _document(tree)
+    jsonschema.validate({"call": {"label": "a", "kind": 2, "children": [{"label": "b"}]}}, outer)
+    with pytest.raises(jsonschema.ValidationError):  # "#" is the tree's root, not the wrapper's
+        jsonschema.validate({"call": {"label": "a", "children": [{"call": {"label": "b"}}]}}, outer)
     grammar = Grammar.json_schema(outer, "tool_choice")
-    assert _walk(compiler, tokenizer, grammar, '{"call": {"a": "y", "b": 12}, "own": false}')
-    assert not _walk(compiler, tokenizer, grammar, '{"call": {"a": "q", "b": 12}, "own": false}')
+    assert _walk(compiler, tokenizer, grammar, '{"call": {"label": "a", "kind": 3, "children": [{"label": "b"}]}}')
+    assert not _walk(compiler, tokenizer, grammar, '{"call": {"label": "c"}}')
+
+
+def test_a_property_named_definitions_is_data_not_a_definitions_block(compiler, tokenizer):
+    word = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 5},
+                                             "definitions": {"type": "array", "items": {"enum": ["x"]}}},
+            "required": ["word", "definitions"]}
+    grammar = Grammar.json_schema(_document(word), "tool_choice")
+    assert _walk(compiler, tokenizer, grammar, '{"call": {"word": "hi", "definitions": ["x"]}}')
+
+
+def test_composed_objects_stay_open_so_a_valid_schema_stays_satisfiable(compiler, tokenizer):
+    both = {"allOf": [{"type": "object", "properties": {"a": {"enum": ["x"]}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert _walk(compiler, tokenizer, Grammar.json_schema(both, "response_format"), '{"a": "x", "b": 1}')
+    outside = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "z"]}
+    assert _walk(compiler, tokenizer, Grammar.json_schema(outside, "response_format"), '{"a": 1, "z": 2}')
+    assert "additionalProperties" not in close_objects(outside)
+    assert "additionalProperties" not in close_objects({"$ref": "#/$defs/x", "properties": {}})

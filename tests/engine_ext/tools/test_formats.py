@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_ext.structured.grammar import Grammar, GrammarCompiler, json_rule
+from engine_ext.structured.grammar import Grammar, GrammarCompiler
 from engine_ext.tokenizer import Tokenizer
 from engine_ext.tools.formats import FORMATS, Function, pick_format
-from engine_ext.tools.formats.base import RESPOND
+from engine_ext.tools.formats.base import Named, Reading, TextSchema
 from engine_ext.tools.formats.generic import GenericFormat
 from engine_ext.tools.formats.hermes import HermesFormat
 from engine_ext.tools.formats.llama3 import Llama3JsonFormat
@@ -25,6 +25,7 @@ WEATHER = Function("get_weather", "Weather in a city",
                    {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})
 ADD = Function("add", None, {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
                              "required": ["a", "b"]})
+READ = Reading(frozenset({"get_weather", "add"}))
 CALLS = {
     "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris"}}',
@@ -77,9 +78,9 @@ def test_required_and_named_choices_admit_exactly_the_formats_own_call(tokenizer
     assert walks(compiler, tok, required, call)
     assert not walks(compiler, tok, required, "It is sunny in Paris.")
     assert not walks(compiler, tok, required, call.replace('"Paris"', "42"))  # arguments follow the schema
-    named = fmt.grammar([WEATHER, ADD], "add", False, None)
+    named = fmt.grammar([WEATHER, ADD], Named("add"), False, None)
     assert not walks(compiler, tok, named, call)  # only the named function
-    parsed = fmt.parse(call)
+    parsed = fmt.parse(call, READ)
     assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [("get_weather", {"city": "Paris"})]
 
 
@@ -88,8 +89,8 @@ def test_auto_leaves_a_native_model_free_unless_the_text_is_json(tokenizer_with,
     tok = tokenizer_with(template)
     fmt = pick_format(tok, FORMATS)
     assert fmt.grammar([WEATHER], "auto", False, None) is None
-    both = fmt.grammar([WEATHER], "auto", False, ({"type": "object", "properties": {"x": {"type": "integer"}},
-                                                            "required": ["x"]}))
+    both = fmt.grammar([WEATHER], "auto", False, TextSchema({"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"]}, strict=True))
     assert walks(compiler, tok, both, '{"x": 3}')
     assert walks(compiler, tok, both, CALLS[fmt.name])
     assert not walks(compiler, tok, both, "free text")
@@ -102,13 +103,14 @@ def test_generic_auto_is_a_call_or_a_response(tokenizer_with, compiler):
     assert walks(compiler, tok, grammar, CALLS["generic"])
     assert walks(compiler, tok, grammar, '{"response": "It is \\"sunny\\"."}')
     assert not walks(compiler, tok, grammar, "It is sunny.")
-    assert fmt.parse('{"response": "It is \\"sunny\\"."}').content == 'It is "sunny".'
-    typed = fmt.grammar([WEATHER], "auto", False, {"type": "object", "properties": {"x": {"type": "integer"}},
-                                                   "required": ["x"]})
+    assert fmt.parse('{"response": "It is \\"sunny\\"."}', READ).content == 'It is "sunny".'
+    typed = fmt.grammar([WEATHER], "auto", False, TextSchema({"type": "object", "properties": {
+        "x": {"type": "integer"}}, "required": ["x"]}, strict=True))
     assert walks(compiler, tok, typed, '{"response": {"x": 3}}')
     assert walks(compiler, tok, typed, CALLS["generic"])
     assert not walks(compiler, tok, typed, '{"response": "text"}')
-    assert fmt.parse('{"response": {"x": 3}}').content == '{"x": 3}'
+    assert fmt.parse('{"response": {"x": 3}}', Reading(READ.names, json_text=True)).content == '{"x": 3}'
+    assert fmt.parse('{"response": "hi"}', Reading(READ.names, json_text=True)).content == '"hi"'  # JSON text
 
 
 def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
@@ -117,7 +119,7 @@ def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
     two = CALLS["hermes"] + "\n" + CALLS["hermes"].replace("Paris", "Rome")
     assert walks(compiler, tok, fmt.grammar([WEATHER], "required", True, None), two)
     assert not walks(compiler, tok, fmt.grammar([WEATHER], "required", False, None), two)
-    assert [json.loads(c.arguments)["city"] for c in fmt.parse(two).calls] == ["Paris", "Rome"]
+    assert [json.loads(c.arguments)["city"] for c in fmt.parse(two, READ).calls] == ["Paris", "Rome"]
 
 
 @pytest.mark.parametrize(("fmt_cls", "text", "content", "names"), [
@@ -128,6 +130,14 @@ def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
     (Llama3JsonFormat, '<|python_tag|>{"name": "f", "parameters": {"a": 1}}; {"name": "g", "parameters": {}}', None,
      ["f", "g"]),
     (Llama3JsonFormat, '{"not": "a call"}', '{"not": "a call"}', []),
+    (Llama3JsonFormat, '{"name": "Alice", "age": 30}', '{"name": "Alice", "age": 30}', []),  # JSON, not a call
+    (Llama3JsonFormat, '{"name": "f"}', '{"name": "f"}', []),  # no arguments key: not a call
+    (HermesFormat, 'Hi <tool_call>\n{"name": "f", "argu', "Hi ", []),  # cut by max_tokens: no call, no markup
+    (HermesFormat, '<tool_call>\n{"name": "zzz", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "zzz", "arguments": {}}\n</tool_call>', []),  # not one of the tools
+    (MistralFormat, '[{"name": "Alice"}]', '[{"name": "Alice"}]', []),
+    (GenericFormat, '{"tool_call": {"name": "f", "arguments": {"x": NaN}}}', '{"tool_call": {"name": "f", "arguments": {"x": NaN}}}', []),
+    (GenericFormat, "[" * 5000, None, []),  # nested past the recursion limit: no call, no 500
     (Llama3JsonFormat, '{"name": "f", "parameters": [1]}', '{"name": "f", "parameters": [1]}', []),
     (MistralFormat, '[{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": "{}"}]', None, ["f", "g"]),
     (MistralFormat, "[1, 2]", "[1, 2]", []),
@@ -139,19 +149,19 @@ def test_parallel_calls_only_when_asked(tokenizer_with, compiler):
     (GenericFormat, '{"response": "cut \\"sh', 'cut "sh', []),  # cut by length: the decoded part
 ])
 def test_parse(tokenizer_with, fmt_cls, text, content, names):
-    parsed = fmt_cls(tokenizer_with(None)).parse(text)
+    parsed = fmt_cls(tokenizer_with(None)).parse(text, Reading(frozenset({"f", "g"})))
     assert parsed.content == content
     assert [c.name for c in parsed.calls] == names
     assert all(isinstance(json.loads(c.arguments), dict) for c in parsed.calls)
 
 
 def test_mistral_call_ids_have_the_shape_its_template_demands(tokenizer_with):
-    call = MistralFormat(tokenizer_with(None)).parse('[{"name": "f", "arguments": {}}]').calls[0]
+    call = MistralFormat(tokenizer_with(None)).parse('[{"name": "f", "arguments": {}}]', Reading(frozenset("f"))).calls[0]
     assert len(call.id) == 9 and call.id.isalnum()
 
 
 def _stream_all(fmt, text: str, step: int = 3) -> tuple[list[str], str, tuple]:
-    reader, deltas = fmt.stream(), []
+    reader, deltas = fmt.stream(Reading(frozenset({"f"}))), []
     for end in range(step, len(text) + step, step):
         deltas.append(reader.feed(text[:end]))
     rest, calls = reader.finish(text)
@@ -162,7 +172,8 @@ def _stream_all(fmt, text: str, step: int = 3) -> tuple[list[str], str, tuple]:
 def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(tokenizer_with, fmt_cls):
     fmt = fmt_cls(tokenizer_with(None))
     answers = {
-        HermesFormat: ["Sure: <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "a <tool_c b", "plain"],
+        HermesFormat: ["Sure: <tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "a <tool_c b", "plain",
+                       "\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", "text \n\n"],
         Llama3JsonFormat: ['{"name": "f", "parameters": {}}', "  plain text", "{ not json"],
         MistralFormat: ['[TOOL_CALLS][{"name": "f", "arguments": {}}]', "plain", "[not json"],
         GenericFormat: ['{"tool_call": {"name": "f", "arguments": {}}}', '{"response": "a\\"b\\u00e9\\ud83d\\ude00 c"}',
@@ -171,15 +182,15 @@ def test_a_stream_sends_the_same_content_and_calls_as_the_whole_answer(tokenizer
     for text in answers:
         for step in (1, 2, 5):
             deltas, rest, calls = _stream_all(fmt, text, step)
-            whole = fmt.parse(text)
+            whole = fmt.parse(text, Reading(frozenset({"f"})))
             streamed = "".join(deltas) + rest
             assert streamed == (whole.content or ""), (text, step)
             assert [c.name for c in calls] == [c.name for c in whole.calls]
 
 
 def test_a_marker_stream_holds_back_a_partial_marker(tokenizer_with):
-    reader = HermesFormat(tokenizer_with(None)).stream()
-    assert reader.feed("Hello <tool") == "Hello "
+    reader = HermesFormat(tokenizer_with(None)).stream(READ)
+    assert reader.feed("Hello <tool") == "Hello"  # the space may be all there is before a call
     assert reader.feed("Hello <tool_call>\n{") == ""
     assert reader.feed("Hello <tool_call>\n{\"name\"") == ""
 
@@ -205,12 +216,12 @@ def test_generic_call_first_policy_calls_on_a_user_turn_and_answers_after_result
     user = [{"role": "user", "content": "Weather?"}]
     after = user + [{"role": "assistant", "content": "{}"}, {"role": "tool", "content": "Rain"}]
     assert fmt.effective_choice(user, "auto") == "required"
-    assert fmt.effective_choice(after, "auto") == RESPOND
+    assert fmt.effective_choice(after, "auto") == "respond"
     assert fmt.effective_choice(after + [{"role": "assistant", "content": "x"}], "auto") == "auto"
-    assert fmt.effective_choice(user, "get_weather") == "get_weather"
+    assert fmt.effective_choice(user, Named("get_weather")) == Named("get_weather")
     assert fmt.effective_choice(after, "required") == "required"
     tok = tokenizer_with(None)
-    respond = fmt.grammar([WEATHER], RESPOND, False, None)
+    respond = fmt.grammar([WEATHER], "respond", False, None)
     assert walks(compiler, tok, respond, '{"response": "Rain."}')
     assert not walks(compiler, tok, respond, CALLS["generic"])
     # The prompt does not change with the decision: the system message follows the request.
