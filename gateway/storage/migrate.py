@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+import migrations
+
+# The installed `migrations` package (its env.py, script.py.mako and versions/): found
+# through the import system, so a regular install works as well as a source checkout.
+MIGRATIONS_DIR = Path(str(resources.files(migrations)))
 
 
 def alembic_config(database_url: str) -> Config:

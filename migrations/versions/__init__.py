@@ -1,0 +1,1 @@
+"""Alembic revisions of the gateway's schema, oldest first."""
