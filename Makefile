@@ -34,6 +34,7 @@ run: install
 	$(BIN)/kvrelay up --host $(HOST) --port $(PORT)
 
 test: install
+	$(BIN)/ruff check .
 	scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) tests
 
 $(VLLM_STAMP):

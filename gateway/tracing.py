@@ -19,7 +19,7 @@ from opentelemetry.trace import (INVALID_SPAN_CONTEXT, NoOpTracer, Span, SpanKin
                                  set_span_in_context)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine_ext.otel import TracingConfigError, build_provider
+from engine_ext.otel import TracingConfigError, build_provider  # noqa: F401  (re-exported: the CLI maps it)
 from engine_ext.protocol import SegmentPlan
 from gateway.storage.writer import RequestRecord
 

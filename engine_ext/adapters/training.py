@@ -94,7 +94,6 @@ class LoraFactors(torch.nn.Module):
 def forward_logits(model: CausalLM, factors: LoraFactors | None, token_ids: torch.Tensor,
                    mode: TrainMode) -> torch.Tensor:
     """Logits (T, vocab) for one sequence; the base's weights are never updated."""
-    cfg = model.config
     cos, sin = rope_cos_sin(model.inv_freq, torch.arange(token_ids.shape[0]))  # each (T, rotary_dim)
     x = model.embed_tokens.weight[token_ids]  # (T, hidden)
     base = x if mode == "icarus" else None

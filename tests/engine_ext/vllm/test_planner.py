@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from engine_ext.kv.hashing import namespace_root
 from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
 from engine_ext.vllm.config import ConnectorConfig
-from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave
+from engine_ext.vllm.index import BlockMove, BlockSave
 from engine_ext.vllm.locator import PrefixLocator
 from engine_ext.vllm.planner import ConnectorPlanner, ScheduledBlocks
 

@@ -4,7 +4,6 @@ no record lost while the database is down."""
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import time
 from datetime import UTC, datetime
