@@ -21,7 +21,7 @@ from opentelemetry.trace import NoOpTracer, Tracer
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
-from engine_ext.errors import EngineError
+from engine_ext.errors import EngineError, InvalidRequestError
 from engine_ext.plan_seal import SEAL_KEY
 from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
@@ -30,7 +30,7 @@ from engine_ext.server.errors import ModelNotFoundError, engine_error_status, er
 from engine_ext.server.plans import MessageShift, PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.shaping import ChatShape, shape_chat
-from engine_ext.structured.grammar import GrammarCompiler
+from engine_ext.structured.grammar import Grammar, GrammarCompiler, TokenConstraint
 from engine_ext.tools.calls import ParsedAnswer, ToolCall
 from engine_ext.tools.formats import FORMATS, pick_format
 from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
@@ -124,12 +124,25 @@ class CompletionService:
         if shape is not None and shape.grammar is not None:
             # Building a matcher can take a while for a large schema: off the event loop.
             grammar = shape.grammar
-            constraint = await asyncio.to_thread(lambda: self.grammars.constraint(grammar))
+            constraint = await asyncio.to_thread(lambda: self._constraint(req, grammar))
             sampling = dataclasses.replace(sampling, constraint=constraint)
         outputs = self.engine.generate(request_id, prompt.token_ids, sampling,
                                        req.kv_transfer_params, prompt.segments, prompt.scope,
                                        self._adapter(req.model), line, probe)
         return outputs, prompt.note, shape
+
+    def _constraint(self, req: Request, grammar: Grammar) -> TokenConstraint:
+        """The answer's constraint. Each tool's `parameters` is checked on its own first,
+        so an error names the tool, and a strict tool's schema is enforced keyword for
+        keyword even when the answer's one grammar must be lenient for a non-strict one."""
+        for i, tool in enumerate(req.tools or () if isinstance(req, ChatCompletionRequest) else ()):
+            function, param = tool.function, f"tools[{i}].function.parameters"
+            if function.parameters is not None:
+                try:
+                    self.grammars.constraint(Grammar.json_schema(function.parameters, param, not function.strict))
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(str(exc), param=param) from exc
+        return self.grammars.constraint(grammar)
 
     @property
     def grammars(self) -> GrammarCompiler:

@@ -164,6 +164,9 @@ def test_json_object_answers_are_objects(srv):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "$ref": "#/$defs/missing"}}}}, "response_format", "missing"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos", "constrained"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "bad", "strict": True, "parameters": {
+        "type": "object", "properties": {"d": {"type": "string", "format": "bogus"}}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters", "bogus"),
     ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop", "cut it short"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
