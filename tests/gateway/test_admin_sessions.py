@@ -6,7 +6,7 @@ import time
 
 import openai
 
-from tests.gateway.test_inference_e2e import run_loop
+from tests.e2e.test_inference_e2e import run_loop
 
 ADMIN = "admin-" + "s3cret" * 4
 
