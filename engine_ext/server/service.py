@@ -28,7 +28,7 @@ from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.plans import MessageShift, PlanReader
-from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
+from engine_ext.server.schemas import ChatCompletionRequest, ChatTool, CompletionRequest
 from engine_ext.server.shaping import ChatShape, shape_chat
 from engine_ext.structured.grammar import Grammar, GrammarCompiler, TokenConstraint
 from engine_ext.tools.calls import ParsedAnswer, ToolCall
@@ -132,17 +132,27 @@ class CompletionService:
         return outputs, prompt.note, shape
 
     def _constraint(self, req: Request, grammar: Grammar) -> TokenConstraint:
-        """The answer's constraint. Each tool's `parameters` is checked on its own first,
-        so an error names the tool, and a strict tool's schema is enforced keyword for
-        keyword even when the answer's one grammar must be lenient for a non-strict one."""
-        for i, tool in enumerate(req.tools or () if isinstance(req, ChatCompletionRequest) else ()):
+        """The answer's constraint. The answer has one grammar, lenient unless every tool
+        is strict: beside non-strict tools, a strict tool's schema is first compiled on
+        its own, so a keyword that cannot be enforced is refused, not ignored. When the
+        grammar fails, the tool whose schema is why is named."""
+        tools = list(enumerate(req.tools or ())) if isinstance(req, ChatCompletionRequest) else []
+        if tools and not all(tool.function.strict for _, tool in tools):
+            self._check_tools([(i, tool) for i, tool in tools if tool.function.strict])
+        try:
+            return self.grammars.constraint(grammar)
+        except InvalidRequestError:
+            self._check_tools(tools)  # raises naming the culprit, if a tool's schema is it
+            raise
+
+    def _check_tools(self, tools: list[tuple[int, ChatTool]]) -> None:
+        for i, tool in tools:
             function, param = tool.function, f"tools[{i}].function.parameters"
             if function.parameters is not None:
                 try:
                     self.grammars.constraint(Grammar.json_schema(function.parameters, param, not function.strict))
                 except InvalidRequestError as exc:
                     raise InvalidRequestError(str(exc), param=param) from exc
-        return self.grammars.constraint(grammar)
 
     @property
     def grammars(self) -> GrammarCompiler:

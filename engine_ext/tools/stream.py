@@ -88,38 +88,51 @@ class LeadingStream(AnswerStream):
 class JsonFieldStream(AnswerStream):
     """The answer is a JSON object whose string field is the content (the generic
     format's {"response": "..."}): the string streams as it is decoded. Without a
-    prefix (the field holds JSON, not a string) the content goes out at the end."""
+    prefix (the field holds JSON, not a string) the content goes out at the end.
+
+    The scan for where the string's complete part ends resumes where the last step left
+    it, so a long answer costs linear Python work, not a rescan per token."""
 
     def __init__(self, fmt: ToolFormat, reading: Reading, prefix: str | None) -> None:
         super().__init__(fmt, reading)
         self.prefix = prefix  # the object's text up to the string's opening quote
+        self._end = 0  # how far into the string's body the complete part is known to reach
 
     def _safe(self, text: str) -> str:
         if self.prefix is None or not text.startswith(self.prefix):
             return ""
-        return decoded_prefix(text[len(self.prefix):])
-
+        body = text[len(self.prefix):]
+        self._end = _string_end(body, self._end)
+        return _decoded(body[:self._end])
 
 
 def decoded_prefix(body: str) -> str:
     """The decoded text of a JSON string's body as far as it is complete: up to the
     closing quote, and short of an escape sequence still being written."""
-    end, i = len(body), 0
+    return _decoded(body[:_string_end(body, 0)])
+
+
+def _string_end(body: str, start: int) -> int:
+    """Where the complete part of a JSON string's body ends, scanning from `start` (a
+    character or escape boundary): at the closing quote, or before an unfinished escape."""
+    i = start
     while i < len(body):
         char = body[i]
         if char == '"':
-            end = i
-            break
+            return i
         if char == "\\":
             width = 6 if body[i + 1:i + 2] == "u" else 2
             if i + width > len(body):
-                end = i
-                break
+                return i
             i += width
             continue
         i += 1
+    return len(body)
+
+
+def _decoded(body: str) -> str:
     try:
-        text = json.loads(f'"{body[:end]}"')
+        text = json.loads(f'"{body}"')
     except ValueError:  # not valid JSON string text: nothing is safe to send
         return ""
     if text and "\ud800" <= text[-1] <= "\udbff":

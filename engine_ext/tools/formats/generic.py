@@ -26,7 +26,7 @@ from typing import Any, Literal
 from engine_ext.structured.grammar import Grammar, SchemaDocument, json_rule
 from engine_ext.tools.calls import ParsedAnswer
 from engine_ext.tools.formats.base import (Choice, Function, Named, Prepared, Reading, TextSchema, ToolFormat,
-                                           call_object, chosen, lenient)
+                                           call_object, lenient)
 from engine_ext.tools.stream import AnswerStream, JsonFieldStream, decoded_prefix
 
 RESPONSE_PREFIX = '{"response": "'
@@ -70,11 +70,10 @@ class GenericFormat(ToolFormat):
         """One JSON Schema: the call object, the response object, or either. Not two
         grammar alternatives: both open with `{"`, which llguidance's lexer must not
         have to split between a literal and a JSON lexeme."""
-        functions = chosen(functions, choice)
+        if choice == "required" or isinstance(choice, Named):
+            return super().grammar(functions, choice, parallel, text)  # only `calls`
         doc = SchemaDocument()
         calls = self._calls(functions, parallel, doc)
-        if choice == "required" or isinstance(choice, Named):
-            return Grammar(f"start: {json_rule(doc.root(calls), lenient(functions))}\n", "tool_choice")
         # The response: a string, or the app's JSON (response_format) inside it.
         value = {"type": "string"} if text is None else doc.embed(text.schema)
         response = {"type": "object", "properties": {"response": value}, "required": ["response"]}

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from engine_ext.sampling import SamplingParams
-from tests.helpers import make_engine
+from tests.helpers import make_engine, slow_with_abort_spy
 
 MODEL = "tiny-llama"
 NUM_BLOCKS = 24  # 384 tokens of KV; the model's context is 512
@@ -449,21 +449,7 @@ def test_openai_client_errors(client):
 @pytest.fixture
 def slow_engine(srv, monkeypatch):
     """Slow each engine step down (so a long request outlives the client) and record aborts."""
-    aborted: list[str] = []
-    step, abort = srv.llm.step, srv.llm.abort
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    def spy_abort(request_id):
-        ok = abort(request_id)
-        aborted.append(request_id)
-        return ok
-
-    monkeypatch.setattr(srv.llm, "step", slow_step)
-    monkeypatch.setattr(srv.llm, "abort", spy_abort)
-    return aborted
+    return slow_with_abort_spy(srv.llm, monkeypatch, step_s=0.02)
 
 
 def _long_body(stream: bool) -> dict:

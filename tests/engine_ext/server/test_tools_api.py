@@ -167,6 +167,9 @@ def test_json_object_answers_are_objects(srv):
     ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "bad", "strict": True, "parameters": {
         "type": "object", "properties": {"d": {"type": "string", "format": "bogus"}}}}}], "tool_choice": "required"},
      "tools[1].function.parameters", "bogus"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "gone", "parameters": {
+        "type": "object", "properties": {"d": {"$ref": "#/$defs/missing"}}}}}], "tool_choice": "required"},
+     "tools[1].function.parameters", "missing"),
     ({"tools": TOOLS, "tool_choice": "required", "stop": ["}"]}, "stop", "cut it short"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
                                                 {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
