@@ -78,7 +78,10 @@ _MISMATCH_TYPES = frozenset({"string_unicode", "int_parsing", "float_parsing", "
 
 
 def _is_union_tag(part: object) -> bool:
-    return isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[](),"))
+    """A member's tag: a type name, or a model class name (CamelCase: never a field of
+    an OpenAI body, whose fields are snake_case)."""
+    return isinstance(part, str) and (part in _TYPE_TAGS or any(c in part for c in "[](),")
+                                      or (part[:1].isupper() and part.isalnum()))
 
 
 def _most_telling(errors: Sequence[Any]) -> dict[str, Any]:

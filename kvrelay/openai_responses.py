@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, model_validator
 
 from kvrelay.json_values import INT64_MAX, INT64_MIN, first_misfit
 from kvrelay.openai_responses_input import ResponsesRequestError, chat_messages, history_offset
@@ -70,14 +70,14 @@ class FunctionTool(_Open):
     name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class TextFormat(_Open):
     type: Literal["text", "json_object", "json_schema"]
     name: Annotated[str, Field(min_length=1)] | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
     description: str | None = None
 
     @model_validator(mode="after")
@@ -107,7 +107,7 @@ class ResponsesRequest(_Open):
     previous_response_id: Annotated[str, Field(min_length=1)] | None = None
     tools: list[Any] | None = None  # each checked by translate_tools, to name the bad one
     tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     max_output_tokens: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None

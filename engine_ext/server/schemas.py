@@ -10,7 +10,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag,
+                      model_validator)
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
@@ -38,6 +39,24 @@ def _utf8_json(value: Any) -> Any:
 Text = Annotated[str, AfterValidator(_utf8)]
 Json = Annotated[Any, AfterValidator(_utf8_json)]
 JsonObject = Annotated[dict[str, Any], AfterValidator(_utf8_json)]
+
+# Schemas are walked recursively (engine_ext/structured/grammar.py, and llguidance's
+# compiler); real ones nest a few levels. Deeper than this is refused, not a stack overflow.
+MAX_SCHEMA_DEPTH = 64
+
+
+def _shallow(schema: dict[str, Any]) -> dict[str, Any]:
+    stack: list[tuple[Any, int]] = [(schema, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"the JSON Schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((child, depth + 1) for child in children)
+    return schema
+
+
+JsonSchema = Annotated[dict[str, Any], AfterValidator(_utf8_json), AfterValidator(_shallow)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
@@ -75,8 +94,8 @@ class FunctionDefinition(BaseModel):
 
     name: ToolName
     description: Text | None = None
-    parameters: JsonObject | None = None  # a JSON Schema; None: no arguments
-    strict: bool | None = None
+    parameters: JsonSchema | None = None  # None: no arguments
+    strict: StrictBool | None = None
 
 
 class ChatTool(BaseModel):
@@ -109,8 +128,8 @@ class JsonSchemaSpec(BaseModel):
 
     name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
     description: Text | None = None
-    json_schema: JsonObject = Field(default_factory=dict, alias="schema")
-    strict: bool | None = None
+    json_schema: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
@@ -118,7 +137,18 @@ class JsonSchemaFormat(BaseModel):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+def _format_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
+
+
+# Tagged by class name, which error bodies leave out of `param` (kvrelay/openai_errors.py):
+# tagged by "json_schema" the param would read response_format.json_schema.json_schema.schema.
+_FORMAT_TAGS = {"text": "TextFormat", "json_object": "JsonObjectFormat", "json_schema": "JsonSchemaFormat"}
+ResponseFormat = Annotated[Annotated[TextFormat, Tag("TextFormat")] | Annotated[JsonObjectFormat, Tag("JsonObjectFormat")]
+                           | Annotated[JsonSchemaFormat, Tag("JsonSchemaFormat")], Discriminator(
+    _format_tag, custom_error_type="invalid_response_format",
+    custom_error_message="response_format must be an object whose type is text, json_object or json_schema")]
 
 
 class FunctionCall(BaseModel):
@@ -173,7 +203,7 @@ class ChatMessage(BaseModel):
 def _arguments_object(arguments: str) -> Any:
     try:
         parsed = json.loads(arguments)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
 
@@ -235,7 +265,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     # None: the client did not say. OpenAI's default lets the model make several calls;
     # a grammar allows several only when the client asked (engine_ext/server/shaping.py).
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
 
     def check_supported(self) -> None:

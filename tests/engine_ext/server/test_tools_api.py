@@ -210,3 +210,27 @@ def test_a_function_may_be_named_like_a_mode(request, server):
         r = client.chat.completions.create(model=MODEL, messages=USER, tools=tools, max_tokens=300, temperature=0,
                                            tool_choice={"type": "function", "function": {"name": "auto"}})
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["auto"]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": json.loads(
+        '{"items": ' * 100 + "{}" + "}" * 100)}}}, "response_format.json_schema.schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": json.loads(
+        '{"items": ' * 100 + "{}" + "}" * 100)}}]}, "tools.0.function.parameters"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "true"}}]}, "tools.0.function.strict"),
+])
+def test_schemas_too_deep_and_flags_of_the_wrong_type_are_400s(srv, body, param):
+    with httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_tool_call_arguments_nested_past_the_parser_are_text_not_a_500(srv):
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "[" * 100_000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    with httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": history, "max_tokens": 2})
+    assert r.status_code == 200, r.text
