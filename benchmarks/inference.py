@@ -19,7 +19,7 @@ import tracemalloc
 
 from benchmarks.common import BenchResult
 from benchmarks.inference_adversarial import GRAPH_NODES, NUM_AGENTS, PROMPT_CHARS, run_adversarial
-from engine_ext.protocol import attach_plan
+from kvrelay.wire.plan import attach_plan
 from gateway.identity import identify
 from gateway.inference import Inference
 from gateway.settings import InferenceSettings

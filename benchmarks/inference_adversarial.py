@@ -36,7 +36,7 @@ import time
 from collections import Counter
 from typing import Any, NamedTuple
 
-from engine_ext.protocol import attach_plan
+from kvrelay.wire.plan import attach_plan
 from gateway.identity import identify
 from gateway.inference import Inference
 from gateway.settings import InferenceSettings

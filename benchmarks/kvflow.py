@@ -41,7 +41,7 @@ from benchmarks.common import BenchResult
 from engine_ext.config import EngineConfig, ModelConfig, ReuseConfig, TierConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.model_store import resolve_model
-from engine_ext.protocol import WorkflowInfo
+from kvrelay.wire.plan import WorkflowInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence

@@ -41,7 +41,7 @@ from benchmarks.common import BenchResult, free_port
 from benchmarks.kvcomm import Sizes, Workflow, first_token, kvcomm_engine, register_answer
 from engine_ext.engine import LLMEngine
 from engine_ext.model_store import resolve_model
-from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
 from engine_ext.reuse.segments import ReuseScope
 from engine_ext.sampling import SamplingParams
 from engine_ext.vllm.server import VllmServer, find_vllm_python

@@ -10,7 +10,7 @@ from typing import Any, Literal, get_args
 import torch
 
 from engine_ext.errors import ModelLoadError
-from engine_ext.protocol import ReuseMethod
+from kvrelay.wire.plan import ReuseMethod
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 Dtype = Literal["float32", "bfloat16", "float16"]

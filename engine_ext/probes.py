@@ -27,6 +27,7 @@ import torch
 from engine_ext.fidelity import compare_logits
 from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope
 from engine_ext.sampling import SamplingParams
+from kvrelay.wire.reports import FidelityScore
 
 if TYPE_CHECKING:
     from engine_ext.engine import LLMEngine
@@ -61,20 +62,6 @@ class ProbeJob(NamedTuple):
     logits: torch.Tensor  # (len(output_ids), vocab): the approximate logits that chose them
 
 
-class ProbeResult(NamedTuple):
-    seq: int  # increasing: pollers ask for results after the last one they saw
-    request_id: str
-    tenant: str
-    app: str
-    method: str
-    top1: float
-    kl: float
-    tokens: int
-
-    def to_json(self) -> dict[str, object]:
-        return self._asdict()
-
-
 class _Running(NamedTuple):
     job: ProbeJob
     seq: Sequence
@@ -89,7 +76,7 @@ class Probes:
             raise ValueError("probe bounds must be >= 1")
         self.max_tokens = max_tokens
         self._jobs: deque[ProbeJob] = deque(maxlen=max_jobs)
-        self._results: deque[ProbeResult] = deque(maxlen=max_results)
+        self._results: deque[FidelityScore] = deque(maxlen=max_results)
         self._watched: dict[str, Sequence] = {}  # probed requests in flight
         self._running: _Running | None = None
         self._seq = itertools.count(1)
@@ -171,14 +158,15 @@ class Probes:
             if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):
                 raise RuntimeError(f"the dense score ended early ({dense.finish_reason})")
             top1, kl = compare_logits(torch.stack(dense.logits), job.logits)
+            score = FidelityScore(request_id=job.request_id, tenant=job.tenant, app=job.app, method=job.method,
+                                  top1=top1, kl=kl, tokens=len(job.output_ids))
         except Exception:
             self.num_failed += 1
             logger.exception("fidelity probe of request %s failed; dropped", job.request_id)
             return
         with self._lock:
             self._last_seq = next(self._seq)
-            self._results.append(ProbeResult(self._last_seq, job.request_id, job.tenant, job.app, job.method,
-                                             top1, kl, len(job.output_ids)))
+            self._results.append(score.model_copy(update={"seq": self._last_seq}))
 
     def reset(self, engine: LLMEngine) -> None:
         """The engine failed a step: drop the running job and every watched request."""
@@ -195,7 +183,7 @@ class Probes:
         return running.job
 
     # -- results, for the server's event loop ---------------------------------------------
-    def results_after(self, after: int, limit: int = 1000) -> tuple[list[ProbeResult], int]:
+    def results_after(self, after: int, limit: int = 1000) -> tuple[list[FidelityScore], int]:
         """Results with seq > after (oldest first, at most `limit`) and the seq to ask
         after next; a `next` below `after` tells a poller the engine restarted."""
         with self._lock:

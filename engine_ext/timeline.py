@@ -32,9 +32,11 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+from kvrelay.wire.reports import TtftBreakdown
 
 
 class Interval(NamedTuple):
@@ -164,17 +166,6 @@ class Timeline:
         assembly = list(self.assembly.items())
         return replace(self, assembly={method: list(placements) for method, placements in assembly},
                        prefill_steps=list(self.prefill_steps))
-
-
-TTFT_KEY = "kvrelay_ttft"  # the key of the breakdown under the response's kv_transfer_params
-# A caller sends this header (any value but 0/false/off) to get the breakdown back even
-# without kv_transfer_params: the gateway always does, reuse on or off.
-TTFT_HEADER = "x-kvrelay-ttft"
-
-
-def wants_breakdown(headers: Mapping[str, str]) -> bool:
-    value = headers.get(TTFT_HEADER)
-    return value is not None and value.strip().lower() not in ("0", "false", "off")
 
 
 class PrefillRate:
@@ -327,8 +318,9 @@ class PrefixShadow:
         return num_hits
 
 
-def breakdown(line: Timeline, num_prompt_tokens: int) -> dict[str, object]:
-    """The TTFT breakdown reported to the caller (the gateway keeps it per request):
+def breakdown(line: Timeline, num_prompt_tokens: int) -> TtftBreakdown | None:
+    """The TTFT breakdown reported to the caller (the gateway keeps it per request),
+    None before the first token:
     each stage's seconds, the prefill split into KV assembly per method, compute and
     wait, and the baseline: what prefix caching alone would have served and computed,
     and the TTFT it would have given (`dense_ttft_s`), so `saved_s` = that - actual.
@@ -341,18 +333,20 @@ def breakdown(line: Timeline, num_prompt_tokens: int) -> dict[str, object]:
     cost: an approximate prefill slower than the dense one, or prefix hits lost to
     approximate KV kept out of the cache, give a negative saving."""
     stages = line.stages()
-    out: dict[str, object] = {f"{name}_s": stages[name].seconds for name in TTFT_STAGES if name in stages}
+    out: dict[str, Any] = {f"{name}_s": stages[name].seconds for name in TTFT_STAGES if name in stages}
+    if line.ttft is None:
+        return None
     out["ttft_s"] = line.ttft
     assembly = {method: sum(p.seconds for p in placements) for method, placements in line.assembly.items()}
     out["assembly_s"] = assembly
     out["prefill_steps"] = line.num_prefill_steps
-    if "prefill" not in stages or line.ttft is None:
-        return out
+    if "prefill" not in stages:
+        return TtftBreakdown.model_validate(out)
     compute = line.prefill_compute_s()
     out["prefill_compute_s"] = compute
     out["prefill_wait_s"] = line.prefill_wait_s(stages["prefill"])
     if line.num_prefix_hit is None or line.num_exact_hit is None:
-        return out  # never reached the engine's first step: no baseline
+        return TtftBreakdown.model_validate(out)  # never reached the engine's first step: no baseline
     reused = line.reused_tokens()
     out["prefix_hit_tokens"] = line.num_prefix_hit
     out["prefix_path_tokens"] = num_prompt_tokens - line.num_prefix_hit
@@ -365,4 +359,4 @@ def breakdown(line: Timeline, num_prompt_tokens: int) -> dict[str, object]:
         cost = compute + line.reuse_assembly_s() + line.keep_s
         out["dense_ttft_s"] = line.ttft - cost + line.prefix_path_s
         out["saved_s"] = line.prefix_path_s - cost
-    return out
+    return TtftBreakdown.model_validate(out)

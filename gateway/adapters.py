@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from engine_ext.protocol import AdapterRef
+from kvrelay.wire.plan import AdapterRef
 from gateway.settings import AdapterRule, AdapterSettings
 
 

@@ -21,7 +21,7 @@ from gateway.auth import KeyInfo, KeyNotFoundError
 from gateway.call import GatewayState
 from gateway.inference.views import agent_names, session_agents, session_detail, session_summary
 from gateway.ttft import format_report, load_requests, session_ttft
-from kvrelay.openai_errors import error_response, error_responses
+from kvrelay.wire.errors import error_response, error_responses
 
 
 class AdminRefused(Exception):

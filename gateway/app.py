@@ -16,7 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from engine_ext.plan_seal import PlanSeal
+from kvrelay.wire.seal import PlanSeal
 from gateway.adapters import AdapterRouter
 from gateway.fidelity_guard import FidelityGuard
 from gateway.fidelity_metrics import FidelityCollector
@@ -36,7 +36,7 @@ from gateway.supervisor import SupervisedTask
 from gateway.tracing import build_tracer_provider, tracer_from
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
-from kvrelay.openai_errors import error_response, error_responses, install_request_error_handlers
+from kvrelay.wire.errors import error_response, error_responses, install_request_error_handlers
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Annotated, Literal, Protocol, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
-from engine_ext.protocol import SegmentPlan
+from kvrelay.wire.plan import SegmentPlan
 from gateway.rule_files import load_rule_file
 
 ApproxMethod = Literal["shift", "blend", "link", "kvcomm"]

@@ -35,13 +35,12 @@ from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, insp
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
-from engine_ext.plan_seal import PlanSeal
-from engine_ext.protocol import RoundInfo
-from engine_ext.timeline import TTFT_HEADER, TTFT_KEY, wants_breakdown
+from kvrelay.wire.seal import PlanSeal
+from kvrelay.wire.plan import RoundInfo
+from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
-from gateway.ttft import clean_breakdown
-from kvrelay.openai_errors import error_body, error_response
+from kvrelay.wire.errors import error_body, error_response
 from kvrelay.json_values import first_misfit
 
 logger = logging.getLogger(__name__)
@@ -387,9 +386,9 @@ class ProxiedCall:
 
     def _take_engine_reports(self, params: Any) -> None:
         """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the record."""
-        report = clean_breakdown(params.get(TTFT_KEY) if isinstance(params, dict) else None)
+        report = TtftBreakdown.read(params.get(TTFT_KEY) if isinstance(params, dict) else None)
         if report is not None:
-            self.record.ttft_breakdown = json.dumps(report)
+            self.record.ttft_breakdown = json.dumps(report.to_json())
 
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):

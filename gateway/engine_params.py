@@ -1,7 +1,7 @@
 """kv_transfer_params between the client, the gateway and the engine.
 
 Inbound, the gateway drops any plan or seal a client put there: the engine follows
-only plans the gateway built (and, with a secret, sealed: engine_ext/plan_seal.py).
+only plans the gateway built (and, with a secret, sealed: kvrelay/wire/seal.py).
 Outbound to the engine, it attaches its own plan and seal. Back to the client, it
 removes what the engine echoed of them, and the engine's TTFT breakdown unless the
 client asked for it: the plan names tenants and content hashes, the breakdown tells
@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine_ext.plan_seal import SEAL_KEY, PlanSeal
-from engine_ext.protocol import PLAN_KEY, SegmentPlan, attach_plan
-from engine_ext.timeline import TTFT_KEY
+from kvrelay.wire.seal import SEAL_KEY, PlanSeal
+from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, attach_plan
+from kvrelay.wire.reports import TTFT_KEY
 
 PRIVATE_KEYS = (PLAN_KEY, SEAL_KEY)  # never from a client, never back to one
 

@@ -1,5 +1,5 @@
-"""Brings the engines' fidelity probe results (GET /v1/kvrelay/fidelity?after=N, see
-engine_ext/server/app.py) to the fidelity guard.
+"""Brings the engines' fidelity probe results (GET /v1/kvrelay/fidelity?after=N, typed in
+kvrelay/wire/reports.py) to the fidelity guard.
 
 Each upstream has its own cursor. An upstream without the endpoint (vLLM, an older
 engine) answers 404 or 405: it is asked again only after `QUIET_S`, and said so once
@@ -19,13 +19,13 @@ import aiohttp
 from gateway.approximation import APPROX_METHODS
 from gateway.fidelity_guard import FidelityGuard, Score
 from gateway.upstreams import UpstreamPool
+from kvrelay.wire.reports import FIDELITY_PATH, FidelityScore
 
 logger = logging.getLogger(__name__)
 
-PATH = "/v1/kvrelay/fidelity"
+PATH = FIDELITY_PATH
 QUIET_S = 300.0  # how long an upstream without the endpoint is left alone
 _MISSING = (404, 405)
-MAX_TEXT = 256  # a tenant or app name longer than this is not a name the gateway sent
 
 
 class FidelityPoller:
@@ -93,16 +93,9 @@ class FidelityPoller:
 
 
 def _score(item: object) -> Score | None:
-    """A result as a Score; None for anything malformed."""
-    if not isinstance(item, dict):
+    """A result as a Score; None for anything malformed or for a method the gateway
+    never made approximate."""
+    score = FidelityScore.read(item)
+    if score is None or score.method not in APPROX_METHODS:
         return None
-    try:
-        tenant, app, method = (item[k] for k in ("tenant", "app", "method"))
-        top1, kl, tokens = float(item["top1"]), float(item["kl"]), int(item.get("tokens", 0))
-    except (KeyError, TypeError, ValueError):
-        return None
-    if not all(isinstance(v, str) and 0 < len(v) <= MAX_TEXT for v in (tenant, app, method)):
-        return None
-    if method not in APPROX_METHODS or not (0.0 <= top1 <= 1.0 and kl >= 0.0):  # also refuses NaN
-        return None
-    return Score(tenant, app, method, top1, kl, tokens)
+    return Score(score.tenant, score.app, score.method, score.top1, score.kl, score.tokens)

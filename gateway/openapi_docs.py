@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.openai_errors import error_responses
+from kvrelay.wire.errors import error_responses
 from kvrelay.openai_responses import REQUEST_SCHEMA
 
 _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True,

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 from gateway.errors import BadRequestError
 from gateway.sse import chat_usage, response_call_ids, response_finish_reasons
-from kvrelay.openai_errors import error_body
+from kvrelay.wire.errors import error_body
 from kvrelay.openai_responses import ResponsesRequestError, parse_request, to_chat
 
 _REPLACED = ("input", "instructions")

@@ -17,7 +17,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, fiel
                       model_validator)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from engine_ext.protocol import MAX_PLAN_SEGMENTS
+from kvrelay.wire.plan import MAX_PLAN_SEGMENTS
 from gateway.approximation import ApproximationSettings
 from gateway.rule_files import load_rule_file
 from gateway.tenancy import TenantMap
@@ -184,7 +184,7 @@ class GatewaySettings(BaseSettings):
     default_tokens_per_minute: PositiveInt | None = None
     upstream_api_key: SecretStr | None = None  # sent to the upstreams as a bearer token
     # Shared with the engines: the gateway seals each plan with it, and an engine given
-    # the same secret follows no other plan (engine_ext/plan_seal.py). Required by an
+    # the same secret follows no other plan (kvrelay/wire/seal.py). Required by an
     # engine listening beyond loopback.
     plan_secret: SecretStr | None = None
     plan_max_age_s: float = Field(default=300.0, gt=0, le=86400)  # an older sealed plan is stale

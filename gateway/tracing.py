@@ -2,8 +2,8 @@
 
 The tracer provider belongs to the app (never the process-global one), so two gateways
 in one process, or a test with an in-memory exporter, do not share spans. Exporters
-come from the OTEL_* variables, read the same way for the engine (engine_ext/otel.py);
-span and attribute names are listed in engine_ext/trace_names.py.
+come from the OTEL_* variables, read the same way for the engine (kvrelay/wire/otel.py);
+span and attribute names are listed in kvrelay/wire/trace_names.py.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from opentelemetry.trace import (INVALID_SPAN_CONTEXT, NoOpTracer, Span, SpanKin
                                  set_span_in_context)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from engine_ext.otel import TracingConfigError, build_provider  # noqa: F401  (re-exported: the CLI maps it)
-from engine_ext.protocol import SegmentPlan
+from kvrelay.wire.otel import TracingConfigError, build_provider  # noqa: F401  (re-exported: the CLI maps it)
+from kvrelay.wire.plan import SegmentPlan
 from gateway.storage.writer import RequestRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
@@ -35,7 +35,7 @@ _REQUEST_PARAMS = {  # body field -> GenAI attribute
 
 
 def build_tracer_provider(env: Mapping[str, str] | None = None) -> TracerProvider | None:
-    """The gateway's provider from the OTEL_* variables (engine_ext.otel), or None."""
+    """The gateway's provider from the OTEL_* variables (kvrelay.wire.otel), or None."""
     return build_provider(env, default_service="kvrelay-gateway")
 
 

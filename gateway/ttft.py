@@ -6,13 +6,12 @@ the actual one.
 
 One computation for every view: GET /admin/sessions/{id}/ttft, `kvrelay ttft
 SESSION_ID` and the /ui session page all show `session_ttft` of the request records in
-SQL, each record's breakdown checked again by `clean_breakdown` as it is read.
+SQL, each record's breakdown checked again (kvrelay/wire/reports.py) as it is read.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from datetime import datetime
 from typing import Any
@@ -21,47 +20,10 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from gateway.storage.models import RequestRow
+from kvrelay.wire.reports import TtftBreakdown
 
 STAGES = ("prepare", "queue", "plan", "prefill", "first")  # up to the first token, as the engine reports them
 MAX_REQUESTS = 5000  # a report past this many requests shows the first ones: a page, not a dump
-NUMBERS = ("prepare_s", "queue_s", "plan_s", "prefill_s", "first_s", "ttft_s", "prefill_steps", "prefill_compute_s",
-           "prefill_wait_s", "prefix_hit_tokens", "prefix_path_tokens", "reused_tokens", "prefix_path_s",
-           "keep_s", "dense_ttft_s")
-MAX_METHODS = 16
-
-
-def clean_breakdown(report: Any) -> dict[str, Any] | None:
-    """An upstream's TTFT breakdown reduced to the known keys with finite numbers (an
-    upstream is not trusted to send well-formed JSON), or None when nothing is usable.
-
-    The saving is derived here, once, for every view: `saved_s` = `dense_ttft_s` -
-    `ttft_s`, and only where the breakdown names its baseline (`prefix_hit_tokens`): a
-    dense TTFT without one is from before savings were priced against prefix caching
-    alone (it priced the whole prompt, prefix hits included) and is dropped."""
-    if not isinstance(report, dict):
-        return None
-    out: dict[str, Any] = {key: float(report[key]) for key in NUMBERS if _finite(report.get(key))}
-    methods = report.get("assembly_s")
-    if isinstance(methods, dict):
-        out["assembly_s"] = {str(m)[:32]: float(v) for m, v in list(methods.items())[:MAX_METHODS] if _finite(v)}
-    if "ttft_s" not in out:
-        return None
-    if "dense_ttft_s" in out and "prefix_hit_tokens" in out:
-        out["saved_s"] = out["dense_ttft_s"] - out["ttft_s"]
-    else:
-        out.pop("dense_ttft_s", None)
-    return out
-
-
-def _finite(value: Any) -> bool:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int past float's range (JSON allows any number of digits)
-        return False
-
-
 _COLUMNS = (RequestRow.id, RequestRow.agent_id, RequestRow.started_at, RequestRow.plan, RequestRow.status,
             RequestRow.prompt_tokens, RequestRow.cached_tokens, RequestRow.ttft_ms, RequestRow.latency_ms,
             RequestRow.stream, RequestRow.ttft_breakdown)
@@ -132,7 +94,7 @@ def _request(row: Any) -> dict[str, Any]:
             "round_id": round_info.get("id") if isinstance(round_info, dict) else None,
             "status": row.status, "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
             "gateway_ttft_ms": row.ttft_ms if row.stream else row.latency_ms,
-            "engine": clean_breakdown(_json(row.ttft_breakdown))}
+            "engine": _engine(row.ttft_breakdown)}
 
 
 def _totals(requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -173,6 +135,12 @@ def _json(text: str | None) -> Any:
         return json.loads(text)
     except ValueError:
         return None
+
+
+def _engine(text: str | None) -> dict[str, Any] | None:
+    """A record's stored breakdown, read again as an upstream's (it may predate a fix)."""
+    report = TtftBreakdown.read(_json(text))
+    return None if report is None else report.to_json()
 
 
 def _ms(value: float | None, scale: float = 1e3) -> str:

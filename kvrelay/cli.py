@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
 
     from engine_ext.config import AdapterSpec
     from engine_ext.engine import LLMEngine
-    from engine_ext.plan_seal import PlanSeal
+    from kvrelay.wire.seal import PlanSeal
     from engine_ext.tools.formats.generic import AutoPolicy
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
@@ -127,7 +127,7 @@ def _plan_seal(host: str) -> PlanSeal | None:
     listen on loopback only."""
     import ipaddress
 
-    from engine_ext.plan_seal import PlanSeal
+    from kvrelay.wire.seal import PlanSeal
 
     try:
         seal = PlanSeal.from_env()
@@ -154,7 +154,7 @@ def _tool_auto(value: str) -> AutoPolicy:
 
 def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None, generic_tool_auto: AutoPolicy) -> FastAPI:
     from engine_ext.async_engine import AsyncEngine
-    from engine_ext.otel import TracingConfigError
+    from kvrelay.wire.otel import TracingConfigError
     from engine_ext.server import create_app
 
     try:
@@ -311,7 +311,7 @@ def up(
 
     import uvicorn
 
-    from engine_ext.plan_seal import PlanSeal
+    from kvrelay.wire.seal import PlanSeal
 
     _setup_logging(log_level)
     tool_auto = _tool_auto(generic_tool_auto)

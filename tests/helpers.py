@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.plan_seal import PlanSeal
+from kvrelay.wire.seal import PlanSeal
 from engine_ext.server import create_app
 
 # KV bytes of one 16-token block of the tiny models (2 layers, 2 kv heads, head_dim 16, fp32).
@@ -121,11 +121,11 @@ def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float =
 
 
 def undocumented_names(spans: Iterable[ReadableSpan]) -> set[str]:
-    """The kvrelay.* span, event and attribute names in `spans` that engine_ext/trace_names.py
+    """The kvrelay.* span, event and attribute names in `spans` that kvrelay/wire/trace_names.py
     does not list (a per-kind or per-stage part, like num_<kind>, matches its pattern)."""
     import re
 
-    from engine_ext import trace_names
+    from kvrelay.wire import trace_names
 
     doc = trace_names.__doc__ or ""
     patterns = [re.escape(name).replace(re.escape("<kind>"), "[a-z_]+").replace(re.escape("<stage>"), "[a-z]+")

@@ -23,7 +23,7 @@ import torch
 from engine_ext.diffs.store import DiffStore
 from engine_ext.diffs.stored import CacheView, StoredCache, StoredMirror
 from engine_ext.kv.cache import KVCache
-from engine_ext.protocol import ReuseMethod
+from kvrelay.wire.plan import ReuseMethod
 from engine_ext.sequence import Sequence
 
 _EXACT_METHODS = frozenset({"prefix", "dense"})

@@ -22,7 +22,7 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 from engine_ext.errors import InvalidRequestError
-from engine_ext.protocol import Segment, SegmentPlan
+from kvrelay.wire.plan import Segment, SegmentPlan
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.tokenizer import Tokenizer
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any, Literal, NamedTuple, get_args
 
 from engine_ext.kv.hashing import DEFAULT_TENANT
-from engine_ext.protocol import ReuseMethod, RoundInfo, WorkflowInfo
+from kvrelay.wire.plan import ReuseMethod, RoundInfo, WorkflowInfo
 
 REUSE_METHODS: tuple[ReuseMethod, ...] = get_args(ReuseMethod)
 # What an outcome reports: a plan's method, or `restored` (KV restored from a stored
 # round cache, engine_ext/diffs: the approximate KV an earlier turn of the agent ran on).
 OutcomeMethod = ReuseMethod | Literal["restored"]
-REPORT_KEY = "kvrelay_reuse"  # the key under the response's kv_transfer_params
 
 # Kinds whose text recurs across requests and is worth keeping in the segment index.
 REUSABLE_KINDS = frozenset({"fixed_prefix", "placeholder", "shared_block"})
@@ -86,7 +85,7 @@ class SegmentOutcome(NamedTuple):
 
 
 def report(outcomes: list[SegmentOutcome], alignment_note: str | None = None) -> dict[str, Any]:
-    """The JSON reported back under kv_transfer_params[REPORT_KEY]."""
+    """The JSON reported back under kv_transfer_params[REUSE_KEY] (kvrelay/wire/reports.py)."""
     body: dict[str, Any] = {
         "segments": [o.to_json() for o in outcomes],
         "tokens_reused": sum(o.num_reused for o in outcomes),

@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from opentelemetry.sdk.trace import TracerProvider
 
 from engine_ext.async_engine import AsyncEngine
-from engine_ext.otel import build_provider
-from engine_ext.plan_seal import PlanSeal
+from kvrelay.wire.otel import build_provider
+from kvrelay.wire.seal import PlanSeal
 from engine_ext.server.errors import error_response, install_error_handlers
 from engine_ext.server.plans import PlanReader
 from engine_ext.server.responses import RESPONSES_BODY, ResponsesAPI, ResponseStore
@@ -21,7 +21,8 @@ from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
 from engine_ext.server.tracing import engine_tracer
 from engine_ext.tools.formats.generic import AutoPolicy
-from kvrelay.openai_errors import error_responses
+from kvrelay.wire.errors import error_responses
+from kvrelay.wire.reports import FIDELITY_PATH, FidelityPage
 
 _DISCONNECT_POLL_S = 0.2
 # A completion answers JSON, or an event stream when the request asks for one; errors in
@@ -50,8 +51,8 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
                generic_tool_auto: AutoPolicy = "call-first") -> FastAPI:
     """Build the app around a constructed engine; the engine thread runs for the app's
     lifespan. Spans go to `tracer_provider`, else to the exporters the OTEL_* variables
-    name (engine_ext/otel.py), else nowhere. With `plan_seal`, only plans the gateway
-    sealed are followed (engine_ext/plan_seal.py). `response_store` keeps the responses
+    name (kvrelay/wire/otel.py), else nowhere. With `plan_seal`, only plans the gateway
+    sealed are followed (kvrelay/wire/seal.py). `response_store` keeps the responses
     previous_response_id continues (default: ResponseStore.from_env()). `generic_tool_auto`
     decides tool_choice "auto" for a model whose chat template has no tools branch
     (engine_ext/tools/formats/generic.py)."""
@@ -88,15 +89,14 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
     async def models(service: Service) -> dict[str, Any]:
         return service.models()
 
-    @app.get("/v1/kvrelay/fidelity", responses=error_responses(400))
+    @app.get(FIDELITY_PATH, responses=error_responses(400))
     async def fidelity(service: Service, after: Annotated[int, Query(ge=0)] = 0,
-                       limit: Annotated[int, Query(ge=1, le=1000)] = 1000) -> dict[str, Any]:
+                       limit: Annotated[int, Query(ge=1, le=1000)] = 1000) -> FidelityPage:
         """Fidelity probe results (engine_ext/probes.py) with seq > `after`, oldest first;
         `next` is what to ask after next (below `after` when the engine restarted)."""
         probes = service.engine.probes
         results, next_seq = probes.results_after(after, limit)
-        return {"object": "list", "results": [r.to_json() for r in results], "next": next_seq,
-                "counters": probes.counters()}
+        return FidelityPage(results=results, next=next_seq, counters=probes.counters())
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:

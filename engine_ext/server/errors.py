@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engine_ext.errors import EngineDeadError, EngineError, InvalidRequestError
-from kvrelay.openai_errors import error_body, error_response, install_request_error_handlers
+from kvrelay.wire.errors import error_body, error_response, install_request_error_handlers
 
 __all__ = ["ModelNotFoundError", "engine_error_status", "error_body", "error_response", "install_error_handlers"]
 

@@ -17,8 +17,8 @@ import logging
 from collections import Counter
 from typing import Any, NamedTuple
 
-from engine_ext.plan_seal import SEAL_KEY, PlanSeal
-from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from kvrelay.wire.seal import SEAL_KEY, PlanSeal
+from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
 
 logger = logging.getLogger(__name__)
 

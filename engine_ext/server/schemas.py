@@ -142,7 +142,7 @@ def _format_tag(value: Any) -> str | None:
     return _FORMAT_TAGS.get(kind) if isinstance(kind, str) else None
 
 
-# Tagged by class name, which error bodies leave out of `param` (kvrelay/openai_errors.py):
+# Tagged by class name, which error bodies leave out of `param` (kvrelay/wire/errors.py):
 # tagged by "json_schema" the param would read response_format.json_schema.json_schema.schema.
 _FORMAT_TAGS = {"text": "TextFormat", "json_object": "JsonObjectFormat", "json_schema": "JsonSchemaFormat"}
 ResponseFormat = Annotated[Annotated[TextFormat, Tag("TextFormat")] | Annotated[JsonObjectFormat, Tag("JsonObjectFormat")]

@@ -22,10 +22,10 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError, InvalidRequestError
-from engine_ext.plan_seal import SEAL_KEY
-from engine_ext.protocol import PLAN_KEY, AdapterRef, SegmentPlan
+from kvrelay.wire.seal import SEAL_KEY
+from kvrelay.wire.plan import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
-from engine_ext.reuse.segments import DEFAULT_APP, REPORT_KEY, ReuseScope, report
+from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.plans import MessageShift, PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, ChatTool, CompletionRequest
@@ -35,7 +35,8 @@ from engine_ext.tools.calls import ParsedAnswer, ToolCall
 from engine_ext.tools.formats import FORMATS, pick_format
 from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
-from engine_ext.timeline import TTFT_KEY, Timeline, breakdown, wants_breakdown
+from engine_ext.timeline import Timeline, breakdown
+from kvrelay.wire.reports import REUSE_KEY, TTFT_KEY, wants_breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
 logger = logging.getLogger(__name__)
@@ -301,11 +302,12 @@ class CompletionService:
         params = {k: v for k, v in req.kv_transfer_params.items() if k not in (PLAN_KEY, SEAL_KEY)} if sent else None
         if last.reuse_outcomes is not None or note:
             params = params if params is not None else {}
-            params[REPORT_KEY] = report(last.reuse_outcomes or [], note)
+            params[REUSE_KEY] = report(last.reuse_outcomes or [], note)
         if (sent or wants_breakdown(headers)) and last.timeline is not None:
             params = params if params is not None else {}
             # Priced in the engine thread at the prompt's first step (its timeline's baseline).
-            params[TTFT_KEY] = breakdown(last.timeline, last.num_prompt_tokens)
+            if (ttft := breakdown(last.timeline, last.num_prompt_tokens)) is not None:
+                params[TTFT_KEY] = ttft.to_json()
         return params
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine_ext.protocol import SegmentPlan
+from kvrelay.wire.plan import SegmentPlan
 from engine_ext.server.schemas import ChatCompletionRequest, JsonObjectFormat, JsonSchemaFormat, NamedToolChoice
 from engine_ext.structured.grammar import Grammar, json_rule
 from engine_ext.tools.calls import ParsedAnswer, ToolCall

@@ -1,6 +1,6 @@
 """The engine's spans: one per request, a child of the gateway's call (W3C traceparent),
 with a child span per Timeline stage, per prefill step and per KV placement; the span
-and attribute names are listed in engine_ext/trace_names.py.
+and attribute names are listed in kvrelay/wire/trace_names.py.
 
 Spans are built after the request finished (or failed), from the timeline the engine
 thread stamped (monotonic seconds, mapped to wall-clock time once), so the engine loop
@@ -19,7 +19,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from engine_ext.engine import RequestOutput
 from engine_ext.timeline import TTFT_STAGES, Timeline
-from engine_ext.trace_names import ASSEMBLY_SPAN, PREFILL_STEP_SPAN, REUSE_EVENT, STAGE_SPANS
+from kvrelay.wire.trace_names import ASSEMBLY_SPAN, PREFILL_STEP_SPAN, REUSE_EVENT, STAGE_SPANS
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 

@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from engine_ext.kv.hashing import namespace_root
-from engine_ext.plan_seal import PlanSeal
+from kvrelay.wire.seal import PlanSeal
 from engine_ext.vllm.config import ConnectorConfig
 from engine_ext.vllm.copier import BlockCopier
 from engine_ext.vllm.files import BlockFiles

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 from typing import Protocol
 
-from engine_ext.protocol import Segment
+from kvrelay.wire.plan import Segment
 
 
 class Tokenizer(Protocol):

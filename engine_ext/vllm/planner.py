@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from engine_ext.kv.hashing import DEFAULT_TENANT, block_hashes, tenant_root
-from engine_ext.plan_seal import SEAL_KEY, PlanSeal
-from engine_ext.protocol import PLAN_KEY, SegmentPlan, read_plan
+from kvrelay.wire.seal import SEAL_KEY, PlanSeal
+from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, read_plan
 from engine_ext.tiers.policy import WorkflowPolicy
 from engine_ext.tiers.workflow import AgentKey, WorkflowTable
 from engine_ext.vllm.config import ConnectorConfig
@@ -76,7 +76,7 @@ class ConnectorPlanner:
     def __init__(self, config: ConnectorConfig, block_size: int, root: bytes, locator: PrefixLocator,
                  num_host_blocks: int, num_disk_blocks: int, seal: PlanSeal | None = None) -> None:
         self.config = config
-        self.seal = seal  # with one, only the gateway's sealed plans are followed (engine_ext/plan_seal.py)
+        self.seal = seal  # with one, only the gateway's sealed plans are followed (kvrelay/wire/seal.py)
         self.block_size = block_size
         self.root = root
         self.locator = locator

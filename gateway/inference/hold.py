@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 
 
 class RoundHold:

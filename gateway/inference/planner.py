@@ -19,7 +19,7 @@ import uuid
 from collections import Counter, OrderedDict
 from typing import Any, NamedTuple
 
-from engine_ext.protocol import RoundInfo, Segment, SegmentPlan, WorkflowInfo
+from kvrelay.wire.plan import RoundInfo, Segment, SegmentPlan, WorkflowInfo
 from gateway.adapters import AdapterRouter
 from gateway.identity import Identity
 from gateway.inference.agents import resolve_agent

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 
 ReadPattern = Literal["composed", "transcript"]
 

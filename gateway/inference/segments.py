@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from engine_ext.protocol import Segment
+from kvrelay.wire.plan import Segment
 from gateway.inference.agenttable import AgentState
 from gateway.inference.blocks import split_blocks
 from gateway.inference.budget import Deadline

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine_ext.protocol import WorkflowInfo
+from kvrelay.wire.plan import WorkflowInfo
 from gateway.inference.budget import NO_DEADLINE, Deadline, OutOfTime
 from gateway.inference.dominators import Dominators
 

@@ -9,7 +9,7 @@ import pytest
 import benchmarks.vllm as bench_vllm
 from benchmarks import run_benchmark
 from benchmarks.kvcomm import Sizes, Workflow
-from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
 from engine_ext.tokenizer import Tokenizer
 from engine_ext.vllm.locator import PrefixLocator
 

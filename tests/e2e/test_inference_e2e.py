@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import openai
 
-from engine_ext.protocol import SegmentPlan, read_plan
+from kvrelay.wire.plan import SegmentPlan, read_plan
 
 TASK = "Write a Python function that returns the n-th Fibonacci number, with tests for n = 0, 1 and 10."
 SYSTEMS = {

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from engine_ext.protocol import PLAN_KEY, SegmentPlan
+from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
 from tests.helpers import make_engine
 
 MODEL = "tiny-llama"

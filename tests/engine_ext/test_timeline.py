@@ -56,7 +56,7 @@ def test_chunked_prefill_splits_into_compute_steps_and_the_wait_between(llama_di
     prefill = line.stages()["prefill"]
     assert line.num_prefill_steps == 3 and all(prefill.holds(step) for step in line.prefill_steps)
     assert line.prefill_compute_s() == sum(step.seconds for step in line.prefill_steps)  # nothing placed
-    report = breakdown(line, seq.num_prompt_tokens)
+    report = breakdown(line, seq.num_prompt_tokens).to_json()
     assert report["prefill_wait_s"] == pytest.approx(prefill.seconds - report["prefill_compute_s"], abs=1e-9)
     assert report["prefill_wait_s"] > 0  # the steps between chunks
     assert other.timeline.finished is not None
@@ -153,10 +153,10 @@ def test_without_reuse_beyond_the_prefix_cache_nothing_is_saved(llama_dir):
         first = eng.generate(shared + tokens(10, 8), greedy, segments=segments)
         second = eng.generate(shared + tokens(12, 9), greedy, segments=segments)
         for seq in (first, second):
-            report = breakdown(seq.timeline, seq.num_prompt_tokens)
+            report = breakdown(seq.timeline, seq.num_prompt_tokens).to_json()
             assert report["saved_s"] == 0.0 and report["dense_ttft_s"] == report["ttft_s"], reuse
             assert report["reused_tokens"] == 0 and "prefix_path_s" not in report
-        assert breakdown(second.timeline, second.num_prompt_tokens)["prefix_hit_tokens"] == 32  # 2 blocks of 40
+        assert breakdown(second.timeline, second.num_prompt_tokens).to_json()["prefix_hit_tokens"] == 32  # 2 blocks of 40
 
 
 def test_a_placed_segment_is_priced_against_the_prefix_path(llama_dir):
@@ -168,7 +168,7 @@ def test_a_placed_segment_is_priced_against_the_prefix_path(llama_dir):
     eng.prefill_rate = _fitted()
     seq = eng.generate(prefix + doc + tokens(6, 6), greedy, publish=False,
                        segments=[TokenSegment(20, 60, "shared_block", None, "shift", 0)])
-    report = breakdown(seq.timeline, seq.num_prompt_tokens)
+    report = breakdown(seq.timeline, seq.num_prompt_tokens).to_json()
     assert report["reused_tokens"] == 40 and report["prefix_hit_tokens"] == 0  # the doc alone was never a prefix
     assert report["prefix_path_tokens"] == 66
     assert report["prefix_path_s"] == pytest.approx(eng.prefill_rate.seconds(66))
@@ -192,7 +192,7 @@ def test_prefix_hits_lost_to_approximate_kv_count_against_reuse(llama_dir):
     eng.prefill_rate = _fitted()
     price = eng.prefill_rate.seconds(22, 64)  # before this request's own dense prefill teaches the rate
     seq = eng.generate(placed + tokens(20, 7), greedy)
-    report = breakdown(seq.timeline, seq.num_prompt_tokens)
+    report = breakdown(seq.timeline, seq.num_prompt_tokens).to_json()
     assert seq.timeline.num_exact_hit == 16  # the real cache: the block before the placed doc
     assert report["prefix_hit_tokens"] == 64 and report["prefix_path_tokens"] == 22  # prefix caching alone
     assert report["reused_tokens"] == 0 and report["prefix_path_s"] == pytest.approx(price)

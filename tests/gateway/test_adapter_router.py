@@ -8,7 +8,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from engine_ext.protocol import AdapterRef, read_plan
+from kvrelay.wire.plan import AdapterRef, read_plan
 from gateway.adapters import AdapterRouter
 from gateway.identity import identify
 from gateway.inference import Inference

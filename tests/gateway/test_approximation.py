@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from engine_ext.protocol import Segment, SegmentPlan
+from kvrelay.wire.plan import Segment, SegmentPlan
 from gateway.approximation import ApproximationSettings, ApproxRule, Approximation, parse_header
 from gateway.settings import GatewaySettings
 

@@ -6,7 +6,7 @@ import random
 
 import openai
 
-from engine_ext.protocol import SegmentPlan, read_plan
+from kvrelay.wire.plan import SegmentPlan, read_plan
 
 QUESTION = "The town council asks: should the old mill by the river become a library or a bakery?"
 NUM_AGENTS = 3

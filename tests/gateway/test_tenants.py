@@ -9,7 +9,7 @@ import pytest
 
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.plan_seal import PlanSeal
+from kvrelay.wire.seal import PlanSeal
 
 MODEL = "smollm2"
 ADMIN = "admin-" + "s3cret" * 4

@@ -279,4 +279,4 @@ def test_the_gateway_s_call_and_the_engine_s_request_are_one_trace(llama_dir, ru
     children = {s.name for s in engine_spans.get_finished_spans()
                 if s.parent is not None and s.parent.span_id == engine_root.context.span_id}
     assert {"kvrelay.queue", "kvrelay.plan", "kvrelay.prefill", "kvrelay.first_token", "kvrelay.decode"} <= children
-    assert not undocumented_names([call, *engine_spans.get_finished_spans()])  # engine_ext/trace_names.py lists all
+    assert not undocumented_names([call, *engine_spans.get_finished_spans()])  # kvrelay/wire/trace_names.py lists all

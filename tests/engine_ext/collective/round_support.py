@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 from engine_ext.config import CollectiveConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence

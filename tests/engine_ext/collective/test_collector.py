@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine_ext.collective import KVCollector
 from engine_ext.config import CollectiveConfig
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence

@@ -8,7 +8,7 @@ import torch
 from engine_ext.collective import GroupMember
 from engine_ext.config import CollectiveConfig
 from engine_ext.diffs import CacheImage, DiffStore, MirrorView
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope
 from engine_ext.sampling import SamplingParams
 from tests.engine_ext.collective.round_support import Round, engine, run_all, tokens

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_ext.protocol import Segment, SegmentPlan
+from kvrelay.wire.plan import Segment, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner, token_edges
 from engine_ext.reuse.segments import TokenSegment
 from engine_ext.tokenizer import Tokenizer

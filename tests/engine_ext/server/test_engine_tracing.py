@@ -17,7 +17,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.protocol import Segment, SegmentPlan
+from kvrelay.wire.plan import Segment, SegmentPlan
 from engine_ext.timeline import TTFT_STAGES
 from tests.helpers import undocumented_names
 

@@ -12,8 +12,8 @@ import pytest
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.plan_seal import SEAL_KEY, PlanSeal
-from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan
+from kvrelay.wire.seal import SEAL_KEY, PlanSeal
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan
 
 SECRET = "engine-plan-secret-" + "z" * 16
 MODEL = "smollm2"

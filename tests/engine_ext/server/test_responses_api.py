@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from engine_ext.plan_seal import PlanSeal
-from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan
+from kvrelay.wire.seal import PlanSeal
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan
 from engine_ext.server.plans import MessageShift, PlanReader
 from engine_ext.server.responses import ResponseStore
 from tests.helpers import make_engine, slow_with_abort_spy

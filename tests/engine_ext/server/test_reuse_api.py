@@ -10,7 +10,7 @@ import hashlib
 import httpx
 import pytest
 
-from engine_ext.protocol import Segment, SegmentPlan
+from kvrelay.wire.plan import Segment, SegmentPlan
 from tests.helpers import make_engine
 
 MODEL = "tiny-llama"

@@ -12,7 +12,7 @@ import pytest
 import engine_ext.tiers.store as store_module
 from engine_ext.config import ReuseConfig, TierConfig
 from engine_ext.engine import LLMEngine
-from engine_ext.protocol import WorkflowInfo
+from kvrelay.wire.plan import WorkflowInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence, SequenceStatus

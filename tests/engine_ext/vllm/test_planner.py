@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine_ext.kv.hashing import namespace_root
-from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
 from engine_ext.vllm.config import ConnectorConfig
 from engine_ext.vllm.index import BlockMove, BlockSave
 from engine_ext.vllm.locator import PrefixLocator
@@ -188,7 +188,7 @@ def test_the_tiers_keep_each_tenants_blocks_apart(tokenizer):
 
 
 def test_with_a_seal_only_the_gateways_plans_are_followed(tokenizer):
-    from engine_ext.plan_seal import SEAL_KEY, PlanSeal
+    from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 
     seal = PlanSeal("connector-secret-" + "c" * 16)
     cfg = ConnectorConfig(host_dir="/unused", disk_dir="/unused")

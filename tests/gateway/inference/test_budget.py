@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from engine_ext.protocol import read_plan
+from kvrelay.wire.plan import read_plan
 from gateway.identity import identify
 from gateway.inference import Inference, planner
 from gateway.inference.budget import Deadline

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from pydantic import ValidationError
 
-from engine_ext.protocol import RoundInfo
+from kvrelay.wire.plan import RoundInfo
 from gateway.inference import RoundHold
 from gateway.settings import InferenceSettings
 

@@ -12,7 +12,7 @@ import time
 import openai
 import pytest
 
-from engine_ext.protocol import PLAN_KEY, Segment, SegmentPlan
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan
 from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
 
 # About 430 tokens with the chat template: 3 whole vLLM blocks inside the system prompt.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_ext.plan_seal import PlanSeal, SealCheck
+from kvrelay.wire.seal import PlanSeal, SealCheck
 
 SECRET = "plan-secret-" + "x" * 20
 PLAN = {"version": 1, "session_id": "s", "agent_id": "a", "request_id": "r", "segments": [], "tenant": "team-a"}

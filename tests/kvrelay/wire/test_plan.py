@@ -10,7 +10,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from engine_ext.protocol import (
+from kvrelay.wire.plan import (
     PLAN_KEY,
     PLAN_VERSION,
     AdapterRef,
