@@ -35,6 +35,7 @@ run: install
 
 test: install
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 	scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) tests
 
 $(VLLM_STAMP):

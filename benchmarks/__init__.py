@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from benchmarks.common import BenchResult, report
+from benchmarks.common import BenchResult
+from benchmarks.common import report as write_report  # not `report`: that name is the benchmarks.report module
 
 BENCHMARKS: dict[str, str] = {
     "agents": "benchmarks.agents",
@@ -32,7 +33,7 @@ BENCHMARKS: dict[str, str] = {
 def run_benchmark(name: str, quick: bool, json_path: Path | None, model: str | None) -> BenchResult:
     module = importlib.import_module(BENCHMARKS[name])
     result: BenchResult = module.run(quick=quick, model=model)
-    report(result, json_path)
+    write_report(result, json_path)
     return result
 
 

@@ -38,6 +38,7 @@ from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence
+from engine_ext.request import EngineRequest
 
 NAMES = ("Isabella", "Klaus", "Maria", "Sam", "Ayesha", "Tom", "Carmen", "Wolfgang", "Jennifer", "Yuriko")
 _PLACES = ("the cafe", "the library", "the park", "the pharmacy", "the college", "the market", "the bar")
@@ -130,8 +131,8 @@ def _add_round(engine: LLMEngine, town: Town, round_id: str | None, max_tokens: 
             segments = [seg._replace(method=method) for seg in segments]
         info = RoundInfo(id=round_id, size=len(agents), index=i) if round_id else None
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        seqs.append(engine.add_request(f"{round_id}-{i}-{time.monotonic_ns()}", ids, sampling, segments=segments,
-                                       scope=ReuseScope("town", f"agent_{i + 1}", info), publish=publish))
+        seqs.append(engine.add_request(EngineRequest(f"{round_id}-{i}-{time.monotonic_ns()}", ids, sampling, segments=segments,
+                                       scope=ReuseScope("town", f"agent_{i + 1}", info), publish=publish)))
     return seqs
 
 

@@ -20,6 +20,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.model_store import resolve_model
 from engine_ext.sampling import SamplingParams
+from engine_ext.request import EngineRequest
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ def engine_prefill(engine: LLMEngine, prompts: PromptSource, n: int) -> None:
 def engine_decode_tps(engine: LLMEngine, prompts: PromptSource, batch: int, prompt_len: int, num_tokens: int) -> float:
     """Tokens/s of the decode phase only: timing starts once every request has its first token."""
     params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(f"dec-{i}-{time.monotonic_ns()}", prompts.take(prompt_len), params) for i in range(batch)]
+    seqs = [engine.add_request(EngineRequest(f"dec-{i}-{time.monotonic_ns()}", prompts.take(prompt_len), params)) for i in range(batch)]
     while any(len(s.output_token_ids) == 0 for s in seqs):
         engine.step()
     start = time.perf_counter()
@@ -80,7 +81,7 @@ def engine_prefix_ttft_ratio(engine: LLMEngine, prompts: PromptSource, n: int, r
 
 def _decode_seconds(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
     """Seconds from the first token to the last, and the tokens decoded in them."""
-    seq = engine.add_request(f"con-{time.monotonic_ns()}", prompt, params)
+    seq = engine.add_request(EngineRequest(f"con-{time.monotonic_ns()}", prompt, params))
     while not seq.output_token_ids:
         engine.step()
     start = time.perf_counter()

@@ -45,6 +45,7 @@ from engine_ext.model import load_model
 from engine_ext.model_store import resolve_model
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence
+from engine_ext.request import EngineRequest
 
 BLOCK_SIZE = 16
 MODES = ("icarus", "multi_lora")
@@ -128,7 +129,7 @@ def drive(engine: LLMEngine, load: Workload, num_adapters: int, arrivals: list[f
     def submit(session: Session) -> None:
         for k, (adapter, prompt) in enumerate(session.requests()):
             request_id = f"s{session.index}-t{session.turn}-{k}"
-            seq = engine.add_request(request_id, prompt, sampling, adapter=adapter)
+            seq = engine.add_request(EngineRequest(request_id, prompt, sampling, adapter=adapter))
             running[request_id] = (session, seq, time.perf_counter())
             session.num_waiting += 1
 

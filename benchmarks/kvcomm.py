@@ -33,6 +33,7 @@ from engine_ext.fidelity import compare_logits
 from engine_ext.model_store import resolve_model
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
+from engine_ext.request import EngineRequest
 
 ROLES = ("Knowledgeable Expert", "Critic", "Mathematician", "Psychologist", "Historian")
 ABLATION = ("rotation", "placeholder", "full")
@@ -138,7 +139,7 @@ def first_token(engine: LLMEngine, ids, num_tokens: int = 1, segments=None, scop
     """(TTFT seconds, seq): the request runs greedily to its first token, then on for
     `num_tokens` (teacher-forced when a continuation is given), recording logits."""
     sampling = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
-    seq = engine.add_request(f"b{time.monotonic_ns()}", ids, sampling, segments=segments, publish=False, scope=scope)
+    seq = engine.add_request(EngineRequest(f"b{time.monotonic_ns()}", ids, sampling, segments=segments, publish=False, scope=scope))
     seq.logits = []
     if continuation:
         seq.forced_token_ids = list(continuation)

@@ -46,6 +46,7 @@ from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence
 from engine_ext.tiers import AgentKey
+from engine_ext.request import EngineRequest
 
 BLOCK_SIZE = 16
 
@@ -188,7 +189,7 @@ class WorkflowSet:
             segments = [TokenSegment(0, len(fixed), "fixed_prefix", self.names[agent]),
                         TokenSegment(len(fixed), len(prompt), "private")]
             request_id = f"workflow{w}-turn{turn}"
-            seq = engine.add_request(request_id, prompt, sampling, segments=segments, scope=scope)
+            seq = engine.add_request(EngineRequest(request_id, prompt, sampling, segments=segments, scope=scope))
             running[request_id] = (w, seq, len(fixed), time.perf_counter())
             position[w] += 1
             remaining[w] -= 1

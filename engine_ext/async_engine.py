@@ -13,31 +13,22 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from engine_ext.engine import LLMEngine, RequestOutput
 from engine_ext.errors import EngineDeadError, EngineError
 from engine_ext.probes import Probes
-from engine_ext.reuse.segments import ReuseScope, TokenSegment
-from engine_ext.sampling import SamplingParams
 from engine_ext.timeline import Timeline
+from engine_ext.request import EngineRequest
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    kv_transfer_params: dict[str, Any] | None
-    segments: list[TokenSegment] | None
-    scope: ReuseScope | None
-    adapter: str | None
+    request: EngineRequest
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
     timeline: Timeline  # stamped from when the caller asked, so the wait for the engine thread counts as queue
-    probe: bool = False  # the gateway's fidelity guard asked for a dense re-score (engine_ext/probes.py)
 
 
 @dataclass
@@ -69,18 +60,8 @@ class AsyncEngine:
         if self._thread is None or not self._thread.is_alive():  # only the engine thread may touch the engine
             self.engine.close()
 
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
-        segments: list[TokenSegment] | None = None,
-        scope: ReuseScope | None = None,
-        adapter: str | None = None,
-        timeline: Timeline | None = None,
-        probe: bool = False,
-    ) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: EngineRequest, timeline: Timeline | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
         errors on first iteration; leaving the iteration early aborts the request.
         `timeline` (arrival: now) is the caller's to read, even if the request fails."""
@@ -90,8 +71,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         line = timeline if timeline is not None else Timeline()
         line.enqueue()
-        self._commands.put(_Add(request_id, prompt_token_ids, sampling, kv_transfer_params, segments, scope, adapter,
-                                sink, loop, line, probe))
+        self._commands.put(_Add(request, sink, loop, line))
         finished = False
         try:
             while not finished:
@@ -103,7 +83,7 @@ class AsyncEngine:
                 yield item
         finally:
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._commands.put(_Abort(request.request_id))
 
     # -- engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -147,9 +127,7 @@ class AsyncEngine:
                     self._fail_all(EngineError("the engine failed while cancelling a request"))
                 continue
             try:
-                seq = self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.sampling, cmd.kv_transfer_params,
-                                        segments=cmd.segments, scope=cmd.scope, adapter=cmd.adapter,
-                                        timeline=cmd.timeline)
+                seq = self.engine.add_request(cmd.request, timeline=cmd.timeline)
             except EngineError as exc:
                 _deliver(cmd, exc)
                 continue
@@ -157,12 +135,12 @@ class AsyncEngine:
                 # A bug admitting one request fails that request, never the loop. Admission
                 # computes nothing into the KV pool, so nothing shared needs resetting; a
                 # half-queued sequence is taken back out.
-                logger.exception("adding request %s failed; failing it alone", cmd.request_id)
-                self.engine.abort(cmd.request_id)
+                logger.exception("adding request %s failed; failing it alone", cmd.request.request_id)
+                self.engine.abort(cmd.request.request_id)
                 _deliver(cmd, EngineError(f"the engine failed to admit the request ({type(exc).__name__})"))
                 continue
-            self._sinks[cmd.request_id] = cmd
-            if cmd.probe:
+            self._sinks[cmd.request.request_id] = cmd
+            if cmd.request.probe:
                 self.probes.watch(seq)
 
     def _step(self) -> None:

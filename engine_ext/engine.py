@@ -9,14 +9,12 @@ import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from engine_ext.adapters.registry import AdapterRegistry
-from engine_ext.collective import RECOVERIES, CollectivePrefill, KVCollector
 from engine_ext.config import TORCH_DTYPES, EngineConfig, ModelConfig
-from engine_ext.diffs import CacheImage, DiffStore, Restorer
 from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import (
     CapacityError,
@@ -25,30 +23,27 @@ from engine_ext.errors import (
     ModelLoadError,
 )
 from engine_ext.kv import KVCache, KVCacheManager
-from engine_ext.kv.segment_index import SegmentIndex
-from engine_ext.kvcomm import AnchorBank
+from engine_ext.kv.block_pool import Block
 from engine_ext.model import load_model
 from engine_ext.model_runner import ModelRunner
-from engine_ext.reuse.answers import Ending, answer_tokens
-from engine_ext.reuse.assembler import Assembler
-from engine_ext.reuse.prefill import ReusePrefill
+from engine_ext.reuse.answers import Ending
+from engine_ext.reuse.lifecycle import ReuseLifecycle
+from engine_ext.reuse.parts import build_parts
 from engine_ext.reuse.segments import (
     REUSE_METHODS,
     ReuseScope,
     SegmentOutcome,
     TokenSegment,
 )
-from engine_ext.rope import RopeShifter, RopeShiftError
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import ScheduledChunk, Scheduler
 from engine_ext.sequence import Sequence
 from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable, with_sized_host_tier
 from engine_ext.timeline import Interval, PrefillRate, PrefixShadow, Timeline
 from engine_ext.tokenizer import Tokenizer
+from engine_ext.request import EngineRequest
 
 logger = logging.getLogger(__name__)
-
-PLACED_METHODS = frozenset({"shift", "blend", "link", "kvcomm"})  # their reused tokens count as cached
 
 
 @dataclass
@@ -93,21 +88,19 @@ class LLMEngine:
             # The worker thread outlives an engine nobody closed (tests, scripts) and, through
             # the transfers it finished, keeps the tier storage alive: stop it with the engine.
             weakref.finalize(self, self.tiers.worker.stop)
-        self.segment_index, no_index_reason = self._segment_index()
-        self.anchor_bank = (AnchorBank(config.reuse.anchors, self.segment_index, self.kv_cache, self.model_name)
-                            if self.segment_index else None)
-        self.assembler = Assembler(config.reuse, self.segment_index, no_index_reason, self.anchor_bank)
-        reuse = (ReusePrefill(self.model, self.kv_cache, self.segment_index, config.reuse)
-                 if self.segment_index else None)
-        self.collector, collective, self.diff_store, restorer = self._collective()
+        # Reuse beyond the prefix cache: its parts, and the one owner of a request's reuse.
+        parts = build_parts(self.model, self.model_config, self.kv_cache, self.kv, self.config, self.model_name)
+        self.lifecycle = ReuseLifecycle(self.config, self.kv, parts, self.tiers, self.tokenizer)
+        self.segment_index, self.anchor_bank = parts.segment_index, parts.anchor_bank
+        self.collector, self.diff_store = parts.collector, parts.diff_store
         self.last_step_empty = False
         # TTFT breakdowns price reuse against prefix caching alone: its dense prefill time,
         # and the prefix cache it would hold (engine_ext/timeline.py).
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.prefix_shadow = PrefixShadow(self.kv_cache.num_blocks)
-        self.scheduler = Scheduler(config, self.kv, self.assembler, self.collector, restorer, self.tiers)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), reuse, self.assembler,
-                                  collective, self.diff_store)
+        self.scheduler = Scheduler(config, self.kv, self.lifecycle)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), self.lifecycle,
+                                  parts.reuse_prefill, parts.collective)
         limits = [self.model_config.max_position_embeddings]
         if config.max_model_len:
             limits.append(config.max_model_len)
@@ -121,34 +114,6 @@ class LLMEngine:
         if eos_from_tokenizer is not None:
             eos.add(eos_from_tokenizer)
         self.eos_token_ids = frozenset(eos)
-
-    def _segment_index(self) -> tuple[SegmentIndex | None, str | None]:
-        """The segment index, or None with the reason every segment will be computed densely."""
-        reuse = self.config.reuse
-        if not reuse.enabled:
-            return None, "segment reuse is disabled (reuse.enabled=false)"
-        if max(reuse.check_layers) >= self.model_config.num_layers:
-            raise ModelLoadError(f"reuse.check_layers {reuse.check_layers} name a layer the model lacks "
-                                 f"(it has {self.model_config.num_layers})")
-        try:
-            shifter = RopeShifter.for_model(self.model_config)
-        except RopeShiftError as exc:
-            logger.warning("segment reuse off: %s", exc)
-            return None, str(exc)
-        return SegmentIndex(self.kv.pool, self.kv_cache, shifter, self.model_name), None
-
-    def _collective(self) -> tuple[KVCollector | None, CollectivePrefill | None, DiffStore | None, Restorer | None]:
-        """TokenDance's parts (collector, collective prefill, diff store, restorer), when segment reuse is on."""
-        settings = self.config.reuse.collective
-        if self.segment_index is None or not settings.enabled:
-            return None, None, None, None
-        recovery = RECOVERIES[settings.recovery](self.model, self.kv_cache, self.config.reuse.check_layers)
-        collective = CollectivePrefill(self.model, self.kv_cache, self.segment_index, self.config.reuse, recovery)
-        if not settings.diff_store:
-            return KVCollector(settings), collective, None, None
-        store = DiffStore(self.segment_index.blobs, self.kv_cache, self.segment_index.shifter.inv_freq,
-                          self.model_name, settings.diff_block_tokens, settings.diff_tolerance)
-        return KVCollector(settings), collective, store, Restorer(store, self.kv_cache, self.config.reuse.default_method)
 
     def _tiers(self) -> tuple[TieredStore | None, Prefetcher | None]:
         """KVFlow's lower KV tiers and prefetcher, when configured. An automatic host tier
@@ -172,26 +137,12 @@ class LLMEngine:
             self.tiers.close()
 
     # -- admission -------------------------------------------------------------------
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        kv_transfer_params: dict[str, Any] | None = None,
-        segments: list[TokenSegment] | None = None,
-        publish: bool = True,
-        scope: ReuseScope | None = None,
-        adapter: str | None = None,
-        timeline: Timeline | None = None,
-    ) -> Sequence:
+    def add_request(self, request: EngineRequest, timeline: Timeline | None = None) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
-
-        `segments` (token ranges of the prompt, from the plan) enable reuse beyond the
-        prefix cache, `scope` (the plan's app and agent) KVCOMM's anchors;
-        `publish=False` keeps this request's blocks out of the prefix cache; `adapter`
-        names a served LoRA adapter (engine_ext/adapters); `timeline` is the caller's,
-        stamped from when it asked (a server's queue to the engine thread is queue time)."""
-        served = self.adapters.get(adapter) if adapter is not None else None
+        `timeline` is the caller's, stamped from when it asked (a server's queue to the
+        engine thread is queue time)."""
+        prompt_token_ids, sampling, segments = request.prompt_token_ids, request.sampling, request.segments
+        served = self.adapters.get(request.adapter) if request.adapter is not None else None
         if served is not None and not served.is_icarus:
             segments = None  # cached segments hold the base model's K/V, not this adapter's
         num_prompt = len(prompt_token_ids)
@@ -218,16 +169,16 @@ class LLMEngine:
                 f"memory than the engine's budget of {self.kv_cache.num_tokens} tokens"
             )
         seq = Sequence(
-            request_id=request_id,
+            request_id=request.request_id,
             prompt_token_ids=list(prompt_token_ids),
             sampling=sampling,
             max_tokens=max_tokens,
             detokenizer=Detokenizer(self.tokenizer, sampling.stop),
-            kv_transfer_params=kv_transfer_params,
+            kv_transfer_params=request.kv_transfer_params,
             segments=_checked_segments(segments or [], num_prompt),
-            scope=scope,
-            num_exact_tokens=None if publish else 0,
-            publish=publish,
+            scope=request.scope,
+            num_exact_tokens=None if request.publish else 0,
+            publish=request.publish,
             adapter=served,
             timeline=timeline,
         )
@@ -294,13 +245,8 @@ class LLMEngine:
                 seq.timeline.prefill_steps.append(Interval(started, computed))
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     seq.timeline.prefilled = computed
-            published = self.kv.publish(seq)
-            if self.tiers is not None:
-                self.tiers.backup(published)
-            if seq.segments and seq.reuse_outcomes is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                kept = time.monotonic()
-                self._after_prefill(seq)
-                seq.timeline.keep_s = time.monotonic() - kept  # reuse's bookkeeping, before its first token
+            self._publish(seq)
+            self.lifecycle.after_prefill(seq)
         return [self._append(seq, token) for seq, token in sampled]
 
     def _transfers(self, timeout: float = 0.0) -> None:
@@ -323,84 +269,16 @@ class LLMEngine:
         bs = self.config.block_size
         for seq, _ in chunks:
             if seq.timeline.num_prefix_hit is None:
-                exact = seq.restore.region_start if seq.restore is not None else seq.num_cached_tokens
+                exact = self.lifecycle.exact_hit(seq)
                 shadow = self.prefix_shadow.hit(self.kv.prefix_hashes(seq, (seq.num_prompt_tokens - 1) // bs * bs))
                 hit = max(exact, shadow * bs)
                 seq.timeline.baseline(hit, exact, self.prefill_rate.seconds(seq.num_prompt_tokens - hit, hit))
-        if all(seq.timeline.prefilled is None and "collective" not in seq.timeline.assembly and
-               (seq.assembly is None or not seq.assembly.placed) for seq, _ in chunks):
+        if all(seq.timeline.prefilled is None and self.lifecycle.runs_dense(seq) for seq, _ in chunks):
             self.prefill_rate.observe([(n, seq.num_computed_tokens) for seq, n in chunks], seconds)
         for seq, n in chunks:
             first, end = seq.num_computed_tokens // bs, (seq.num_computed_tokens + n) // bs
             if seq.publish and end > first:  # blocks this step fills
                 self.prefix_shadow.add(self.kv.prefix_hashes(seq, end * bs)[first:])
-
-    def _after_prefill(self, seq: Sequence) -> None:
-        """Record what each segment got, and keep the reusable ones in the segment index."""
-        assembly = seq.assembly  # set at admission for every sequence with segments
-        seq.reuse_outcomes = assembly.outcomes()
-        seq.assembly = None
-        if seq.num_preemptions == 0:
-            placed = sum(o.num_reused for o in seq.reuse_outcomes if o.method in PLACED_METHODS)
-            seq.num_cached_tokens = assembly.num_prefix_tokens + placed
-        if self.segment_index is None:
-            return
-        slots = self.kv.slots(seq, seq.num_prompt_tokens)  # (P,)
-        for seg in seq.segments if self._keeps_segments(seq) else ():
-            if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
-                self.segment_index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start,
-                                            seq.tenant)
-        self.assembler.commit(assembly, slots)
-        self.assembler.release(assembly)
-        approximate = seq.restore is not None or bool(assembly.placed)
-        if approximate and assembly.collective is None:  # a round group stored itself already
-            self._store_turn(seq, slots)
-
-    def _store_turn(self, seq: Sequence, slots: torch.Tensor) -> None:
-        """Keep a prompt that holds approximate KV (placed segments, or a restored round
-        cache): its blocks from the first approximate token on are never published, so
-        without this the agent's next turn, which extends this prompt, would lose its
-        prefix hits there and compute (or place) all of it again. Stored, it restores
-        the KV this prompt ran on. A mirror of the cache it was restored from when there
-        is one. Only an optimisation: a failure is logged."""
-        if self.diff_store is None or not seq.publish:
-            return
-        region_start = seq.num_exact_tokens // self.config.block_size * self.config.block_size
-        spans = tuple((seg.start, seg.end) for seg in seq.segments)
-        image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans, seq.tenant)
-        try:
-            self.diff_store.store(image, like=seq.restore.stored if seq.restore is not None else None)
-        except Exception:
-            logger.exception("storing request %s's turn failed; it goes on without it", seq.request_id)
-
-    def _keeps_segments(self, seq: Sequence) -> bool:
-        """Whether this request's segments and answer go into the segment index. Only
-        approximate methods ever read it, so a request keeps them only when it opted
-        into one (its plan, or this engine's default): an exact app pays nothing for
-        reuse it never makes (copying its KV into the index, an extra row per answer
-        cut by length). An app that opts in starts filling the index with its first
-        opted-in request."""
-        if self.config.reuse.default_method in PLACED_METHODS:
-            return True
-        return any(seg.method in PLACED_METHODS for seg in seq.segments)
-
-    def _register_output(self, seq: Sequence, ending: Ending) -> None:
-        """Keep a finished answer as a segment: the next agent reading it reuses its KV
-        without ever prefilling it alone. The tokens kept are exactly the answer's text
-        (engine_ext/reuse/answers.py); a last token that was sampled but never computed
-        (an answer cut by length) is computed first, in one row of its own."""
-        if (self.segment_index is None or not self.config.reuse.register_outputs or not seq.segments
-                or not self._keeps_segments(seq)):
-            return
-        count = answer_tokens(seq.output_token_ids, seq.detokenizer.text, ending, self.tokenizer)
-        if count < self.config.reuse.min_segment_tokens:
-            return
-        start = seq.num_prompt_tokens
-        end = start + count
-        if end > seq.num_computed_tokens and not self._compute_tail(seq, end):
-            return
-        slots = self.kv.slots(seq, end)[start:]  # (n,)
-        self.segment_index.register(seq.token_ids[start:end], slots, start, seq.tenant)
 
     def _compute_tail(self, seq: Sequence, end: int) -> bool:
         """Compute the KV of the sequence's tokens up to `end` (its sampled, never
@@ -410,10 +288,16 @@ class LLMEngine:
             return False
         self.runner.compute(seq, num_new)
         seq.num_computed_tokens = end
+        self._publish(seq)
+        return True
+
+    def _publish(self, seq: Sequence) -> list[Block]:
+        """Offer the sequence's newly full blocks to the prefix cache, and back them up
+        to the lower KV tiers when there are any."""
         published = self.kv.publish(seq)
         if self.tiers is not None:
             self.tiers.backup(published)
-        return True
+        return published
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
         seq.token_ids.append(token)
@@ -432,7 +316,8 @@ class LLMEngine:
         if text.stopped:
             reason = "stop"
         if reason is not None:
-            self._register_output(seq, "stop_string" if text.stopped else "stop_token" if ended_on_token else "length")
+            ending: Ending = "stop_string" if text.stopped else "stop_token" if ended_on_token else "length"
+            self.lifecycle.register_output(seq, ending, self._compute_tail)
             self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,
@@ -454,8 +339,8 @@ class LLMEngine:
                  adapter: str | None = None) -> Sequence:
         """Run one request to completion synchronously (seq.logits holds each step's
         logits when record_logits is set)."""
-        seq = self.add_request(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling,
-                               segments=segments, publish=publish, scope=scope, adapter=adapter)
+        seq = self.add_request(EngineRequest(f"gen-{uuid.uuid4().hex}", prompt_token_ids, sampling,
+                                             segments=segments, publish=publish, scope=scope, adapter=adapter))
         seq.logits = [] if record_logits else None
         while not seq.is_finished:
             self.step()
@@ -467,8 +352,8 @@ class LLMEngine:
         """Teacher-force `continuation` after the prompt: the logits that predicted each
         of its tokens, (len(continuation), vocab), and what reuse did per segment."""
         sampling = SamplingParams(max_tokens=len(continuation), temperature=0.0, ignore_eos=True)
-        seq = self.add_request(f"score-{uuid.uuid4().hex}", prompt_token_ids, sampling,
-                               segments=segments, publish=publish, scope=scope)
+        seq = self.add_request(EngineRequest(f"score-{uuid.uuid4().hex}", prompt_token_ids, sampling,
+                                             segments=segments, publish=publish, scope=scope))
         seq.forced_token_ids, seq.logits = list(continuation), []
         while not seq.is_finished:
             self.step()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import NamedTuple
 
@@ -11,20 +10,15 @@ import torch
 from engine_ext.adapters.lora import LoraAdapter
 from engine_ext.adapters.rows import AdapterRows, AdapterSpan
 from engine_ext.collective.collector import CollectiveGroup
-from engine_ext.collective.plan import CollectivePlan
 from engine_ext.collective.prefill import CollectivePrefill, GroupMember
-from engine_ext.diffs.store import DiffStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
-from engine_ext.reuse.assembler import Assembler, Assembly
+from engine_ext.reuse.lifecycle import ReuseLifecycle
 from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
 from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
 from engine_ext.sequence import Sequence
-from engine_ext.timeline import Placement
-
-logger = logging.getLogger(__name__)
 
 
 class DecoderRow(NamedTuple):
@@ -40,16 +34,15 @@ class DecoderRow(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, sampler: Sampler,
-                 reuse: ReusePrefill | None = None, assembler: Assembler | None = None,
-                 collective: CollectivePrefill | None = None, diff_store: DiffStore | None = None) -> None:
+                 lifecycle: ReuseLifecycle, reuse: ReusePrefill | None = None,
+                 collective: CollectivePrefill | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.sampler = sampler
+        self.lifecycle = lifecycle  # told when placed KV was computed (engine_ext/reuse/lifecycle.py)
         self.reuse = reuse
-        self.assembler = assembler
         self.collective = collective
-        self.diff_store = diff_store
         # When the last run's forward passes ended and its sampling began (monotonic): the
         # engine's timelines split a request's prefill from its first token there.
         self.last_forward_end = 0.0
@@ -65,7 +58,7 @@ class ModelRunner:
             seq = chunk.seq
             if seq.group is not None:
                 groups[id(seq.group)] = seq.group
-            elif seq.assembly is not None and seq.assembly.placed:
+            elif self.lifecycle.places(seq):
                 rows.append((seq, self._run_reuse(seq)))
             else:
                 batch.append(chunk)
@@ -94,51 +87,25 @@ class ModelRunner:
         self._run_batch([ScheduledChunk(seq, num_tokens)])
 
     def _run_reuse(self, seq: Sequence) -> torch.Tensor:
-        assembly = seq.assembly
         try:
             slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
-            return self.reuse.run(assembly, seq.token_ids, slots, seq.timeline)
+            return self.reuse.run(seq.assembly, seq.token_ids, slots, seq.timeline)
         finally:
-            self.assembler.release(assembly)
-            _limit_exact(seq, assembly)
+            self.lifecycle.prefill_done(seq)
 
     def _run_group(self, group: CollectiveGroup) -> list[tuple[Sequence, torch.Tensor]]:
-        """One collective prefill for the round's members; their caches then go to the
-        DiffStore (while the segments they read are still pinned)."""
+        """One collective prefill for the round's members; the lifecycle then keeps their
+        caches (while the segments they read are still pinned)."""
         seqs = group.members
         members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens),
                                s.num_exact_tokens, s.tenant) for s in seqs]
         try:
             result = self.collective.run(group.round_id, members)
-            for i, seq in enumerate(seqs):
-                seq.assembly.collective = result.plan.report(i)
-                num_placed = sum(p.segment.num_tokens for p in seq.assembly.placed)
-                seq.timeline.placed("collective", Placement(*result.placed, num_placed))
-            self._store(seqs, members, result.plan)
+            self.lifecycle.round_computed(seqs, members, result)
         finally:
             for seq in seqs:
-                self.assembler.release(seq.assembly)
-                _limit_exact(seq, seq.assembly)
-                seq.group = None
+                self.lifecycle.prefill_done(seq)
         return list(zip(seqs, result.last_hidden))
-
-    def _store(self, seqs: list[Sequence], members: list[GroupMember], plan: CollectivePlan) -> None:
-        """Keep the caches of the members that may publish: the round's lowest-deviation
-        one as master, the others as its mirrors; a member alone joins its round's stored
-        caches by similarity. Storage only saves later work, so a failure is logged and
-        the requests go on."""
-        keep = [i for i, seq in enumerate(seqs) if seq.publish]
-        if self.diff_store is None or not keep:
-            return
-        try:
-            images = self.collective.images([members[i] for i in keep], plan)
-            if len(images) == 1:
-                self.diff_store.store(images[0])
-            else:
-                master = min(range(len(keep)), key=lambda j: (plan.deviations[keep[j]], j))
-                self.diff_store.store_round(images, master)
-        except Exception:
-            logger.exception("storing round %s failed; its requests go on without it", plan.round_id)
 
     def _decode_first_tokens(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
         """A prompt assembled around reused segments ends in the base model's hidden state.
@@ -228,8 +195,3 @@ def _samples_from_decoder(seq: Sequence, first: bool) -> bool:
     adapter = seq.adapter
     return adapter is not None and adapter.is_icarus and not (first and adapter.spec.first_token == "base")
 
-
-def _limit_exact(seq: Sequence, assembly: Assembly) -> None:
-    """Blocks from the assembly's first placed token on hold approximate KV: never publish them."""
-    limits = [n for n in (seq.num_exact_tokens, assembly.first_approximate) if n is not None]
-    seq.num_exact_tokens = min(limits) if limits else None

@@ -28,6 +28,7 @@ from engine_ext.fidelity import compare_logits
 from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope
 from engine_ext.sampling import SamplingParams
 from kvrelay.wire.reports import FidelityScore
+from engine_ext.request import EngineRequest
 
 if TYPE_CHECKING:
     from engine_ext.engine import LLMEngine
@@ -214,6 +215,6 @@ def _start_score(engine: LLMEngine, job: ProbeJob) -> Sequence:
     approximate KV."""
     sampling = SamplingParams(max_tokens=len(job.output_ids), temperature=0.0, ignore_eos=True)
     scope = ReuseScope(job.app, None, tenant=job.tenant)
-    seq = engine.add_request(f"{PROBE_PREFIX}{job.request_id}", job.prompt_ids, sampling, publish=False, scope=scope)
+    seq = engine.add_request(EngineRequest(f"{PROBE_PREFIX}{job.request_id}", job.prompt_ids, sampling, publish=False, scope=scope))
     seq.forced_token_ids, seq.logits = list(job.output_ids), []
     return seq

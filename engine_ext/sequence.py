@@ -9,8 +9,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine_ext.sampling import SamplingParams
 from engine_ext.kv.hashing import DEFAULT_TENANT
+from engine_ext.reuse.locks import Pins
+from engine_ext.sampling import SamplingParams
 from engine_ext.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class Sequence:
     segments: list[TokenSegment] = field(default_factory=list)
     scope: ReuseScope | None = None  # app and agent, for KVCOMM's anchors
     assembly: Assembly | None = None
+    # Every cache pin it holds beyond its own blocks (placed segments, anchors, a stored
+    # round cache): let go in one call by the ReuseLifecycle (engine_ext/reuse/lifecycle.py).
+    pins: Pins = field(default_factory=Pins)
     group: CollectiveGroup | None = None  # the round group its next prefill runs with (engine_ext/collective)
     restore: Restore | None = None  # the stored round cache its prompt started from (engine_ext/diffs)
     reuse_outcomes: list[SegmentOutcome] | None = None

@@ -11,7 +11,7 @@ import hmac
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.exc import SQLAlchemyError
@@ -170,7 +170,7 @@ async def session_app(state: GatewayState, session_id: str, app: str | None) -> 
     return apps[0]
 
 
-def install_admin(app: Any) -> None:
+def install_admin(app: FastAPI) -> None:
     app.include_router(admin_router())
 
     @app.exception_handler(AdminRefused)

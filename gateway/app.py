@@ -6,7 +6,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import aiohttp
 from fastapi import Depends, FastAPI, Request
@@ -200,7 +200,7 @@ async def final_flush(store: StateStore, attempts: int = 3) -> None:
 
 
 async def get_state(request: Request) -> GatewayState:
-    return request.app.state.gateway
+    return cast(GatewayState, request.app.state.gateway)
 
 
 State = Annotated[GatewayState, Depends(get_state)]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
-from typing import Annotated, Literal, Protocol, get_args
+from typing import Annotated, Literal, Protocol, TypeGuard, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -111,6 +111,10 @@ def load_rules(path: Path) -> list[ApproxRule]:
     return load_rule_file(path, _RuleFile, "approximation").rules
 
 
+def _names_a_choice(word: str) -> TypeGuard[HeaderChoice]:
+    return word == "exact" or word in APPROX_METHODS
+
+
 def parse_header(value: str | None) -> HeaderChoice:
     """X-Kvrelay-Reuse as a choice; ValueError with the accepted values for anything else."""
     if value is None:
@@ -120,8 +124,8 @@ def parse_header(value: str | None) -> HeaderChoice:
         return "on"
     if word in _OFF_WORDS:
         return "off"
-    if word == "exact" or word in APPROX_METHODS:
-        return word  # type: ignore[return-value]
+    if _names_a_choice(word):
+        return word
     raise ValueError(f"must be on, off, exact or an approximate method ({', '.join(APPROX_METHODS)})")
 
 
@@ -159,12 +163,12 @@ class Approximation:
     def method_for(self, choice: HeaderChoice, tenant: str, app: str, agent: str | None,
                    model: str) -> ApproxMethod | None:
         """The approximate method this request runs, or None (exact)."""
-        if choice in ("off", "exact"):
+        if choice == "off" or choice == "exact":
             return None
         if choice != "on":
             if not self.allow_header:
                 return None
-            method: ApproxMethod | None = choice  # type: ignore[assignment]
+            method: ApproxMethod | None = choice
         else:
             method = next((r.method for r in self._rules if r.matches(tenant, app, agent, model)), None)
         if method is not None and self.switch is not None and not self.switch.allows(tenant, app, method):

@@ -285,7 +285,8 @@ class ProxiedCall:
             self._finish_reasons.extend(facts.finish_reasons)
             return
         self._take_usage(parsed.get("usage"))
-        choices = parsed.get("choices") if isinstance(parsed.get("choices"), list) else []
+        raw_choices = parsed.get("choices")
+        choices: list[Any] = raw_choices if isinstance(raw_choices, list) else []
         self._finish_reasons.extend(finish_reasons_of(choices))
         for choice in choices:
             if not isinstance(choice, dict):

@@ -114,7 +114,10 @@ class FidelityGuard:
         self.num_scores += 1
         if figures.state == "off" or len(figures.window) < self.settings.min_samples:
             return
-        top1, kl = figures.means()  # type: ignore[misc]
+        means = figures.means()
+        if means is None:  # an empty window: not past the check above (min_samples >= 1)
+            return
+        top1, kl = means
         passes = top1 >= self.settings.min_top1 and kl <= self.settings.max_kl
         if passes:
             if figures.state == "probation":

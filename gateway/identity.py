@@ -33,7 +33,8 @@ class Identity(NamedTuple):
 
 
 def identify(headers: Mapping[str, str], body: dict[str, Any], api_key_id: str | None = None) -> Identity:
-    metadata = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+    raw_metadata = body.get("metadata")
+    metadata: dict[str, Any] = raw_metadata if isinstance(raw_metadata, dict) else {}
     session = _first(headers.get(h) for h in SESSION_HEADERS) or _first(
         (body.get("prompt_cache_key"), metadata.get("session_id"), body.get("user")))
     agent = _first(headers.get(h) for h in AGENT_HEADERS) or _first(

@@ -50,10 +50,15 @@ def answer_facts(response: dict[str, Any]) -> AnswerFacts:
     output = response.get("output")
     items = output if isinstance(output, list) else []
     text = "".join(part["text"] for item in items if isinstance(item, dict) and item.get("type") == "message"
-                   for part in (item.get("content") if isinstance(item.get("content"), list) else ())
+                   for part in _content_parts(item)
                    if isinstance(part, dict) and isinstance(part.get("text"), str))
     return AnswerFacts(text, response_call_ids(items), chat_usage(response.get("usage")),
                        response_finish_reasons(response))
+
+
+def _content_parts(item: dict[str, Any]) -> list[Any] | tuple[()]:
+    content = item.get("content")
+    return content if isinstance(content, list) else ()
 
 
 def error_event(message: str, type_: str, code: str, sequence_number: int) -> bytes:

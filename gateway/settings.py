@@ -7,20 +7,19 @@ KVRELAY_UPSTREAMS='["http://127.0.0.1:8000"]'. KVRELAY_CONFIG names the YAML fil
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator,
                       model_validator)
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from kvrelay.wire.plan import MAX_PLAN_SEGMENTS
 from gateway.approximation import ApproximationSettings
 from gateway.rule_files import load_rule_file
 from gateway.tenancy import TenantMap
+from kvrelay.yaml_source import YamlFileSettings
 
 PositiveFloat = Annotated[float, Field(gt=0)]
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -154,10 +153,11 @@ class LimitSettings(BaseModel):
     max_message_chars: Annotated[int, Field(ge=1, le=64 * 2**20)] = 2 * 2**20
 
 
-class GatewaySettings(BaseSettings):
+class GatewaySettings(YamlFileSettings):
     # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
     model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
                                       env_ignore_empty=True)
+    yaml_variable = "KVRELAY_CONFIG"  # a YAML mapping read after the environment
 
     upstreams: Annotated[list[str], Field(min_length=1)] = ["http://127.0.0.1:8000"]
     database_url: str = "sqlite+aiosqlite:///kvrelay.db"
@@ -210,33 +210,3 @@ class GatewaySettings(BaseSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {url!r} must be an http(s) URL")
         return [u.rstrip("/") for u in urls]
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, _YamlSource(settings_cls)
-
-
-class _YamlSource(PydanticBaseSettingsSource):
-    """The YAML file named by KVRELAY_CONFIG, lowest priority after the environment."""
-
-    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        path = os.environ.get("KVRELAY_CONFIG")
-        if not path:
-            return {}
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
-            raise ValueError(f"cannot read KVRELAY_CONFIG={path}: {exc}") from exc
-        if not isinstance(data, dict):
-            raise ValueError(f"KVRELAY_CONFIG={path} must hold a mapping")
-        return data

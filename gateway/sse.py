@@ -144,7 +144,8 @@ def _responses_event(kind: str, body: dict[str, Any]) -> EventInfo:
         return EventInfo(bool(calls) and kind.endswith("added"), "", None, False, None, (), tool_call_ids=calls,
                          sequence_number=sequence)
     if kind in ("response.completed", "response.incomplete", "response.failed"):
-        response = body.get("response") if isinstance(body.get("response"), dict) else {}
+        raw_response = body.get("response")
+        response: dict[str, Any] = raw_response if isinstance(raw_response, dict) else {}
         error, params = response.get("error"), response.get("kv_transfer_params")
         failed = kind == "response.failed"
         return EventInfo(False, "", chat_usage(response.get("usage")), False,

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 class SupervisedTask:
-    def __init__(self, name: str, loop: Callable[[], Awaitable[None]], restart_delay_s: float = 1.0) -> None:
+    def __init__(self, name: str, loop: Callable[[], Coroutine[Any, Any, None]], restart_delay_s: float = 1.0) -> None:
         """`loop()` runs until the task is stopped; it returns only once asked to stop
         (any other end is a failure and is restarted)."""
         self.name = name
@@ -34,7 +35,7 @@ class SupervisedTask:
 
     def start(self) -> None:
         self._stopping = False
-        self._task = asyncio.create_task(self._loop(), name=self.name)  # type: ignore[arg-type]
+        self._task = asyncio.create_task(self._loop(), name=self.name)
         self._task.add_done_callback(self._ended)
 
     async def join(self) -> None:

@@ -115,8 +115,8 @@ def _totals(requests: list[dict[str, Any]]) -> dict[str, Any]:
 def _wall_ttft(members: list[dict[str, Any]]) -> float | None:
     """A round's TTFT as its members lived it: from the first one reaching the gateway to
     the last one's first token (its members overlap, so their TTFTs do not add up)."""
-    ends = [(datetime.fromisoformat(r["started_at"]).timestamp(), r["engine"]["ttft_s"])
-            for r in members if r["engine"]]
+    ends: list[tuple[float, float]] = [(datetime.fromisoformat(r["started_at"]).timestamp(), r["engine"]["ttft_s"])
+                                       for r in members if r["engine"]]
     if not ends:
         return None
     return max(start + ttft for start, ttft in ends) - min(start for start, _ in ends)

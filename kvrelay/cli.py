@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from kvrelay.engine_settings import EngineSettings  # torch-free: the engine's options, checked before it loads
+from kvrelay.cli_flags import with_settings
+
 if TYPE_CHECKING:  # the engine's modules load only in the commands that need them
     from fastapi import FastAPI
 
-    from engine_ext.config import AdapterSpec
     from engine_ext.engine import LLMEngine
-    from kvrelay.wire.seal import PlanSeal
     from engine_ext.tools.formats.generic import AutoPolicy
+    from kvrelay.wire.seal import PlanSeal
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -25,70 +27,20 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _reuse_config(method: str, blend_ratio: float, check_layers: str, link_tokens: int, anchor_gamma: float,
-                  anchor_pool_size: int, anchor_prune_window: int, anchor_temperature: float, kvcomm_correction: str,
-                  collective: bool = True, round_window_ms: float = 0.0, diff_store: bool = True):
-    from engine_ext.config import AnchorConfig, CollectiveConfig, ReuseConfig
-
+def _build_engine(settings: EngineSettings) -> LLMEngine:
+    """The engine the settings describe; a model or setting it cannot serve fails the command."""
     try:
-        layers = tuple(int(x) for x in check_layers.split(",") if x.strip())
-        anchors = AnchorConfig(gamma=anchor_gamma, max_anchors=anchor_pool_size, prune_window=anchor_prune_window,
-                               temperature=anchor_temperature, correction=kvcomm_correction)  # type: ignore[arg-type]
-        rounds = CollectiveConfig(enabled=collective, window_ms=round_window_ms, diff_store=diff_store)
-        return ReuseConfig(enabled=method != "off", default_method="dense" if method == "off" else method,  # type: ignore[arg-type]
-                           blend_ratio=blend_ratio, check_layers=layers, link_tokens=link_tokens, anchors=anchors,
-                           collective=rounds)
-    except ValueError as exc:
-        raise _fail(f"invalid reuse settings: {exc}") from exc
-
-
-def _tier_config(kv_policy: str, host_kv_mb: int | None, disk_kv_dir: str | None, disk_kv_mb: int,
-                 load_ahead: int | None):
-    """None for --host-kv-mb or --load-ahead: the automatic value (TierConfig's)."""
-    from engine_ext.config import TierConfig
-
+        from engine_ext.engine import LLMEngine
+        from engine_ext.errors import EngineError
+        from engine_ext.model_store import resolve_model
+    except ModuleNotFoundError as exc:  # a gateway-only install
+        raise _fail(f"the embedded engine needs the `engine` extra (pip install 'kvrelay[engine]'): {exc}") from exc
     try:
-        host_bytes = None if host_kv_mb is None else host_kv_mb * 2**20
-        return TierConfig(policy=kv_policy, host_bytes=host_bytes, disk_path=disk_kv_dir,  # type: ignore[arg-type]
-                          disk_bytes=disk_kv_mb * 2**20, load_ahead=load_ahead)
-    except ValueError as exc:
-        raise _fail(f"invalid KV tier settings: {exc}") from exc
-
-
-def _adapter_specs(adapters: list[str] | None, mode: str, first_token: str) -> tuple[AdapterSpec, ...]:
-    """The --adapter NAME=PATH options as AdapterSpecs; a malformed one fails the command."""
-    from engine_ext.config import AdapterSpec
-
-    specs = []
-    for item in adapters or []:
-        name, sep, path = item.partition("=")
-        if not sep or not path:
-            raise _fail(f"--adapter {item!r}: expected NAME=PATH")
-        try:
-            specs.append(AdapterSpec(name, path, mode, first_token))  # type: ignore[arg-type]
-        except ValueError as exc:
-            raise _fail(f"--adapter {item!r}: {exc}") from exc
-    return tuple(specs)
-
-
-def _build_engine(model: str | None, served_model_name: str | None, kv_cache_mb: int, block_size: int,
-                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None, dtype: str,
-                  reuse=None, tiers=None, adapters=()):
-    from engine_ext.config import EngineConfig, ReuseConfig, TierConfig
-    from engine_ext.engine import LLMEngine
-    from engine_ext.errors import EngineError
-    from engine_ext.model_store import resolve_model
-
-    try:
-        config = EngineConfig(
-            kv_cache_bytes=kv_cache_mb * 2**20, block_size=block_size, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, dtype=dtype,  # type: ignore[arg-type]
-            reuse=reuse or ReuseConfig(), tiers=tiers or TierConfig(), adapters=adapters,
-        )
-        model_dir = resolve_model(model)
-        return LLMEngine(model_dir, config, served_model_name or model_dir.name)
+        config = settings.engine_config()
+        model_dir = resolve_model(settings.model)
+        return LLMEngine(model_dir, config, settings.served_model_name or model_dir.name)
     except (EngineError, ValueError) as exc:
-        raise _fail(str(exc)) from exc
+        raise _fail(str(exc).replace("\n", "; ")) from exc
 
 
 def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
@@ -145,13 +97,6 @@ def _plan_seal(host: str) -> PlanSeal | None:
     return None
 
 
-def _tool_auto(value: str) -> AutoPolicy:
-    """--generic-tool-auto, checked before the model loads."""
-    if value == "call-first" or value == "model":
-        return value
-    raise _fail(f"--generic-tool-auto: expected call-first or model, got {value!r}")
-
-
 def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None, generic_tool_auto: AutoPolicy) -> FastAPI:
     from engine_ext.async_engine import AsyncEngine
     from kvrelay.wire.otel import TracingConfigError
@@ -164,93 +109,26 @@ def _build_engine_app(llm: LLMEngine, seal: PlanSeal | None, generic_tool_auto: 
 
 
 ModelOpt = Annotated[Optional[str], typer.Option(help="HF-format model directory (default: SmolLM2-135M-Instruct, prepared on first use)")]
-ServedNameOpt = Annotated[Optional[str], typer.Option(help="model id clients send (default: the directory name)")]
-KvOpt = Annotated[int, typer.Option(min=1, help="KV cache budget in MiB (stands for GPU memory)")]
-BlockOpt = Annotated[int, typer.Option(min=1, max=1024, help="tokens per KV block")]
-SeqsOpt = Annotated[int, typer.Option(min=1, help="requests running at once")]
-BatchOpt = Annotated[int, typer.Option(min=1, help="tokens computed per engine step")]
-LenOpt = Annotated[Optional[int], typer.Option(min=2, help="cap on prompt + completion tokens")]
-DtypeOpt = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 HostOpt = Annotated[str, typer.Option(help="address to bind")]
-ReuseOpt = Annotated[str, typer.Option(help="what a planned segment that names no method gets: prefix (exact: the prefix cache "
-                                              "and its tiers only) | dense | off, or an approximate method: blend | shift | link | kvcomm "
-                                              "(this engine's default for every request; through the gateway, opt in per app with its reuse rules)")]
-BlendOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="blend: fraction of a segment's tokens recomputed")]
-CheckOpt = Annotated[str, typer.Option(help="blend: comma-separated layers whose key deviation selects the tokens")]
-LinkOpt = Annotated[int, typer.Option(min=0, help="link: tokens recomputed at the start of each segment")]
-GammaOpt = Annotated[float, typer.Option(min=0.0, max=1.0, help="kvcomm: entropy threshold; higher predicts more samples from anchors")]
-PoolOpt = Annotated[int, typer.Option(min=1, help="kvcomm: anchors kept per placeholder")]
-WindowOpt = Annotated[int, typer.Option(min=1, help="kvcomm: a full pool drops the least used of this many oldest anchors")]
-TemperatureOpt = Annotated[float, typer.Option(min=1e-6, help="kvcomm: softmax temperature over anchor distances")]
-CorrectionOpt = Annotated[str, typer.Option(help="kvcomm: rotation | placeholder | full (the paper's ablation)")]
-CollectiveOpt = Annotated[bool, typer.Option(help="prefill the requests of one All-Gather round together (TokenDance)")]
-RoundWindowOpt = Annotated[float, typer.Option(min=0.0, max=10000.0, help="collective: ms a round's first request waits for its siblings")]
-DiffStoreOpt = Annotated[bool, typer.Option(help="collective: keep a round's caches as one master and block-sparse mirrors")]
-KvPolicyOpt = Annotated[str, typer.Option(help="which cached KV leaves the device first: workflow (KVFlow: the plan's steps-to-execution, per session; exact) | lru")]
-HostKvOpt = Annotated[Optional[int], typer.Option(min=0, help="host-memory KV tier in MiB; evicted prefixes load back from it. Default: sized at start, "
-                                                               "twice --kv-cache-mb but at most a quarter of the memory then available (MemAvailable); 0: none")]
-DiskKvDirOpt = Annotated[Optional[str], typer.Option(help="directory for a disk KV tier (a memory-mapped file, removed on exit)")]
-DiskKvOpt = Annotated[int, typer.Option(min=0, help="disk KV tier size in MiB (with --disk-kv-dir)")]
-LoadAheadOpt = Annotated[Optional[int], typer.Option(min=0, max=64, help="prefetch prefixes of agents this many steps from running (needs --kv-policy workflow "
-                                                                          "and a lower tier). Default: 2 with the workflow policy and a lower tier, else 0; 0: off")]
-AdapterOpt = Annotated[Optional[list[str]], typer.Option(help="serve a PEFT LoRA adapter as NAME=PATH (repeat); clients ask for model 'BASE:NAME'")]
-AdapterModeOpt = Annotated[str, typer.Option(help="adapters: auto (icarus for adapters `kvrelay train icarus` marked, multi_lora for others) | icarus (one shared KV cache; refuses adapters not marked as ICaRus-trained) | multi_lora")]
-FirstTokenOpt = Annotated[str, typer.Option(help="icarus: sample the first token from the adapter or from the base (the paper's variant)")]
-GenericToolAutoOpt = Annotated[str, typer.Option(help="tool_choice auto on a model whose chat template has no tools branch "
-                                                      "(the default SmolLM2): call-first (an answer to a user message calls a tool; "
-                                                      "after the results the model chooses) | model (the model always chooses)")]
 LogOpt = Annotated[str, typer.Option(help="log level")]
 
 
 @app.command()
+@with_settings(EngineSettings, _fail)
 def engine(
-    model: ModelOpt = None,
+    settings: EngineSettings,
     host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    served_model_name: ServedNameOpt = None,
-    kv_cache_mb: KvOpt = 512,
-    block_size: BlockOpt = 16,
-    max_num_seqs: SeqsOpt = 64,
-    max_num_batched_tokens: BatchOpt = 2048,
-    max_model_len: LenOpt = None,
-    dtype: DtypeOpt = "float32",
-    reuse_method: ReuseOpt = "prefix",
-    blend_ratio: BlendOpt = 0.15,
-    check_layers: CheckOpt = "1",
-    link_tokens: LinkOpt = 8,
-    anchor_gamma: GammaOpt = 0.3,
-    anchor_pool_size: PoolOpt = 20,
-    anchor_prune_window: WindowOpt = 5,
-    anchor_temperature: TemperatureOpt = 1.0,
-    kvcomm_correction: CorrectionOpt = "full",
-    collective: CollectiveOpt = True,
-    round_window_ms: RoundWindowOpt = 0.0,
-    diff_store: DiffStoreOpt = True,
-    kv_policy: KvPolicyOpt = "workflow",
-    host_kv_mb: HostKvOpt = None,
-    disk_kv_dir: DiskKvDirOpt = None,
-    disk_kv_mb: DiskKvOpt = 0,
-    load_ahead: LoadAheadOpt = None,
-    adapter: AdapterOpt = None,
-    adapter_mode: AdapterModeOpt = "auto",
-    adapter_first_token: FirstTokenOpt = "adapter",
-    generic_tool_auto: GenericToolAutoOpt = "call-first",
     log_level: LogOpt = "info",
 ) -> None:
-    """Serve one model over the OpenAI API with kvrelay's embedded engine."""
+    """Serve one model over the OpenAI API with kvrelay's embedded engine. Every engine
+    option is also KVRELAY_ENGINE_<NAME>, or a key of the YAML file KVRELAY_ENGINE_CONFIG."""
     import uvicorn
 
     _setup_logging(log_level)
     seal = _plan_seal(host)  # before the model loads: a refusal should be quick
-    tool_auto = _tool_auto(generic_tool_auto)
-    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
-                          anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
-                          diff_store)
-    tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
-    llm = _build_engine(model, served_model_name, kv_cache_mb, block_size, max_num_seqs,
-                        max_num_batched_tokens, max_model_len, dtype, reuse, tiers,
-                        _adapter_specs(adapter, adapter_mode, adapter_first_token))
-    engine_app = _build_engine_app(llm, seal, tool_auto)
+    llm = _build_engine(settings)
+    engine_app = _build_engine_app(llm, seal, settings.generic_tool_auto)
     typer.echo(f"kvrelay engine: serving {llm.model_name}; base_url=http://{host}:{port}/v1")
     uvicorn.run(engine_app, host=host, port=port, log_level=log_level)
 
@@ -274,36 +152,13 @@ def gateway(
 
 
 @app.command()
+@with_settings(EngineSettings, _fail)
 def up(
-    model: ModelOpt = None,
+    settings: EngineSettings,
     host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="the gateway's port")] = 8000,
     engine_port: Annotated[int, typer.Option(min=1, max=65535, help="the embedded engine's port (loopback)")] = 8001,
-    served_model_name: ServedNameOpt = None,
-    kv_cache_mb: KvOpt = 512,
-    max_num_seqs: SeqsOpt = 64,
     database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL (default from KVRELAY_DATABASE_URL)")] = None,
-    reuse_method: ReuseOpt = "prefix",
-    blend_ratio: BlendOpt = 0.15,
-    check_layers: CheckOpt = "1",
-    link_tokens: LinkOpt = 8,
-    anchor_gamma: GammaOpt = 0.3,
-    anchor_pool_size: PoolOpt = 20,
-    anchor_prune_window: WindowOpt = 5,
-    anchor_temperature: TemperatureOpt = 1.0,
-    kvcomm_correction: CorrectionOpt = "full",
-    collective: CollectiveOpt = True,
-    round_window_ms: RoundWindowOpt = 0.0,
-    diff_store: DiffStoreOpt = True,
-    kv_policy: KvPolicyOpt = "workflow",
-    host_kv_mb: HostKvOpt = None,
-    disk_kv_dir: DiskKvDirOpt = None,
-    disk_kv_mb: DiskKvOpt = 0,
-    load_ahead: LoadAheadOpt = None,
-    adapter: AdapterOpt = None,
-    adapter_mode: AdapterModeOpt = "auto",
-    adapter_first_token: FirstTokenOpt = "adapter",
-    generic_tool_auto: GenericToolAutoOpt = "call-first",
     log_level: LogOpt = "info",
 ) -> None:
     """Start the embedded engine and the gateway in front of it, in one process."""
@@ -314,18 +169,12 @@ def up(
     from kvrelay.wire.seal import PlanSeal
 
     _setup_logging(log_level)
-    tool_auto = _tool_auto(generic_tool_auto)
-    reuse = _reuse_config(reuse_method, blend_ratio, check_layers, link_tokens, anchor_gamma, anchor_pool_size,
-                          anchor_prune_window, anchor_temperature, kvcomm_correction, collective, round_window_ms,
-                          diff_store)
-    tiers = _tier_config(kv_policy, host_kv_mb, disk_kv_dir, disk_kv_mb, load_ahead)
-    llm = _build_engine(model, served_model_name, kv_cache_mb, 16, max_num_seqs, 2048, None, "float32", reuse, tiers,
-                        _adapter_specs(adapter, adapter_mode, adapter_first_token))
+    llm = _build_engine(settings)
     settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
     gateway_app = _build_gateway_app(settings)
     secret = settings.plan_secret
     seal = PlanSeal(secret.get_secret_value(), settings.plan_max_age_s) if secret is not None else None
-    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, tool_auto),
+    engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, settings.generic_tool_auto),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
                                                    log_level=log_level))

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_ext.config import CollectiveConfig
+from engine_ext.reuse.methods import METHODS
 from engine_ext.sequence import Sequence
 
 
@@ -100,7 +101,7 @@ class KVCollector:
 def _collectible(seq: Sequence) -> bool:
     a = seq.assembly
     return (round_id(seq) is not None and a is not None and bool(a.placed) and not a.decisions and not a.measurements
-            and seq.reuse_outcomes is None and all(p.method == "blend" and p.num_linked == 0 for p in a.placed))
+            and seq.reuse_outcomes is None and all(METHODS[p.method].blends and p.num_linked == 0 for p in a.placed))
 
 
 def _keys(seq: Sequence) -> set[bytes]:

@@ -23,10 +23,10 @@ import torch
 from engine_ext.diffs.store import DiffStore
 from engine_ext.diffs.stored import CacheView, StoredCache, StoredMirror
 from engine_ext.kv.cache import KVCache
-from kvrelay.wire.plan import ReuseMethod
+from engine_ext.reuse.locks import CacheLock, StoredCacheLock
+from engine_ext.reuse.methods import METHODS
 from engine_ext.sequence import Sequence
-
-_EXACT_METHODS = frozenset({"prefix", "dense"})
+from kvrelay.wire.plan import ReuseMethod
 
 
 class Restore(NamedTuple):
@@ -34,6 +34,7 @@ class Restore(NamedTuple):
     view: CacheView
     region_start: int  # restored tokens are [region_start, num_tokens)
     num_tokens: int
+    lock: CacheLock  # the pin on `stored`, let go once it is applied or the admission is undone
 
 
 class Restorer:
@@ -45,7 +46,7 @@ class Restorer:
         self.num_restored_tokens = 0
 
     def find(self, seq: Sequence, num_prefix_tokens: int) -> Restore | None:
-        """A stored prompt this one extends, pinned until `apply` or `cancel`; or None."""
+        """A stored prompt this one extends, pinned (its `lock`) until `apply` or the lock's release; or None."""
         if not seq.segments:
             return None
         found = self.store.match(seq.token_ids, num_prefix_tokens, seq.tenant)
@@ -54,20 +55,17 @@ class Restorer:
         stored, view = found
         if isinstance(stored, StoredMirror) and self.store.tolerance > 0:
             return None  # a lossy mirror is not the KV the agent ran on
-        if any(s.is_reusable and (s.method or self.default_method) in _EXACT_METHODS and s.start < view.num_tokens
+        if any(s.is_reusable and not METHODS[s.method or self.default_method].places and s.start < view.num_tokens
                and s.end > view.region_start for s in seq.segments):
             return None
         self.store.acquire(stored)
-        return Restore(stored, view, view.region_start, view.num_tokens)
+        return Restore(stored, view, view.region_start, view.num_tokens, StoredCacheLock(self.store, stored))
 
     def apply(self, restore: Restore, slots: torch.Tensor) -> None:
         """Write the stored region into the sequence's slots (T,) and unpin it."""
         try:
             restore.view.restore(self.kv_cache.layers, slots[restore.region_start : restore.num_tokens])
         finally:
-            self.store.release(restore.stored)
+            restore.lock.release()
         self.num_restores += 1
         self.num_restored_tokens += restore.num_tokens - restore.region_start
-
-    def cancel(self, restore: Restore) -> None:
-        self.store.release(restore.stored)

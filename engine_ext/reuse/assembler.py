@@ -12,7 +12,6 @@ both are computed densely and the placeholder is measured once the prompt is don
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -22,6 +21,8 @@ from engine_ext.config import ReuseConfig
 from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import AnchorBank, Correction, Decision, Measurement
+from engine_ext.reuse.locks import BlobLock, CacheLock, SegmentLock
+from engine_ext.reuse.methods import METHODS
 from engine_ext.reuse.segments import (
     ReuseMethod,
     ReuseScope,
@@ -53,7 +54,6 @@ class Assembly:
     num_selected: dict[int, int] = field(default_factory=dict)  # placed index -> blend rows kept
     decisions: list[Decision] = field(default_factory=list)  # kvcomm predictions, committed after the prefill
     measurements: list[Measurement] = field(default_factory=list)  # kvcomm samples to record after it
-    pinned: bool = True  # the placed entries' blocks are held until the assembler releases them
     collective: dict | None = None  # reported on placed segments when the prefill ran with its round group
 
     @property
@@ -77,7 +77,7 @@ class Assembly:
         for p in self.placed:
             start = p.segment.start + p.num_linked
             end = min(p.segment.end, self.num_tokens - 1)  # the last token is computed in full
-            out.append(torch.arange(start, end) if p.method == "blend" else torch.empty(0, dtype=torch.long))
+            out.append(torch.arange(start, end) if METHODS[p.method].blends else torch.empty(0, dtype=torch.long))
         return out
 
     def outcomes(self) -> list[SegmentOutcome]:
@@ -102,7 +102,7 @@ class Assembler:
 
     def assemble(self, segments: list[TokenSegment], token_ids: list[int], num_prefix_tokens: int,
                  scope: ReuseScope | None = None, restored_from: int | None = None) -> Assembly:
-        """Decide every segment; placed entries are pinned until `release`. The first
+        """Decide every segment; what it reads is pinned, a lock each in `locks(assembly)`. The first
         `num_prefix_tokens` are cached already: exactly (the prefix cache), or from
         `restored_from` on restored from a stored round cache."""
         assembly = Assembly(len(token_ids), num_prefix_tokens, [], [])
@@ -122,7 +122,7 @@ class Assembler:
             if seg.is_reusable and reason is None:
                 entry = self.index.lookup(token_ids[seg.start : seg.end], tenant) if self.index else None
                 reason = None if entry is not None else "not in the segment index (never cached or evicted)"
-            if entry is not None and method == "kvcomm":
+            if entry is not None and METHODS[method].uses_anchors:
                 follower = segments[i + 1] if i + 1 < len(segments) else None
                 i += self._kvcomm(assembly, seg, entry, follower, token_ids, scope)
                 continue
@@ -131,10 +131,21 @@ class Assembler:
                                                      seg.num_tokens - num_hit, reason))
             else:
                 self.index.acquire(entry)
-                num_linked = min(self.config.link_tokens, seg.num_tokens) if method == "link" and seg.start > 0 else 0
+                num_linked = METHODS[method].num_linked(seg, self.config)
                 assembly.placed.append(PlacedSegment(seg, method, entry, num_linked))
             i += 1
         return assembly
+
+    def locks(self, assembly: Assembly) -> list[CacheLock]:
+        """A lock for every pin `assemble` took: placed entries, measured bases, then
+        the blobs of kvcomm predictions (the order they are let go in). The caller
+        holds them (engine_ext/reuse/lifecycle.py) until the prefill is done."""
+        if self.index is None:
+            return []
+        locks: list[CacheLock] = [SegmentLock(self.index, p.entry) for p in assembly.placed]
+        locks += [SegmentLock(self.index, m.base) for m in assembly.measurements]
+        locks += [BlobLock(self.bank.blobs, blob) for d in assembly.decisions for blob in self.bank.blobs_of(d)]
+        return locks
 
     def _kvcomm(self, assembly: Assembly, seg: TokenSegment, entry: SegmentEntry, follower: TokenSegment | None,
                 token_ids: list[int], scope: ReuseScope | None) -> int:
@@ -188,27 +199,18 @@ class Assembler:
 
     def _refusal(self, seg: TokenSegment, method: ReuseMethod, num_hit: int) -> str | None:
         """Why this segment must be computed densely, or None if it may be placed."""
-        if method in ("dense", "prefix"):
+        spec = METHODS[method]
+        if not spec.places:
             return f"method {method}"
         if num_hit:
             return "partly covered by the prefix cache"
         if seg.num_tokens < self.config.min_segment_tokens:
             return f"shorter than min_segment_tokens ({self.config.min_segment_tokens})"
-        if self._recomputed(method, seg) >= seg.num_tokens:
+        if spec.num_recomputed(seg, self.config) >= seg.num_tokens:
             return f"{method} would compute as many tokens as computing it"
         if self.index is None:
             return self.no_index_reason
         return None
-
-    def _recomputed(self, method: ReuseMethod, seg: TokenSegment) -> int:
-        """Tokens of a placed segment the method computes anyway. Placing is worth its
-        approximation only where this is fewer than the segment (the cost model: the
-        exact prefix goes first, reuse only where it computes less than the prefix path)."""
-        if method == "blend":
-            return math.ceil(self.config.blend_ratio * seg.num_tokens)
-        if method == "link" and seg.start > 0:
-            return min(self.config.link_tokens, seg.num_tokens)
-        return 0
 
     def commit(self, assembly: Assembly, prompt_slots: torch.Tensor) -> None:
         """After the prefill: activate the anchors predictions used, record measurements."""
@@ -218,15 +220,3 @@ class Assembler:
             self.bank.commit(decision)
         for measurement in assembly.measurements:
             self.bank.record(measurement, prompt_slots)
-
-    def release(self, assembly: Assembly) -> None:
-        """Unpin the placed entries (once; later calls do nothing)."""
-        if self.index is not None and assembly.pinned:
-            for p in assembly.placed:
-                self.index.release(p.entry)
-            for m in assembly.measurements:
-                self.index.release(m.base)
-            for decision in assembly.decisions:
-                for blob in self.bank.blobs_of(decision):
-                    self.bank.blobs.release(blob)
-        assembly.pinned = False

@@ -36,6 +36,7 @@ from engine_ext.tools.formats import FORMATS, pick_format
 from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
 from engine_ext.timeline import Timeline, breakdown
+from engine_ext.request import EngineRequest
 from kvrelay.wire.reports import REUSE_KEY, TTFT_KEY, wants_breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -127,9 +128,9 @@ class CompletionService:
             grammar = shape.grammar
             constraint = await asyncio.to_thread(lambda: self._constraint(req, grammar))
             sampling = dataclasses.replace(sampling, constraint=constraint)
-        outputs = self.engine.generate(request_id, prompt.token_ids, sampling,
-                                       req.kv_transfer_params, prompt.segments, prompt.scope,
-                                       self._adapter(req.model), line, probe)
+        request = EngineRequest(request_id, prompt.token_ids, sampling, req.kv_transfer_params, prompt.segments,
+                                prompt.scope, self._adapter(req.model), probe=probe)
+        outputs = self.engine.generate(request, line)
         return outputs, prompt.note, shape
 
     def _constraint(self, req: Request, grammar: Grammar) -> TokenConstraint:

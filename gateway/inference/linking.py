@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from gateway.inference.state import AppState, TextKind
+from gateway.inference.state import AppState, TextKind, TextRef
 from gateway.inference.textindex import Match
 
 _LINKING_KINDS: frozenset[TextKind] = frozenset({"response", "tool", "question"})
 
 
-def find_texts(app: AppState, content: str) -> list[Match]:
+def find_texts(app: AppState, content: str) -> list[Match[TextRef]]:
     """The known texts in one message: long ones anywhere in it, a short one as the whole message."""
     matches = app.index.find(content)
     if not matches and (whole := app.index.find_whole(content)) is not None:
@@ -41,7 +41,8 @@ def find_texts(app: AppState, content: str) -> list[Match]:
     return matches
 
 
-def linked_session(app: AppState, found: dict[int, list[Match]], agent_id: str, last_message: int) -> str | None:
+def linked_session(app: AppState, found: dict[int, list[Match[TextRef]]], agent_id: str,
+                   last_message: int) -> str | None:
     """The session a prompt continues, by the texts `found` in each message (by index)."""
     chars: Counter[str] = Counter()  # of outputs
     asked: Counter[str] = Counter()  # of the question
@@ -66,7 +67,7 @@ def linked_session(app: AppState, found: dict[int, list[Match]], agent_id: str, 
     return None
 
 
-def sessions_to_merge(app: AppState, found: dict[int, list[Match]], session_id: str) -> list[str]:
+def sessions_to_merge(app: AppState, found: dict[int, list[Match[TextRef]]], session_id: str) -> list[str]:
     """The other live sessions whose outputs this prompt of `session_id` quotes (see above)."""
     session = app.sessions[session_id]
     if not session.num_requests:

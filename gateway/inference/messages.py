@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from gateway.sse import tool_call_ids
 
 
-class PromptMessage(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class PromptMessage:
     index: int
     role: str
     name: str | None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -84,7 +85,7 @@ def restore_edge(app: AppState, row: Any) -> None:
         app.graph.restore_edge(row.target, row.source, row.kind, row.count)
 
 
-def restore_session(app: AppState, row: Any, segments: list[Any], rounds: list[Any]) -> SessionState:
+def restore_session(app: AppState, row: Any, segments: Sequence[Any], rounds: Sequence[Any]) -> SessionState:
     """Rebuild a session and index its texts; `segments` in seq order."""
     session = SessionState(row.session_id, _monotonic(row.last_seen), first_seen=_aware(row.first_seen).timestamp())
     series = json.loads(row.series)

@@ -23,7 +23,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from kvrelay.wire.plan import Segment
+from kvrelay.wire.plan import Segment, SegmentKind
 from gateway.inference.agenttable import AgentState
 from gateway.inference.blocks import split_blocks
 from gateway.inference.budget import Deadline
@@ -42,7 +42,7 @@ class Span(NamedTuple):
 
     start: int
     end: int
-    kind: str
+    kind: SegmentKind
     name: str | None
     content_hash: str
     source_request: str | None
@@ -65,7 +65,7 @@ class SegmentBuilder:
         self._inner: dict[str, list[int]] = {}  # the session's short texts by text, built once per prompt ...
         self._inner_of: int | None = None  # ... for the session's newest short text then (a new one rebuilds it)
 
-    def add_message(self, message: PromptMessage, matches: list[Match], fixed_chars: int,
+    def add_message(self, message: PromptMessage, matches: list[Match[TextRef]], fixed_chars: int,
                     separators: list[str]) -> None:
         content = message.content or ""
         self._texts[message.index] = content
@@ -111,12 +111,12 @@ class SegmentBuilder:
             return
         session.question_tried.add(self.agent.id)
         message = asks[0]
-        question = self.app.index.text_of(TextRef(session.id, seq)) or ""
-        core = common_core(question, message.content or "", anchor_chars)
+        question_text = self.app.index.text_of(TextRef(session.id, seq)) or ""
+        core = common_core(question_text, message.content or "", anchor_chars)
         spans = self._spans.setdefault(message.index, Spans())
         if core is None or spans.overlaps(core.message_start, core.message_start + core.end - core.start):
             return
-        text = question[core.start:core.end]
+        text = question_text[core.start:core.end]
         known = dataclasses.replace(session.texts[seq], content_hash=sha256(text))
         self.app.replace_text(session, seq, text, known)
         start = core.message_start
@@ -138,9 +138,11 @@ class SegmentBuilder:
                 spans.replace(at, spans[at]._replace(seq=seq, source_request=self.session.texts[seq].request_id))
         for spans in self._spans.values():
             for span in spans:
-                known = self.session.texts[span.seq] if span.seq is not None else None
-                if known is not None and known.kind == "response":
-                    self.responses_read.add(span.seq)  # type: ignore[arg-type]
+                if span.seq is None:
+                    continue
+                known = self.session.texts[span.seq]
+                if known.kind == "response":
+                    self.responses_read.add(span.seq)
                     if span.message_name:
                         self._name(known.agent_id, span.message_name)
 
@@ -158,6 +160,7 @@ class SegmentBuilder:
         horizon = max((span.seq for spans in self._spans.values() for span in spans
                        if span.seq is not None and self.session.texts[span.seq].kind != "block"), default=-1)
         out: list[Segment] = []
+        span: Span | None  # None once _named finds no name for it
         for index in sorted(self._texts):
             text, cursor = self._texts[index], 0
             for span in self._spans.get(index, ()):
@@ -168,7 +171,7 @@ class SegmentBuilder:
                 if span.start > cursor:
                     out.append(_private(index, text, cursor, span.start))
                 out.append(Segment(message_index=index, char_start=span.start, char_end=span.end,
-                                   kind=span.kind, name=span.name, content_hash=span.content_hash,  # type: ignore[arg-type]
+                                   kind=span.kind, name=span.name, content_hash=span.content_hash,
                                    source_request=span.source_request))
                 cursor = span.end
                 if len(out) > limit:
@@ -180,7 +183,7 @@ class SegmentBuilder:
         return out
 
     # -- inside -------------------------------------------------------------------------
-    def _span(self, match: Match, content: str, message_name: str | None) -> Span | None:
+    def _span(self, match: Match[TextRef], content: str, message_name: str | None) -> Span | None:
         """The span of a match: a text of this session first, else a block of another (a
         short text, found as a whole message, only of this session)."""
         digest = sha256(content[match.start:match.end])  # a text may be found under another form than it was kept

@@ -197,8 +197,8 @@ class AppState:
         for mine, theirs in ((into.responses, other.responses), (into.tools, other.tools)):
             for agent, seqs in theirs.items():
                 mine.setdefault(agent, []).extend(renumbered[s] for s in seqs if s in renumbered)
-        for agent, seqs in other.read_by.items():
-            into.read_by.setdefault(agent, set()).update(renumbered[s] for s in seqs if s in renumbered)
+        for agent, read in other.read_by.items():
+            into.read_by.setdefault(agent, set()).update(renumbered[s] for s in read if s in renumbered)
         into.members |= other.members
         into.num_requests += other.num_requests
         into.first_seen = min(into.first_seen, other.first_seen)

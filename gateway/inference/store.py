@@ -15,18 +15,25 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sqlalchemy import and_, delete, select
+from sqlalchemy import Column, Row, and_, delete, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.orm import InstrumentedAttribute
 
 from gateway.inference import rows
 from gateway.inference.planner import Inference
 from gateway.inference.state import Changes, SessionState
 from gateway.storage.dialect import upsert
-from gateway.storage.models import InferredAgentRow, InferredSessionRow, RoundRow, SegmentRow, StepEdgeRow
+from gateway.storage.models import Base, InferredAgentRow, InferredSessionRow, RoundRow, SegmentRow, StepEdgeRow
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql.base import ReadOnlyColumnCollection
+
+    from gateway.storage.dialect import DialectInsert
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +62,9 @@ class StateStore:
         self._interval_s = flush_interval_s
         self._stopping = asyncio.Event()
         dialect = engine.dialect.name
-        self._upserts = {table: upsert(dialect, table.__table__)
-                         for table in (InferredAgentRow, StepEdgeRow, InferredSessionRow, SegmentRow, RoundRow)}
+        self._upserts: dict[type[Base], DialectInsert] = {
+            table: upsert(dialect, table.__table__)
+            for table in (InferredAgentRow, StepEdgeRow, InferredSessionRow, SegmentRow, RoundRow)}
         self._restores_paused_until = 0.0
         self.num_saves = 0
         self.num_save_errors = 0
@@ -120,9 +128,9 @@ class StateStore:
                 for app_id, session_id in sorted(changes.merged):  # merged into another session: gone
                     for table in (InferredSessionRow, SegmentRow, RoundRow):
                         await conn.execute(delete(table).where(table.app_id == app_id, table.session_id == session_id))
-                for table, values in batch.items():
+                for model, values in batch.items():
                     if values:
-                        await conn.execute(self._upserts[table], values)
+                        await conn.execute(self._upserts[model], values)
         except (SQLAlchemyError, OSError, asyncio.CancelledError):
             self._inference.changes.merge(changes)  # saved next time (upserts: a repeat is harmless)
             self.num_save_errors += 1
@@ -151,9 +159,9 @@ class StateStore:
             except (SQLAlchemyError, OSError) as exc:
                 logger.warning("saving inferred state failed (%s); retrying", type(exc).__name__)
 
-    def _rows(self, changes: Changes) -> tuple[dict[type, list[rows.Row]], list[_Saved]]:
+    def _rows(self, changes: Changes) -> tuple[dict[type[Base], list[rows.Row]], list[_Saved]]:
         now = datetime.now(UTC)
-        batch: dict[type, list[rows.Row]] = {t: [] for t in self._upserts}
+        batch: dict[type[Base], list[rows.Row]] = {t: [] for t in self._upserts}
         advance: list[_Saved] = []
         for app_id, agent_id in sorted(changes.agents):
             app = self._inference.apps.get(app_id)
@@ -176,7 +184,8 @@ class StateStore:
             advance.append(_Saved(session, session.next_seq(), rounds))
         return batch, advance
 
-    async def _read_session(self, conn: AsyncConnection, app_id: str, session_id: str):
+    async def _read_session(self, conn: AsyncConnection, app_id: str, session_id: str
+                            ) -> tuple[Row[Any], Sequence[Row[Any]], Sequence[Row[Any]]] | None:
         row = (await conn.execute(select(InferredSessionRow.__table__).where(
             InferredSessionRow.app_id == app_id, InferredSessionRow.session_id == session_id))).first()
         if row is None:
@@ -188,13 +197,15 @@ class StateStore:
         return row, segments, rounds
 
 
-async def _children(conn: AsyncConnection, table: type, live, cutoff: datetime, order) -> dict[tuple[str, str], list]:
+async def _children(conn: AsyncConnection, table: type[SegmentRow] | type[RoundRow],
+                    live: ReadOnlyColumnCollection[str, Column[Any]], cutoff: datetime,
+                    order: InstrumentedAttribute[Any]) -> dict[tuple[str, str], list[Row[Any]]]:
     """Rows of `table` that belong to sessions seen since `cutoff`, grouped by session."""
     query = (select(table.__table__)
              .join(InferredSessionRow.__table__, and_(live.app_id == table.app_id, live.session_id == table.session_id))
              .where(live.last_seen >= cutoff)
              .order_by(table.app_id, table.session_id, order))
-    grouped: dict[tuple[str, str], list] = {}
+    grouped: dict[tuple[str, str], list[Row[Any]]] = {}
     for row in (await conn.execute(query)).all():
         grouped.setdefault((row.app_id, row.session_id), []).append(row)
     return grouped

@@ -22,6 +22,7 @@ from collections.abc import Hashable
 from typing import Generic, NamedTuple, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 Ref = TypeVar("Ref", bound=Hashable)
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible mod 2^64
@@ -43,16 +44,17 @@ class _Powers:
     """B^i and B^-i mod 2^64, grown on demand."""
 
     def __init__(self) -> None:
-        self.pow = np.ones(1, dtype=np.uint64)
-        self.inv = np.ones(1, dtype=np.uint64)
+        self.pow: npt.NDArray[np.uint64] = np.ones(1, dtype=np.uint64)
+        self.inv: npt.NDArray[np.uint64] = np.ones(1, dtype=np.uint64)
 
     def ensure(self, n: int) -> None:
         if len(self.pow) >= n:
             return
         size = max(n, 2 * len(self.pow))
         with np.errstate(over="ignore"):
-            self.pow = np.cumprod(np.full(size, _BASE, dtype=np.uint64)) * _BASE_INV  # B^0 .. B^(size-1)
-            self.inv = np.cumprod(np.full(size, _BASE_INV, dtype=np.uint64)) * _BASE
+            # B^0 .. B^(size-1)
+            self.pow = np.cumprod(np.full(size, _BASE, dtype=np.uint64), dtype=np.uint64) * _BASE_INV
+            self.inv = np.cumprod(np.full(size, _BASE_INV, dtype=np.uint64), dtype=np.uint64) * _BASE
 
 
 _POWERS = _Powers()

@@ -2,23 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeAlias
 
 from sqlalchemy import Table
 
+if TYPE_CHECKING:
+    from sqlalchemy.dialects.postgresql import Insert as PostgresqlInsert
+    from sqlalchemy.dialects.sqlite import Insert as SqliteInsert
 
-def dialect_insert(dialect: str) -> Any:
+    DialectInsert: TypeAlias = PostgresqlInsert | SqliteInsert
+
+
+def dialect_insert(dialect: str) -> Callable[[Table], DialectInsert]:
     """The `insert` of the dialect: theirs has on_conflict_do_nothing/do_update."""
     if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
+        from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+        return postgresql_insert
     elif dialect == "sqlite":
-        from sqlalchemy.dialects.sqlite import insert
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+        return sqlite_insert
     else:
         raise ValueError(f"unsupported database dialect {dialect!r} (use sqlite or postgresql)")
-    return insert
 
 
-def upsert(dialect: str, table: Table) -> Any:
+def upsert(dialect: str, table: Table) -> DialectInsert:
     """INSERT that overwrites every non-key column of a row that already exists."""
     stmt = dialect_insert(dialect)(table)
     keys = [c.name for c in table.primary_key.columns]

@@ -7,15 +7,17 @@ request row keeps only a sha256 and a length of each.
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING, ClassVar
 
-from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, Table
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from gateway.storage.types import StorableString, StorableText
 
 
 class Base(DeclarativeBase):
-    pass
+    if TYPE_CHECKING:
+        __table__: ClassVar[Table]  # every model here declares __tablename__, so gets a Table
 
 
 class SessionRow(Base):

@@ -40,7 +40,10 @@ class StorableString(TypeDecorator[str]):
     cache_ok = True
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
-        return storable(value, self.impl.length) if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        impl = self.impl  # the String instance TypeDecorator made of the class above
+        return storable(value, impl.length if isinstance(impl, String) else None)
 
 
 class StorableText(TypeDecorator[str]):

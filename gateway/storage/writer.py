@@ -207,10 +207,10 @@ class RecordWriter:
         if not written:
             return [record for record, _ in stuck]
         retry = []
-        for record, exc in stuck:
+        for record, error in stuck:
             self._strikes[record.id] = strikes = self._strikes.get(record.id, 0) + 1
             if strikes >= _STRIKES:
-                self._quarantine(record, type(exc).__name__)
+                self._quarantine(record, type(error).__name__)
             else:
                 retry.append(record)
         return retry

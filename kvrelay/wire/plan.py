@@ -26,11 +26,11 @@ KV cache (ICaRus mode) without parsing model names.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-PLAN_VERSION = 1
+PLAN_VERSION: Final = 1
 PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
 MAX_PLAN_SEGMENTS = 4096  # a longer plan is malformed: the engine ignores it
 
@@ -135,7 +135,7 @@ class SegmentPlan(_Frozen):
         return self
 
 
-def attach_plan(body: dict, plan: SegmentPlan) -> dict:
+def attach_plan(body: dict[str, Any], plan: SegmentPlan) -> dict[str, Any]:
     """The body with the plan under kv_transfer_params, keeping the client's other entries."""
     params = body.get("kv_transfer_params")
     params = dict(params) if isinstance(params, dict) else {}
@@ -143,7 +143,7 @@ def attach_plan(body: dict, plan: SegmentPlan) -> dict:
     return {**body, "kv_transfer_params": params}
 
 
-def read_plan(body: dict) -> SegmentPlan | None:
+def read_plan(body: dict[str, Any]) -> SegmentPlan | None:
     """The plan in a request body, or None; raises pydantic.ValidationError if malformed."""
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict) or PLAN_KEY not in params:

@@ -121,3 +121,11 @@ def test_the_blocker_really_blocks() -> None:
                            "import torch\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1 and "a gateway-only install" in proc.stderr
+
+
+def test_the_engine_command_names_the_extra_it_needs() -> None:
+    proc = subprocess.run([sys.executable, "-c", BLOCKER, "engine"], capture_output=True, text=True, timeout=60,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the `engine` extra" in lines[0], proc.stderr

@@ -9,6 +9,7 @@ import pytest
 
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.errors import CapacityError, EngineDeadError
+from engine_ext.request import EngineRequest
 from engine_ext.sampling import SamplingParams
 from engine_ext.timeline import TTFT_STAGES, Timeline
 from tests.helpers import make_engine, wait_until
@@ -37,7 +38,7 @@ def engines(llama_dir):
 async def test_generate_streams_until_finished(engines, llama_dir):
     llm, eng = engines
     ids = llm.tokenizer.encode("The quick brown fox")
-    outs = [o async for o in eng.generate("a", ids, GREEDY)]
+    outs = [o async for o in eng.generate(EngineRequest("a", ids, GREEDY))]
     assert len(outs) == 10
     assert [o.finished for o in outs] == [False] * 9 + [True]
     assert outs[-1].finish_reason == "length"
@@ -53,7 +54,7 @@ async def test_concurrent_generations(engines):
     prompts = [llm.tokenizer.encode(t) for t in ("Alice met Bob", "Water boils", "Good morning")]
 
     async def run(i, ids):
-        return [t async for o in eng.generate(f"c{i}", ids, GREEDY) for t in o.new_token_ids]
+        return [t async for o in eng.generate(EngineRequest(f"c{i}", ids, GREEDY)) for t in o.new_token_ids]
 
     together = await asyncio.gather(*(run(i, p) for i, p in enumerate(prompts)))
     alone = [await run(10 + i, p) for i, p in enumerate(prompts)]
@@ -62,7 +63,7 @@ async def test_concurrent_generations(engines):
 
 async def test_validation_error_is_raised_on_first_iteration(engines):
     llm, eng = engines
-    gen = eng.generate("big", [5] * 10, SamplingParams(max_tokens=400))
+    gen = eng.generate(EngineRequest("big", [5] * 10, SamplingParams(max_tokens=400)))
     with pytest.raises(CapacityError):
         await anext(gen)
     assert not llm.has_work
@@ -71,7 +72,7 @@ async def test_validation_error_is_raised_on_first_iteration(engines):
 
 async def test_leaving_early_aborts_and_frees(engines):
     llm, eng = engines
-    gen = eng.generate("long", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    gen = eng.generate(EngineRequest("long", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
     first = await anext(gen)
     assert not first.finished
     await gen.aclose()
@@ -85,8 +86,8 @@ async def test_cancelled_consumer_aborts(engines):
     llm, eng = engines
 
     async def consume():
-        async for _ in eng.generate("cancel-me", [5] * 10,
-                                    SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)):
+        async for _ in eng.generate(EngineRequest("cancel-me", [5] * 10,
+                                    SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))):
             await asyncio.sleep(0.01)
 
     task = asyncio.create_task(consume())
@@ -102,12 +103,12 @@ async def test_cancelled_consumer_aborts(engines):
 async def test_not_started_or_stopped_engine_is_dead(llama_dir):
     eng = AsyncEngine(make_engine(llama_dir, num_blocks=8))
     with pytest.raises(EngineDeadError):
-        await anext(eng.generate("x", [5], GREEDY))
+        await anext(eng.generate(EngineRequest("x", [5], GREEDY)))
     eng.start()
     assert eng.is_alive
     eng.stop()
     with pytest.raises(EngineDeadError):
-        await anext(eng.generate("x", [5], GREEDY))
+        await anext(eng.generate(EngineRequest("x", [5], GREEDY)))
 
 
 async def test_stop_fails_requests_in_flight(llama_dir):
@@ -123,7 +124,7 @@ async def test_stop_fails_requests_in_flight(llama_dir):
         return step()
 
     llm.step = slow_step
-    gen = eng.generate("inflight", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    gen = eng.generate(EngineRequest("inflight", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
     await anext(gen)
     await asyncio.to_thread(eng.stop)
     with pytest.raises(EngineDeadError):
@@ -136,7 +137,7 @@ async def test_the_callers_timeline_is_prepare_until_handed_over_then_queue(engi
     llm, eng = engines
     ids = llm.tokenizer.encode("The quick brown fox")
     line = Timeline(arrived=time.monotonic() - 0.25)  # the caller began a quarter second ago
-    outs = [o async for o in eng.generate("t", ids, GREEDY, timeline=line)]
+    outs = [o async for o in eng.generate(EngineRequest("t", ids, GREEDY), timeline=line)]
     assert outs[-1].timeline is line and line.finished is not None
     stages = line.stages()
     assert list(stages) == ["prepare", "queue", "plan", "prefill", "first", "decode"]
@@ -147,7 +148,7 @@ async def test_the_callers_timeline_is_prepare_until_handed_over_then_queue(engi
 async def test_an_aborted_request_leaves_its_timeline_finished(engines):
     llm, eng = engines
     line = Timeline()
-    outputs = eng.generate("gone", llm.tokenizer.encode("Tell me a story"), GREEDY, timeline=line)
+    outputs = eng.generate(EngineRequest("gone", llm.tokenizer.encode("Tell me a story"), GREEDY), timeline=line)
     await anext(outputs)
     await outputs.aclose()  # the caller walks away after its first token
     assert wait_until(lambda: line.finished is not None)

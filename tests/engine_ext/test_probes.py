@@ -14,6 +14,7 @@ from engine_ext.probes import ProbeJob, Probes
 from engine_ext.reuse.segments import ReuseScope, SegmentOutcome, TokenSegment
 from engine_ext.sampling import SamplingParams
 from tests.helpers import make_engine, wait_until
+from engine_ext.request import EngineRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SCOPE = ReuseScope("travel", "critic", tenant="acme")
@@ -45,7 +46,7 @@ def served(llama_dir):
 
 async def _run(eng: AsyncEngine, rid: str, prompt: list[int], segments: list[TokenSegment] | None,
                probe: bool) -> list[int]:
-    return [t async for o in eng.generate(rid, prompt, GREEDY, segments=segments, scope=SCOPE, probe=probe)
+    return [t async for o in eng.generate(EngineRequest(rid, prompt, GREEDY, segments=segments, scope=SCOPE, probe=probe))
             for t in o.new_token_ids]
 
 
@@ -127,7 +128,7 @@ def test_queues_and_results_are_bounded(llama_dir):
     probes = Probes(max_jobs=2, max_results=2)
     prompt = llm.tokenizer.encode("Water boils at a hundred degrees")
     for rid in ("a", "b", "c"):
-        seq = llm.add_request(rid, prompt, GREEDY, segments=[TokenSegment(0, 4, "shared_block", None, "shift")])
+        seq = llm.add_request(EngineRequest(rid, prompt, GREEDY, segments=[TokenSegment(0, 4, "shared_block", None, "shift")]))
         probes.watch(seq)
         while not seq.is_finished:
             llm.step()

@@ -11,6 +11,7 @@ from engine_ext.errors import CapacityError, ContextLengthError, InvalidRequestE
 from engine_ext.sampling import SamplingParams
 from engine_ext.scheduler import SchedulerOutput
 from tests.helpers import make_engine
+from engine_ext.request import EngineRequest
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 # No lower KV tier: these tests count steps and free blocks, and a write-through backup
@@ -65,7 +66,7 @@ def test_continuous_batching_decodes_several_requests_per_step(llama_dir, refere
     engine = make_engine(llama_dir, num_blocks=32, tiers=NO_LOWER_TIER)
     steps = record_steps(engine)
     prompts = {f"r{i}": prompt(n, i) for i, n in enumerate((10, 21, 33))}
-    seqs = {rid: engine.add_request(rid, ids, SamplingParams(max_tokens=8, **GREEDY))
+    seqs = {rid: engine.add_request(EngineRequest(rid, ids, SamplingParams(max_tokens=8, **GREEDY)))
             for rid, ids in prompts.items()}
     run_all(engine)
     # step 0 prefills all three together; then every step decodes all three at once
@@ -83,10 +84,10 @@ def test_new_prefill_joins_running_decodes_prefill_first(llama_dir, reference):
     engine = make_engine(llama_dir, num_blocks=32)
     steps = record_steps(engine)
     a, b = prompt(12, 5), prompt(25, 6)
-    sa = engine.add_request("a", a, SamplingParams(max_tokens=6, **GREEDY))
+    sa = engine.add_request(EngineRequest("a", a, SamplingParams(max_tokens=6, **GREEDY)))
     engine.step()
     engine.step()
-    sb = engine.add_request("b", b, SamplingParams(max_tokens=6, **GREEDY))
+    sb = engine.add_request(EngineRequest("b", b, SamplingParams(max_tokens=6, **GREEDY)))
     engine.step()
     assert steps[2] == [("b", 25), ("a", 1)]  # prefill chunks first, then decodes
     run_all(engine)
@@ -103,7 +104,7 @@ def test_chunked_prefill_matches_unchunked_output(llama_dir, reference, budget, 
     engine = make_engine(llama_dir, num_blocks=32, max_num_batched_tokens=budget)
     steps = record_steps(engine)
     ids = prompt(length, 40 + length)
-    seq = engine.add_request("p", ids, SamplingParams(max_tokens=7, **GREEDY))
+    seq = engine.add_request(EngineRequest("p", ids, SamplingParams(max_tokens=7, **GREEDY)))
     run_all(engine)
     chunks = [n for step in steps for rid, n in step]
     assert chunks[: len(expected_chunks)] == expected_chunks
@@ -115,9 +116,9 @@ def test_chunked_prefill_shares_the_step_budget_with_decodes(llama_dir, referenc
     engine = make_engine(llama_dir, num_blocks=32, max_num_batched_tokens=10)
     steps = record_steps(engine)
     short, long = prompt(6, 7), prompt(40, 8)
-    s1 = engine.add_request("short", short, SamplingParams(max_tokens=12, **GREEDY))
+    s1 = engine.add_request(EngineRequest("short", short, SamplingParams(max_tokens=12, **GREEDY)))
     engine.step()
-    s2 = engine.add_request("long", long, SamplingParams(max_tokens=5, **GREEDY))
+    s2 = engine.add_request(EngineRequest("long", long, SamplingParams(max_tokens=5, **GREEDY)))
     run_all(engine)
     for step in steps:
         assert sum(n for _, n in step) <= 10
@@ -134,7 +135,7 @@ def test_max_num_seqs_limits_running(llama_dir, reference):
     engine = make_engine(llama_dir, num_blocks=32, max_num_seqs=2)
     steps = record_steps(engine)
     prompts = [prompt(8, 60 + i) for i in range(4)]
-    seqs = [engine.add_request(f"q{i}", p, SamplingParams(max_tokens=4, **GREEDY))
+    seqs = [engine.add_request(EngineRequest(f"q{i}", p, SamplingParams(max_tokens=4, **GREEDY)))
             for i, p in enumerate(prompts)]
     run_all(engine)
     assert max(len(step) for step in steps) == 2
@@ -147,7 +148,7 @@ def test_preemption_under_memory_pressure_keeps_greedy_outputs(llama_dir, refere
     # three cannot run together.
     engine = make_engine(llama_dir, num_blocks=6)
     prompts = [prompt(20, 80 + i) for i in range(3)]
-    seqs = [engine.add_request(f"m{i}", p, SamplingParams(max_tokens=40, **GREEDY))
+    seqs = [engine.add_request(EngineRequest(f"m{i}", p, SamplingParams(max_tokens=40, **GREEDY)))
             for i, p in enumerate(prompts)]
     run_all(engine)
     assert sum(s.num_preemptions for s in seqs) > 0
@@ -165,7 +166,7 @@ def test_preemption_with_chunked_prefill_and_seeded_sampling(llama_dir):
     prompts = [prompt(24, 90 + i) for i in range(3)]
     solo = [solo_engine.generate(p, params).output_token_ids for p in prompts]
     engine = make_engine(llama_dir, num_blocks=5, max_num_batched_tokens=16)
-    seqs = [engine.add_request(f"s{i}", p, params) for i, p in enumerate(prompts)]
+    seqs = [engine.add_request(EngineRequest(f"s{i}", p, params)) for i, p in enumerate(prompts)]
     run_all(engine)
     assert sum(s.num_preemptions for s in seqs) > 0
     assert [s.output_token_ids for s in seqs] == solo
@@ -174,24 +175,24 @@ def test_preemption_with_chunked_prefill_and_seeded_sampling(llama_dir):
 def test_request_that_can_never_fit_raises_capacity_error(llama_dir):
     engine = make_engine(llama_dir, num_blocks=6)  # 96 tokens of KV
     with pytest.raises(CapacityError) as err:
-        engine.add_request("big", prompt(20, 1), SamplingParams(max_tokens=100))
+        engine.add_request(EngineRequest("big", prompt(20, 1), SamplingParams(max_tokens=100)))
     assert err.value.code == "kv_budget_exceeded"
     assert err.value.param == "max_tokens"
     with pytest.raises(CapacityError):  # no max_tokens and a prompt larger than the whole cache
-        engine.add_request("big2", prompt(120, 2), SamplingParams())
+        engine.add_request(EngineRequest("big2", prompt(120, 2), SamplingParams()))
     assert not engine.has_work
     # what fits exactly is accepted
-    seq = engine.add_request("fits", prompt(20, 3), SamplingParams(max_tokens=76, **GREEDY))
+    seq = engine.add_request(EngineRequest("fits", prompt(20, 3), SamplingParams(max_tokens=76, **GREEDY)))
     run_all(engine)
     assert len(seq.output_token_ids) == 76
 
 
 def test_default_max_tokens_is_bounded_by_kv_and_context(llama_dir):
     engine = make_engine(llama_dir, num_blocks=4)  # 64 tokens of KV, context 512
-    seq = engine.add_request("d", prompt(20, 4), SamplingParams(**GREEDY))
+    seq = engine.add_request(EngineRequest("d", prompt(20, 4), SamplingParams(**GREEDY)))
     assert seq.max_tokens == 44
     engine2 = make_engine(llama_dir, num_blocks=32, max_model_len=48)
-    seq2 = engine2.add_request("d", prompt(20, 4), SamplingParams(**GREEDY))
+    seq2 = engine2.add_request(EngineRequest("d", prompt(20, 4), SamplingParams(**GREEDY)))
     assert seq2.max_tokens == 28
     run_all(engine2)
     assert len(seq2.output_token_ids) == 28
@@ -202,13 +203,13 @@ def test_context_length_errors(llama_dir):
     engine = make_engine(llama_dir, num_blocks=64, max_model_len=64)
     assert engine.max_model_len == 64
     with pytest.raises(ContextLengthError) as err:
-        engine.add_request("long", prompt(64, 1), SamplingParams(max_tokens=1))
+        engine.add_request(EngineRequest("long", prompt(64, 1), SamplingParams(max_tokens=1)))
     assert err.value.code == "context_length_exceeded"
     with pytest.raises(ContextLengthError):
-        engine.add_request("long2", prompt(100, 1), SamplingParams())
+        engine.add_request(EngineRequest("long2", prompt(100, 1), SamplingParams()))
     with pytest.raises(ContextLengthError):
-        engine.add_request("sum", prompt(40, 1), SamplingParams(max_tokens=25))
-    engine.add_request("ok", prompt(40, 1), SamplingParams(max_tokens=24))
+        engine.add_request(EngineRequest("sum", prompt(40, 1), SamplingParams(max_tokens=25)))
+    engine.add_request(EngineRequest("ok", prompt(40, 1), SamplingParams(max_tokens=24)))
     # max_model_len beyond the model's positions is clamped to them
     assert make_engine(llama_dir, num_blocks=8, max_model_len=4096).max_model_len == 512
 
@@ -217,19 +218,19 @@ def test_invalid_prompts(llama_dir):
     engine = make_engine(llama_dir, num_blocks=8)
     vocab = engine.model_config.vocab_size
     with pytest.raises(InvalidRequestError):
-        engine.add_request("e", [], SamplingParams())
+        engine.add_request(EngineRequest("e", [], SamplingParams()))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("v", [1, vocab], SamplingParams(max_tokens=2))
+        engine.add_request(EngineRequest("v", [1, vocab], SamplingParams(max_tokens=2)))
     with pytest.raises(InvalidRequestError):
-        engine.add_request("n", [1, -1], SamplingParams(max_tokens=2))
+        engine.add_request(EngineRequest("n", [1, -1], SamplingParams(max_tokens=2)))
     assert not engine.has_work
 
 
 def test_abort_frees_all_blocks(llama_dir):
     engine = make_engine(llama_dir, num_blocks=16, tiers=NO_LOWER_TIER)
     pool = engine.kv.pool
-    a = engine.add_request("a", prompt(30, 1), SamplingParams(max_tokens=50, **GREEDY))
-    b = engine.add_request("b", prompt(45, 2), SamplingParams(max_tokens=50, **GREEDY))
+    a = engine.add_request(EngineRequest("a", prompt(30, 1), SamplingParams(max_tokens=50, **GREEDY)))
+    b = engine.add_request(EngineRequest("b", prompt(45, 2), SamplingParams(max_tokens=50, **GREEDY)))
     for _ in range(5):
         engine.step()
     assert pool.num_free < pool.num_blocks
@@ -247,8 +248,8 @@ def test_abort_frees_all_blocks(llama_dir):
 def test_abort_waiting_and_mid_prefill_requests(llama_dir):
     engine = make_engine(llama_dir, num_blocks=16, max_num_batched_tokens=8, max_num_seqs=1)
     pool = engine.kv.pool
-    a = engine.add_request("a", prompt(30, 1), SamplingParams(max_tokens=5, **GREEDY))
-    w = engine.add_request("w", prompt(10, 2), SamplingParams(max_tokens=5, **GREEDY))
+    a = engine.add_request(EngineRequest("a", prompt(30, 1), SamplingParams(max_tokens=5, **GREEDY)))
+    w = engine.add_request(EngineRequest("w", prompt(10, 2), SamplingParams(max_tokens=5, **GREEDY)))
     engine.step()  # a: first prefill chunk; w waits
     assert 0 < a.num_computed_tokens < 30
     assert engine.abort("w")
@@ -302,7 +303,7 @@ def test_block_size_does_not_change_outputs(llama_dir, reference, block_size):
     engine = make_engine(llama_dir, num_blocks=48 * 16 // block_size, block_size=block_size,
                          max_num_batched_tokens=24)
     prompts = [prompt(n, 120 + n) for n in (5, 23, 40)]
-    seqs = [engine.add_request(f"b{i}", p, SamplingParams(max_tokens=9, **GREEDY)) for i, p in enumerate(prompts)]
+    seqs = [engine.add_request(EngineRequest(f"b{i}", p, SamplingParams(max_tokens=9, **GREEDY))) for i, p in enumerate(prompts)]
     run_all(engine)
     for p, s in zip(prompts, seqs):
         assert s.output_token_ids == reference(p, 9)

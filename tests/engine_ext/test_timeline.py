@@ -15,6 +15,7 @@ from engine_ext.reuse.segments import TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.timeline import PrefillRate, PrefixShadow, breakdown
 from tests.helpers import kv_bytes, make_engine
+from engine_ext.request import EngineRequest
 
 
 def tokens(n: int, seed: int) -> list[int]:
@@ -37,8 +38,8 @@ def test_stages_are_contiguous_and_add_up_to_the_ttft(llama_dir):
 
 def test_a_request_that_waits_for_room_shows_it_as_queue(llama_dir):
     eng = make_engine(llama_dir, 64, max_num_seqs=1)
-    first = eng.add_request("a", tokens(30, 1), SamplingParams(max_tokens=3, temperature=0.0))
-    second = eng.add_request("b", tokens(30, 2), SamplingParams(max_tokens=3, temperature=0.0))
+    first = eng.add_request(EngineRequest("a", tokens(30, 1), SamplingParams(max_tokens=3, temperature=0.0)))
+    second = eng.add_request(EngineRequest("b", tokens(30, 2), SamplingParams(max_tokens=3, temperature=0.0)))
     while eng.has_work:
         eng.step()
     assert second.timeline.admitted >= first.timeline.finished
@@ -47,9 +48,9 @@ def test_a_request_that_waits_for_room_shows_it_as_queue(llama_dir):
 
 def test_chunked_prefill_splits_into_compute_steps_and_the_wait_between(llama_dir):
     eng = make_engine(llama_dir, 64, max_num_batched_tokens=16)
-    other = eng.add_request("other", tokens(10, 9), SamplingParams(max_tokens=8, temperature=0.0))
+    other = eng.add_request(EngineRequest("other", tokens(10, 9), SamplingParams(max_tokens=8, temperature=0.0)))
     eng.step()  # `other` is decoding while the long prompt is chunked
-    seq = eng.add_request("long", tokens(40, 3), SamplingParams(max_tokens=1, temperature=0.0))
+    seq = eng.add_request(EngineRequest("long", tokens(40, 3), SamplingParams(max_tokens=1, temperature=0.0)))
     while eng.has_work:
         eng.step()
     line = seq.timeline
@@ -66,13 +67,13 @@ def test_the_prefill_rate_learns_from_dense_prefill_steps_alone(llama_dir, monke
     eng = make_engine(llama_dir, 64)
     observed: list[list[tuple[int, int]]] = []
     monkeypatch.setattr(eng.prefill_rate, "observe", lambda chunks, s: observed.append(chunks))
-    eng.add_request("a", tokens(30, 1), SamplingParams(max_tokens=4, temperature=0.0))
+    eng.add_request(EngineRequest("a", tokens(30, 1), SamplingParams(max_tokens=4, temperature=0.0)))
     eng.step()  # a's prefill alone
-    eng.add_request("b", tokens(20, 2), SamplingParams(max_tokens=1, temperature=0.0))
+    eng.add_request(EngineRequest("b", tokens(20, 2), SamplingParams(max_tokens=1, temperature=0.0)))
     eng.step()  # b's prefill with a's decode row: the decode would slow the sample
     while eng.has_work:
         eng.step()  # a decodes alone
-    eng.add_request("c", tokens(30, 1) + tokens(20, 3), SamplingParams(max_tokens=1, temperature=0.0))
+    eng.add_request(EngineRequest("c", tokens(30, 1) + tokens(20, 3), SamplingParams(max_tokens=1, temperature=0.0)))
     eng.step()  # c's prefill after a prefix hit: a's first block
     assert observed == [[(30, 0)], [(34, 16)]]  # (tokens computed, tokens cached before them)
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+from engine_ext.request import EngineRequest
 
 HERE = Path(__file__).resolve().parent
 CACHE_FILE = HERE / "model_outputs.json"
@@ -231,7 +232,7 @@ class ModelAnswers:
                 max_tokens=MAX_TOKENS, temperature=SAMPLED_ATTEMPTS[attempt - 1], top_p=0.95, seed=int(key[:8], 16))
             rendered = engine.tokenizer.render_chat([{"role": m["role"], "content": m.get("content") or ""}
                                                      for m in messages])
-            running[key] = engine.add_request(key, engine.tokenizer.encode(rendered), params)
+            running[key] = engine.add_request(EngineRequest(key, engine.tokenizer.encode(rendered), params))
         while any(not seq.is_finished for seq in running.values()):
             engine.step()
         for key, seq in running.items():

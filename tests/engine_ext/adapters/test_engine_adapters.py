@@ -20,6 +20,7 @@ from engine_ext.model import AttentionMetadata, load_model
 from engine_ext.sampling import SamplingParams
 from tests.engine_ext.adapters.test_rows import _merged
 from tests.helpers import kv_bytes
+from engine_ext.request import EngineRequest
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7, 12, 64, 3, 28, 19, 77, 8, 50, 11, 23, 6, 44]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -123,7 +124,7 @@ def test_icarus_adapters_share_the_history_and_multi_lora_ones_do_not(model_dir,
 def test_an_unknown_adapter_is_refused(model_dir):
     engine = _engine(model_dir)
     with pytest.raises(InvalidRequestError, match="unknown adapter 'nope'"):
-        engine.add_request("r", PROMPT, GREEDY, adapter="nope")
+        engine.add_request(EngineRequest("r", PROMPT, GREEDY, adapter="nope"))
 
 
 def test_the_server_selects_an_adapter_by_model_name(model_dir, tmp_path, run_server):
@@ -198,7 +199,7 @@ def test_mixed_batches_chunked_prefills_and_preemption_change_no_answer(model_di
     expected = [alone.generate(p, sampling, adapter=a).output_token_ids for p, a in zip(prompts, adapters)]
     tight = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=kv_bytes(16), max_num_batched_tokens=32,
                                               reuse=ReuseConfig(enabled=False), adapters=specs))
-    seqs = [tight.add_request(f"r{i}", p, sampling, adapter=a) for i, (p, a) in enumerate(zip(prompts, adapters))]
+    seqs = [tight.add_request(EngineRequest(f"r{i}", p, sampling, adapter=a)) for i, (p, a) in enumerate(zip(prompts, adapters))]
     while tight.has_work:
         tight.step()
     assert sum(s.num_preemptions for s in seqs) > 0

@@ -13,6 +13,7 @@ from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence
 from tests.helpers import kv_bytes
+from engine_ext.request import EngineRequest
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 SEPARATOR = [7, 8]
@@ -68,8 +69,8 @@ class Round(NamedTuple):
             ids, segments = self.prompt(i, method)
             info = RoundInfo(id=round_id, size=size or len(agents), index=i) if round_id else None
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-            seq = eng.add_request(f"agent{i}-{round_id}-{len(seqs)}", ids, sampling, segments=segments,
-                                  scope=ReuseScope("app", f"agent{i}", info), publish=publish)
+            seq = eng.add_request(EngineRequest(f"agent{i}-{round_id}-{len(seqs)}", ids, sampling, segments=segments,
+                                  scope=ReuseScope("app", f"agent{i}", info), publish=publish))
             seq.logits = [] if record_logits else None
             seqs.append(seq)
         return seqs

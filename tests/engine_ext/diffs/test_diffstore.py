@@ -12,6 +12,7 @@ from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope
 from engine_ext.sampling import SamplingParams
 from tests.engine_ext.collective.round_support import Round, engine, run_all, tokens
+from engine_ext.request import EngineRequest
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +156,13 @@ def test_a_prompt_extending_a_stored_round_prompt_is_restored(deep_llama):
     ids, segments = rnd.prompt(1)
     extended = ids + tokens(5, 42)
     seq = eng.generate(extended, SamplingParams(max_tokens=2, temperature=0.0), segments=segments, publish=False)
-    assert eng.scheduler.restorer.num_restores == 1
+    assert eng.lifecycle.restorer.num_restores == 1
     assert seq.num_cached_tokens == len(ids)
     assert all(o.method == "restored" and o.num_reused == o.segment.num_tokens for o in seq.reuse_outcomes)
     (restore,) = seq.timeline.assembly["diff_restore"]  # timed at admission, as part of the prefill
     assert 0 < restore.num_tokens <= len(ids) and seq.timeline.stages()["prefill"].holds(restore)
     # Restored KV is the agent's own round KV, bit for bit (checked on a rerun that stops after prefill).
-    again = eng.add_request("again", extended, SamplingParams(max_tokens=2), segments=segments, publish=False)
+    again = eng.add_request(EngineRequest("again", extended, SamplingParams(max_tokens=2), segments=segments, publish=False))
     eng.step()
     region = eng.diff_store.read(ids).region_start
     restored = _kv(eng, eng.kv.slots(again, len(ids))[region:])
@@ -185,7 +186,7 @@ def test_plans_asking_for_exact_reuse_are_not_restored(deep_llama):
     ids, segments = rnd.prompt(0, method="dense")
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
     eng.generate(ids + [5, 7], SamplingParams(max_tokens=1), publish=False)  # no plan at all
-    assert eng.scheduler.restorer.num_restores == 0
+    assert eng.lifecycle.restorer.num_restores == 0
     assert eng.diff_store.read(ids) is not None  # it was there to restore
 
 
@@ -204,10 +205,10 @@ def test_an_evicted_master_takes_its_mirrors_with_it(deep_llama):
 
 def test_a_segment_asking_for_the_default_dense_method_is_not_restored(deep_llama):
     eng, rnd = _stored_round(deep_llama)
-    eng.scheduler.restorer.default_method = "dense"  # as if the engine ran with --reuse-method dense
+    eng.lifecycle.restorer.default_method = "dense"  # as if the engine ran with --reuse-method dense
     ids, segments = rnd.prompt(1, method=None)
     eng.generate(ids + [5, 6], SamplingParams(max_tokens=1), segments=segments, publish=False)
-    assert eng.scheduler.restorer.num_restores == 0 and eng.diff_store.read(ids) is not None
+    assert eng.lifecycle.restorer.num_restores == 0 and eng.diff_store.read(ids) is not None
 
 
 def test_rounds_under_memory_pressure_never_leak_or_fail(deep_llama):
@@ -221,15 +222,15 @@ def test_rounds_under_memory_pressure_never_leak_or_fail(deep_llama):
         seqs = []
         for i, (ids, segments) in enumerate(prompts):
             info = RoundInfo(id=f"turn-{turn}", size=3, index=i)
-            seqs.append(eng.add_request(f"t{turn}-{i}", ids, SamplingParams(max_tokens=6, temperature=0.0),
-                                        segments=segments, scope=ReuseScope("app", f"agent{i}", info)))
+            seqs.append(eng.add_request(EngineRequest(f"t{turn}-{i}", ids, SamplingParams(max_tokens=6, temperature=0.0),
+                                        segments=segments, scope=ReuseScope("app", f"agent{i}", info))))
         run_all(eng)
         assert all(s.is_finished and s.finish_reason == "length" for s in seqs)
         assert eng.kv.pool.num_free == eng.kv.pool.num_blocks  # nothing pinned between turns
         # Each agent's next prompt extends its last one: its own round cache is restored.
         prompts = [(s.token_ids + tokens(4, 10 * turn + i), segments)
                    for i, (s, (_, segments)) in enumerate(zip(seqs, prompts))]
-    assert eng.scheduler.restorer.num_restores > 0 and eng.kv.pool.num_evictions > 0
+    assert eng.lifecycle.restorer.num_restores > 0 and eng.kv.pool.num_evictions > 0
 
 
 def test_each_turn_is_stored_so_the_next_restores_all_of_it(deep_llama):
@@ -247,7 +248,7 @@ def test_each_turn_is_stored_so_the_next_restores_all_of_it(deep_llama):
     stored = store._stored[store._key(turn1)]
     assert type(stored).__name__ == "StoredMirror" and stored.master is master
     assert stored.diff.num_tokens < len(turn1) - stored.region_start  # the restored part is the master's
-    assert eng.scheduler.restorer.num_restores == 2
+    assert eng.lifecycle.restorer.num_restores == 2
 
 
 def test_a_tenant_neither_restores_nor_mirrors_another_tenants_round(deep_llama):

@@ -15,6 +15,7 @@ from engine_ext.kv.blobs import Blob
 from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from tests.helpers import kv_bytes
+from engine_ext.request import EngineRequest
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0)
 SCOPE_A = ReuseScope("app", "agent-a")
@@ -60,7 +61,7 @@ def produce(eng: LLMEngine, sample: list[int], seed: int = 99) -> None:
 def prefill_kv(eng: LLMEngine, ids, segments=None, scope=None):
     """Prefill one request and return (its K/V per layer at every prompt position, its seq)."""
     two = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)  # still running after the prefill
-    seq = eng.add_request(f"r{random.random()}", ids, two, segments=segments, publish=False, scope=scope)
+    seq = eng.add_request(EngineRequest(f"r{random.random()}", ids, two, segments=segments, publish=False, scope=scope))
     seq.logits = []
     while seq.num_computed_tokens < len(ids):
         eng.step()

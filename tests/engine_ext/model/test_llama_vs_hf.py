@@ -18,6 +18,7 @@ from engine_ext.kv.cache import KVCache
 from engine_ext.model import AttentionMetadata, load_model
 from engine_ext.sampling import SamplingParams
 from tests.helpers import make_engine
+from engine_ext.request import EngineRequest
 
 TOL = 1e-4
 
@@ -249,7 +250,7 @@ def test_engine_batched_requests_match_hf(tiny_model_dir):
     engine = make_engine(model_dir, num_blocks=32)
     prompts = [token_ids(n, engine.model_config.vocab_size, 30 + n) for n in (3, 19, 34)]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(f"r{i}", p, params) for i, p in enumerate(prompts)]
+    seqs = [engine.add_request(EngineRequest(f"r{i}", p, params)) for i, p in enumerate(prompts)]
     while engine.has_work:
         engine.step()
     for seq in seqs:

@@ -122,10 +122,10 @@ def test_an_unexpected_failure_in_one_request_fails_only_that_request(srv, monke
     request with an OpenAI 500 body; the engine thread goes on serving."""
     real = srv.llm.add_request
 
-    def add_request(request_id, prompt_token_ids, *args, **kwargs):
-        if len(prompt_token_ids) and prompt_token_ids[-1] == 7 and len(prompt_token_ids) == 3:
+    def add_request(request, *args, **kwargs):
+        if request.prompt_token_ids[-1:] == [7] and len(request.prompt_token_ids) == 3:
             raise RuntimeError("boom")
-        return real(request_id, prompt_token_ids, *args, **kwargs)
+        return real(request, *args, **kwargs)
 
     monkeypatch.setattr(srv.llm, "add_request", add_request)
     with httpx.Client(base_url=srv.base_url, timeout=30) as http:

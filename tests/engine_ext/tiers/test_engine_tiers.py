@@ -18,6 +18,7 @@ from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence, SequenceStatus
 from tests.engine_ext.tiers import ring
 from tests.helpers import TINY_BLOCK_BYTES, make_engine
+from engine_ext.request import EngineRequest
 
 BS = 16
 AGENTS = ("planner", "coder", "tester", "reviewer")
@@ -151,8 +152,8 @@ def _prefetching_engine(model: Path, **extra) -> LLMEngine:
 def test_a_request_whose_prefix_is_loading_waits_while_ready_ones_run(model, reference, gate):
     engine = _prefetching_engine(model)
     assert engine.tiers.num_loads_in_flight == 1  # the tester's prefix, held at the gate
-    tester = engine.add_request("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2))
-    ready = engine.add_request("other", _prompt(3, 2)[-20:], SAMPLING)
+    tester = engine.add_request(EngineRequest("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2)))
+    ready = engine.add_request(EngineRequest("other", _prompt(3, 2)[-20:], SAMPLING))
     engine.step()
     assert tester.status is SequenceStatus.WAITING and ready.status is SequenceStatus.RUNNING
     gate.set()
@@ -165,7 +166,7 @@ def test_a_request_whose_prefix_is_loading_waits_while_ready_ones_run(model, ref
 
 def test_no_request_waits_past_the_bound_on_a_load(model, reference, gate):
     engine = _prefetching_engine(model, max_load_wait_ms=30.0)
-    tester = engine.add_request("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2))
+    tester = engine.add_request(EngineRequest("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2)))
     while not tester.is_finished:
         engine.step()
     assert not gate.is_set()  # it never arrived: the prefix was recomputed
@@ -182,7 +183,7 @@ def test_a_failed_load_is_recomputed_densely(model, reference, monkeypatch):
 
     monkeypatch.setattr(store_module, "tier_to_device", broken)
     engine = _prefetching_engine(model)
-    tester = engine.add_request("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2))
+    tester = engine.add_request(EngineRequest("tester", _prompt(2, 2), SAMPLING, segments=_segments(2, 2), scope=_scope(2)))
     while not tester.is_finished:
         engine.step()
     assert engine.tiers.stats.num_failed == 1
@@ -192,7 +193,7 @@ def test_a_failed_load_is_recomputed_densely(model, reference, monkeypatch):
 
 def test_blocks_being_offloaded_are_never_evicted(model):
     engine = _engine(model, 32, policy="lru", host_bytes=64 * TINY_BLOCK_BYTES)
-    seq = engine.add_request("r", _prompt(0, 0), SAMPLING)
+    seq = engine.add_request(EngineRequest("r", _prompt(0, 0), SAMPLING))
     engine.step()  # prefill: its full blocks are published and their backup starts
     pinned = [b for b in seq.blocks if b.block_hash is not None]
     assert pinned and all(b.ref_count == 2 for b in pinned)  # the sequence and the backup
@@ -235,8 +236,8 @@ def test_concurrent_prefetches_are_bounded_and_every_branch_is_loaded(model, gat
     # The planner runs; coder and tester are both possible next agents (a conditional branch).
     branch = WorkflowInfo(steps_to_execution={"planner": 0, "coder": 1, "tester": 1, "reviewer": 2},
                           next=["coder", "tester"])
-    engine.add_request("p", _prompt(0, 1), SAMPLING, segments=_segments(0, 1),
-                       scope=ReuseScope("app", "planner", None, branch))
+    engine.add_request(EngineRequest("p", _prompt(0, 1), SAMPLING, segments=_segments(0, 1),
+                       scope=ReuseScope("app", "planner", None, branch)))
     engine.step()
     assert engine.tiers.num_loads_in_flight == 1  # the bound
     gate.set()
@@ -268,8 +269,8 @@ def test_an_idle_engine_starts_the_next_prefetch_when_a_load_lands(model, gate, 
     monkeypatch.setattr(engine.tiers, "poll", land_while_idle)
     branch = WorkflowInfo(steps_to_execution={"planner": 0, "coder": 1, "tester": 1, "reviewer": 2},
                           next=["coder", "tester"])
-    engine.add_request("p", _prompt(0, 1), SAMPLING, segments=_segments(0, 1),
-                       scope=ReuseScope("app", "planner", None, branch))
+    engine.add_request(EngineRequest("p", _prompt(0, 1), SAMPLING, segments=_segments(0, 1),
+                       scope=ReuseScope("app", "planner", None, branch)))
     while engine.has_work:
         engine.step()
     assert gate.is_set()
