@@ -170,10 +170,10 @@ def up(
 
     _setup_logging(log_level)
     llm = _build_engine(settings)
-    settings = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
-    gateway_app = _build_gateway_app(settings)
-    secret = settings.plan_secret
-    seal = PlanSeal(secret.get_secret_value(), settings.plan_max_age_s) if secret is not None else None
+    front = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
+    gateway_app = _build_gateway_app(front)
+    secret = front.plan_secret
+    seal = PlanSeal(secret.get_secret_value(), front.plan_max_age_s) if secret is not None else None
     engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, settings.generic_tool_auto),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,

@@ -31,6 +31,7 @@ import pytest
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.request import EngineRequest
 from gateway.settings import Timeouts
 
 pytestmark = pytest.mark.slow
@@ -104,10 +105,10 @@ def test_the_prefix_caching_estimate_matches_a_measured_replay_with_reuse_off(sm
     add_request = reuse_on.add_request
     lock = threading.Lock()
 
-    def recording(request_id: str, prompt_token_ids: list[int], *args: Any, **kwargs: Any) -> Any:
+    def recording(request: EngineRequest, *args: Any, **kwargs: Any) -> Any:
         with lock:
-            received.append(list(prompt_token_ids))
-        return add_request(request_id, prompt_token_ids, *args, **kwargs)
+            received.append(list(request.prompt_token_ids))
+        return add_request(request, *args, **kwargs)
 
     reuse_on.add_request = recording  # type: ignore[method-assign]
     reuse_off = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=KV_BYTES, reuse=ReuseConfig(enabled=False)),
