@@ -119,7 +119,10 @@ def _wall_ttft(members: list[dict[str, Any]]) -> float | None:
                                        for r in members if r["engine"]]
     if not ends:
         return None
-    return max(start + ttft for start, ttft in ends) - min(start for start, _ in ends)
+    first = min(start for start, _ in ends)
+    # Offsets from the first start, then the TTFT: at epoch magnitudes `start + ttft - first`
+    # rounds by ~1e-7 s, and could come out under the member's own TTFT.
+    return max((start - first) + ttft for start, ttft in ends)
 
 
 def _stage_sums(members: list[dict[str, Any]]) -> dict[str, float]:
