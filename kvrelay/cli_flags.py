@@ -33,8 +33,6 @@ def _option_type(annotation: Any) -> Any:
     """The type typer parses a field's flag as: its scalar type, optional; a list for a
     list field; a Literal's choices are checked by the settings, so it parses as str."""
     args = [a for a in get_args(annotation) if a is not type(None)]
-    if get_origin(annotation) is Annotated:
-        return _option_type(args[0])
     if get_origin(annotation) is Literal:
         return Optional[str]
     if get_origin(annotation) is list:
