@@ -21,6 +21,8 @@ class ConnectorConfig:
     load_ahead: int = 2  # KVFlow: prefetch the prefixes of agents at most this many steps away
     max_promotions_per_step: int = 8  # disk -> host moves started per scheduler step
     workflow_idle_s: float = 600.0  # an app silent this long stops holding its prefixes
+    async_loads: bool = True  # a request waits for its blocks without holding up the others' steps
+    device_order: bool = True  # KVFlow's order over vLLM's own free queue (engine_ext/vllm/device.py)
     private_host_dir: bool = False  # host_dir is this engine's own (the default): removed at shutdown
 
     def __post_init__(self) -> None:
@@ -52,7 +54,7 @@ class ConnectorConfig:
 
 
 def _coerce(key: str, annotation: str, value: Any) -> Any:
-    kinds = {"str": str, "float": (int, float), "int": int}
-    if isinstance(value, bool) or not isinstance(value, kinds[annotation]):
+    kinds = {"str": str, "float": (int, float), "int": int, "bool": bool}
+    if (isinstance(value, bool) and annotation != "bool") or not isinstance(value, kinds[annotation]):
         raise ValueError(f"kvrelay connector: {key} must be a {annotation}, got {value!r}")
     return float(value) if annotation == "float" else value

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -93,12 +94,16 @@ class KvrelayConnector(KVConnectorBase_V1):
         if not _tokens_alone_decide_kv(request):
             return 0, False
         num = self._planner.num_matched_tokens(request.request_id, request.prompt_token_ids or [],
-                                               request.kv_transfer_params, num_computed_tokens)
-        return num, False
+                                               request.kv_transfer_params, num_computed_tokens,
+                                               request.block_hashes)
+        return num, num > 0 and self.config.async_loads
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         sources = self._planner.hit_sources(request.request_id)
         return {CacheHitSource.HOST if tier == "host" else CacheHitSource.DISK: n for tier, n in sources.items()}
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self._planner.device.bind(gpu_block_pool)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._planner.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
@@ -131,8 +136,19 @@ class KvrelayConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        if isinstance(metadata, KvrelayMetadata) and metadata.plan.loads:
+        if not isinstance(metadata, KvrelayMetadata) or not metadata.plan.loads:
+            return
+        if self.config.async_loads:
+            self._copier.load_async(metadata.plan.loads)
+        else:
             self._failed_blocks |= self._copier.load(metadata.plan.loads)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose asynchronous loads are done; their failed blocks go out in the
+        same step (get_block_ids_with_load_errors is asked right after)."""
+        done, failed = self._copier.finished_loads()
+        self._failed_blocks |= failed
+        return None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loaded every layer."""

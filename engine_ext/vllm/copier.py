@@ -1,7 +1,11 @@
 """BlockCopier: the worker-side half of the connector (vLLM's Worker process).
 
-It carries out a StepPlan against vLLM's paged KV cache. Loads run before the forward
-and are waited for (vLLM reads those blocks in the same step). Saves copy the blocks
+It carries out a StepPlan against vLLM's paged KV cache. Loads are asynchronous by
+default (`load_async`): the request waits in vLLM's WAITING_FOR_REMOTE_KVS state while
+its blocks are read, copied into its own blocks (which no other request reads) by the
+background thread, and reported done through `finished_loads`; other requests keep
+running meanwhile. Synchronous loads (`load`) run before the forward and are waited for
+(vLLM reads those blocks in the same step). Saves copy the blocks
 out of vLLM's cache at once (the blocks may be reused by the next step) and leave the
 file writes to one background thread, which also runs the moves between tiers; that one
 thread runs everything in the order the scheduler issued it, and loads go through it
@@ -38,6 +42,7 @@ class BlockCopier:
         self._block_dim = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-kv-files")
         self._failed_requests: OrderedDict[str, None] = OrderedDict()  # bounded: the newest failures
+        self._loading: dict[str, list[tuple[BlockLoad, Future[None]]]] = {}  # asynchronous loads per request
         self.num_loaded = 0
         self.num_saved = 0
 
@@ -68,16 +73,36 @@ class BlockCopier:
             try:
                 data = future.result()  # (L, *block)
             except BlockFileError as exc:
-                log.warning("kvrelay connector: recomputing a block: %s", exc)
+                self._load_failed(load, exc)
                 failed.add(load.block_id)
-                self._failed_requests[load.request_id] = None
-                if len(self._failed_requests) > MAX_FAILED_REQUESTS:
-                    self._failed_requests.popitem(last=False)
                 continue
-            for layer, block in zip(self._layers, data, strict=True):
-                layer.select(self._block_dim, load.block_id).copy_(block)
-            self.num_loaded += 1
+            self._place(load, data)
         return failed
+
+    def load_async(self, loads: list[BlockLoad]) -> None:
+        """Start loading blocks into vLLM's cache in the background (after every write
+        and move issued before them); `finished_loads` says when each request's are done."""
+        for load in loads:
+            self._loading.setdefault(load.request_id, []).append(
+                (load, self._executor.submit(self._load_one, load)))
+
+    def finished_loads(self) -> tuple[set[str], set[int]]:
+        """(requests whose asynchronous loads are all done, vLLM block ids that failed among them).
+        vLLM needs a request's failed blocks no later than the step that reports it done."""
+        done: set[str] = set()
+        failed: set[int] = set()
+        for request_id, pending in list(self._loading.items()):
+            if not all(future.done() for _, future in pending):
+                continue
+            for load, future in pending:
+                exc = future.exception()
+                if exc is not None:
+                    if not isinstance(exc, BlockFileError):
+                        log.warning("kvrelay connector: recomputing a block after an unexpected error: %r", exc)
+                    failed.add(load.block_id)
+            done.add(request_id)
+            del self._loading[request_id]
+        return done, failed
 
     def save_and_move(self, ops: list[FileOp]) -> None:
         """Copy the saved blocks out now; write them and run the moves in the background."""
@@ -104,6 +129,27 @@ class BlockCopier:
 
     def _read(self, load: BlockLoad) -> torch.Tensor:
         return self.tiers[load.tier].read(load.block_hash, self.block_shape, self._layers[0].dtype)
+
+    def _load_one(self, load: BlockLoad) -> None:
+        """Background thread: one block into vLLM's cache. The block belongs to a request
+        that waits for it, so no forward reads it meanwhile."""
+        try:
+            data = self._read(load)
+        except BlockFileError as exc:
+            self._load_failed(load, exc)
+            raise
+        self._place(load, data)
+
+    def _place(self, load: BlockLoad, data: torch.Tensor) -> None:
+        for layer, block in zip(self._layers, data, strict=True):  # data: (L, *block)
+            layer.select(self._block_dim, load.block_id).copy_(block)
+        self.num_loaded += 1
+
+    def _load_failed(self, load: BlockLoad, exc: BlockFileError) -> None:
+        log.warning("kvrelay connector: recomputing a block: %s", exc)
+        self._failed_requests[load.request_id] = None
+        if len(self._failed_requests) > MAX_FAILED_REQUESTS:
+            self._failed_requests.popitem(last=False)
 
     def _write(self, op: BlockSave, data: torch.Tensor) -> None:
         self.tiers[op.tier].write(op.block_hash, data)

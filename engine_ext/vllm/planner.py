@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -28,6 +28,7 @@ from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, read_plan
 from engine_ext.tiers.policy import WorkflowPolicy
 from engine_ext.tiers.workflow import AgentKey, WorkflowTable
 from engine_ext.vllm.config import ConnectorConfig
+from engine_ext.vllm.device import DeviceOrder
 from engine_ext.vllm.index import BlockLoad, FileOp, TierIndex, TierName
 from engine_ext.vllm.locator import PrefixLocator
 
@@ -83,6 +84,8 @@ class ConnectorPlanner:
         self.table = WorkflowTable(config.workflow_idle_s)
         self.policy = WorkflowPolicy(self.table)
         self.index = TierIndex(num_host_blocks, num_disk_blocks, self.policy)
+        self.device = DeviceOrder(self.table)  # bound to vLLM's BlockPool by the connector
+        self._reorder_due = False  # a request finished: its blocks reach vLLM's free queue after the step
         self.stats = PlannerStats()
         self._requests: dict[str, PlannedRequest] = {}
         self._loads: list[BlockLoad] = []  # allocated since the last step
@@ -92,12 +95,16 @@ class ConnectorPlanner:
         self._recent_loads: deque[dict[int, BlockLoad]] = deque(maxlen=4)
 
     def num_matched_tokens(self, request_id: str, token_ids: Sequence[int], params: dict[str, Any] | None,
-                           num_computed_tokens: int) -> int:
+                           num_computed_tokens: int, device_hashes: Sequence[Hashable] = ()) -> int:
         """Prompt tokens past `num_computed_tokens` (vLLM's own hits, block-aligned) whose
-        KV the tiers hold, in whole blocks, never the last prompt token."""
+        KV the tiers hold, in whole blocks, never the last prompt token. `device_hashes`:
+        vLLM's own hashes of the prompt's full blocks (for DeviceOrder)."""
+        if self._reorder_due and self.config.device_order:  # before vLLM allocates for this step
+            self._reorder_due = False
+            self.device.reorder()
         state = self._requests.get(request_id)
         if state is None:
-            state = self._admit(request_id, list(token_ids), params)
+            state = self._admit(request_id, list(token_ids), params, device_hashes)
         if state is None or state.failed:
             return 0
         num_hits = num_computed_tokens // self.block_size  # vLLM holds these itself
@@ -141,6 +148,8 @@ class ConnectorPlanner:
                 state.block_ids = list(item.block_ids) if item.replace else state.block_ids + list(item.block_ids)
             ops += self._settle(item.request_id, state, item.num_computed_tokens + item.num_scheduled_tokens)
         ops += self._prefetch()
+        if self.config.device_order:
+            self.device.reorder()
         loads, self._loads = self._loads, []
         self._recent_loads.append({load.block_id: load for load in loads})
         self.stats.num_loaded_blocks += len(loads)
@@ -150,6 +159,7 @@ class ConnectorPlanner:
         state = self._requests.pop(request_id, None)
         if state is not None and state.agent is not None:
             self.table.finished(state.agent, state.session)
+            self._reorder_due = True
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not read these blocks and vLLM recomputes them. Their files go,
@@ -168,7 +178,8 @@ class ConnectorPlanner:
                     for block_hash in state.saved:
                         self._deletes += self.index.drop(block_hash)
 
-    def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None) -> PlannedRequest | None:
+    def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None,
+               device_hashes: Sequence[Hashable]) -> PlannedRequest | None:
         plan = _read_plan(request_id, params, self.seal)
         if plan is None:
             return None
@@ -181,6 +192,7 @@ class ConnectorPlanner:
         if agent is not None:
             steps = plan.workflow.steps_to_execution if plan.workflow is not None else None
             self.table.observe(agent, prefix or None, steps, plan.session_id)
+            self.device.observe(agent, device_hashes[:num_prefix])
         state = PlannedRequest(agent, hashes, prefix, plan.session_id)
         self._requests[request_id] = state
         self.stats.num_requests += 1

@@ -13,6 +13,8 @@ def test_defaults_are_per_engine_and_values_are_coerced():
     assert config.private_host_dir
     chosen = ConnectorConfig.from_extra({"host_mb": 64, "load_ahead": 1, "host_dir": "/dev/shm/mine"}, "e1")
     assert chosen.host_mb == 64.0 and not chosen.private_host_dir
+    assert config.async_loads and config.device_order  # both on by default
+    assert not ConnectorConfig.from_extra({"async_loads": False}, "e1").async_loads
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -21,6 +23,8 @@ def test_defaults_are_per_engine_and_values_are_coerced():
     ({"host_mb": "big"}, "host_mb must be a float"),
     ({"load_ahead": 1.5}, "load_ahead must be a int"),
     ({"load_ahead": True}, "load_ahead must be a int"),
+    ({"async_loads": "no"}, "async_loads must be a bool"),
+    ({"device_order": 0}, "device_order must be a bool"),
     ({"host_mb": 0, "disk_mb": 0}, "no tier"),
     ({"disk_mb": -1}, "must be >= 0"),
     ({"load_ahead": -1}, "must be >= 0"),

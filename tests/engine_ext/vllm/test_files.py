@@ -92,3 +92,37 @@ def test_a_request_whose_load_failed_saves_nothing_more(tiers):
     copier.drain()
     assert not tiers["host"].path(h(2)).exists() and tiers["host"].path(h(3)).exists()
     copier.close()
+
+
+def test_asynchronous_loads_report_each_request_once_with_its_failed_blocks(tiers):
+    source, target = caches("cpu", 0), caches("cpu", 1)
+    saver, loader = BlockCopier(tiers), BlockCopier(tiers)
+    saver.register(source, NUM_BLOCKS)
+    loader.register(target, NUM_BLOCKS)
+    saver.save_and_move([BlockSave(h(1), "host", 2, "w"), BlockSave(h(2), "host", 3, "w")])
+    saver.drain()
+    before = target["layer0"].clone()
+    loader.load_async([BlockLoad(h(1), "host", 0, "ok"), BlockLoad(h(2), "host", 1, "ok"),
+                       BlockLoad(h(1), "host", 4, "half"), BlockLoad(h(7), "disk", 5, "half")])
+    loader.drain()  # the loads ran on the copier's thread, behind nothing else
+    done, failed = loader.finished_loads()
+    assert done == {"ok", "half"} and failed == {5}
+    assert loader.finished_loads() == (set(), set())  # reported once
+    for name in source:
+        assert torch.equal(target[name][0], source[name][2]) and torch.equal(target[name][1], source[name][3])
+        assert torch.equal(target[name][4], source[name][2])
+    assert torch.equal(target["layer0"][5], before[5])  # a failed block is left as it was, and recomputed
+    saver.close()
+    loader.close()
+
+
+def test_an_asynchronous_load_waits_for_the_write_issued_before_it(tiers):
+    source = caches("cpu", 0)
+    copier = BlockCopier(tiers)
+    copier.register(source, NUM_BLOCKS)
+    copier.save_and_move([BlockSave(h(1), "host", 2, "w"), BlockMove(h(1), "host", "disk")])
+    copier.load_async([BlockLoad(h(1), "disk", 5, "r")])  # no drain in between
+    copier.drain()
+    assert copier.finished_loads() == ({"r"}, set())
+    assert torch.equal(source["layer1"][5], source["layer1"][2])
+    copier.close()

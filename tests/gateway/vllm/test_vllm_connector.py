@@ -1,18 +1,21 @@
 """The kvrelay connector inside real vLLM replicas: a fixed prefix that vLLM's own cache
 lost is loaded from the connector's tiers (cached tokens prove it, the answer matches a
-recomputed one), a damaged block file is recomputed, and the gateway's own plans drive
-it end to end. Each replica's KV cache holds 24 blocks; two long prompts push older
-blocks out."""
+recomputed one), a damaged block file is recomputed, the agent due next keeps its prefix
+in vLLM's own cache where vLLM's LRU gives it up, and the gateway's own plans drive it
+end to end. Each replica's KV cache holds 24 blocks; two long prompts push older blocks
+out (as agents' fixed prefixes, which the connector keeps behind every plain block)."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 import time
 
+import httpx
 import openai
 import pytest
 
-from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
 from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
 
 # About 430 tokens with the chat template: 3 whole vLLM blocks inside the system prompt.
@@ -24,31 +27,46 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _plan(system: str, question: str, agent: str = "archivist") -> dict:
+def _plan(system: str, question: str, agent: str = "archivist", steps: dict[str, int] | None = None) -> dict:
     """The plan the gateway sends once it has learned the agent's fixed prefix."""
+    workflow = WorkflowInfo(steps_to_execution=steps, next=[]) if steps else None
     plan = SegmentPlan(session_id="direct", agent_id=agent, request_id=f"r{time.monotonic_ns()}", app_id="tests",
-                       segments=[Segment(message_index=0, char_start=0, char_end=len(system), kind="fixed_prefix",
+                       workflow=workflow, segments=[Segment(message_index=0, char_start=0, char_end=len(system), kind="fixed_prefix",
                                          name=agent, content_hash=_sha(system)),
                                  Segment(message_index=1, char_start=0, char_end=len(question), kind="private",
                                          content_hash=_sha(question))])
     return {PLAN_KEY: plan.model_dump(mode="json")}
 
 
-def _ask(client: openai.OpenAI, system: str | None, question: str, plan: bool):
+def _ask(client: openai.OpenAI, system: str | None, question: str, plan: bool, agent: str = "archivist",
+         steps: dict[str, int] | None = None):
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    extra = {"kv_transfer_params": _plan(system, question)} if plan and system else {}
+    extra = {"kv_transfer_params": _plan(system, question, agent, steps)} if plan and system else {}
     return client.chat.completions.create(model=MODEL, messages=messages, extra_body=extra, **GEN)
 
 
-def _push_out(client: openai.OpenAI, tag: str) -> None:
-    """Two ~1650-token prompts (28 blocks, more than the cache's 24): vLLM evicts the older blocks."""
+def _push_out(client: openai.OpenAI, tag: str, as_agents: bool = True) -> None:
+    """Two ~1650-token prompts (28 blocks, more than the cache's 24): vLLM evicts the older
+    blocks. As agents' fixed prefixes (the default) they outrank every older prefix whose
+    agent has no next step, so even the connector's KVFlow order gives those up."""
     for k in range(2):
         filler = " ".join(f"Note {i} of batch {tag}{k}: the {tag} market of town {i} sold grain." for i in range(75))
-        _ask(client, None, filler, plan=False)
+        if as_agents:
+            _ask(client, filler, "Summarise.", plan=True, agent=f"filler-{tag}{k}")
+        else:
+            _ask(client, None, filler, plan=False)
 
 
 def _cached(response) -> int:
     return response.usage.prompt_tokens_details.cached_tokens
+
+
+def _device_hits(replica) -> float:
+    """Prompt tokens vLLM has served from its own device cache so far (its /metrics)."""
+    text = httpx.get(f"{replica.url}/metrics", timeout=10).text
+    found = re.search(r'^vllm:prompt_tokens_cached_by_source_total\{[^}]*source="device"[^}]*\} (\S+)$', text, re.M)
+    assert found, "vLLM's /metrics has no device cache-hit counter"
+    return float(found.group(1))
 
 
 def _block_files(directory) -> set:
@@ -130,3 +148,22 @@ def test_the_gateway_s_plans_drive_the_connector(vllm_replicas, start_gateway):
     assert _cached(last) >= 3 * VLLM_BLOCK
     assert gw.rows(4)[-1].upstream == home.url and gw.rows(4)[-1].cached_tokens == _cached(last)
     # After the same push-out vLLM alone has nothing cached (the first test shows it): the hit is the connector's.
+
+
+def test_the_agent_due_next_keeps_its_prefix_in_vllm_s_own_cache(client, replica):
+    """KVFlow over vLLM's free queue: after A and then B ran, with A due next, two plain
+    prompts push 26 blocks through the 23 free ones. vLLM's LRU gives up A's prefix first
+    (the control, without plans); with plans A's blocks stay on the device."""
+    for planned in (False, True):
+        tag = "planned" if planned else "plain"
+        systems = {name: SYSTEM.replace("archivist", f"{name} {tag}") for name in ("scribe", "clerk")}
+        _ask(client, systems["scribe"], "Which ledger first?", planned, "scribe", {"scribe": 0, "clerk": 1})
+        _ask(client, systems["clerk"], "Which ledger next?", planned, "clerk", {"clerk": 0, "scribe": 1})
+        _push_out(client, f"{tag}-dev", as_agents=False)
+        before = _device_hits(replica)
+        again = _ask(client, systems["scribe"], "Which ledger now?", planned, "scribe", {"scribe": 0, "clerk": 1})
+        from_device = _device_hits(replica) - before
+        if planned:
+            assert _cached(again) >= 3 * VLLM_BLOCK and from_device >= 3 * VLLM_BLOCK
+        else:
+            assert from_device == 0  # vLLM alone evicted the prefix
