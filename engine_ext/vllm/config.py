@@ -23,15 +23,20 @@ class ConnectorConfig:
     workflow_idle_s: float = 600.0  # an app silent this long stops holding its prefixes
     async_loads: bool = True  # a request waits for its blocks without holding up the others' steps
     device_order: bool = True  # KVFlow's order over vLLM's own free queue (engine_ext/vllm/device.py)
+    segment_mb: float = 512.0  # opted-in apps' reusable answers (engine_ext/vllm/segment_plan.py); 0: off
+    blend_ratio: float = 0.15  # blend: the share of a placed segment's tokens recomputed (CacheBlend)
+    check_layer: int = 1  # blend: the layer whose key deviation picks them
     private_host_dir: bool = False  # host_dir is this engine's own (the default): removed at shutdown
 
     def __post_init__(self) -> None:
-        if self.host_mb < 0 or self.disk_mb < 0:
-            raise ValueError("kvrelay connector: host_mb and disk_mb must be >= 0")
+        if self.host_mb < 0 or self.disk_mb < 0 or self.segment_mb < 0:
+            raise ValueError("kvrelay connector: host_mb, disk_mb and segment_mb must be >= 0")
         if self.host_mb == 0 and self.disk_mb == 0:
             raise ValueError("kvrelay connector: host_mb and disk_mb are both 0: no tier to keep KV in")
         if self.load_ahead < 0 or self.max_promotions_per_step < 0:
             raise ValueError("kvrelay connector: load_ahead and max_promotions_per_step must be >= 0")
+        if not 0.0 <= self.blend_ratio <= 1.0 or self.check_layer < 0:
+            raise ValueError("kvrelay connector: blend_ratio must be in [0, 1] and check_layer >= 0")
         if self.workflow_idle_s <= 0:
             raise ValueError("kvrelay connector: workflow_idle_s must be > 0")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,6 +31,8 @@ from engine_ext.vllm.copier import BlockCopier
 from engine_ext.vllm.files import BlockFiles
 from engine_ext.vllm.locator import PrefixLocator
 from engine_ext.vllm.planner import ConnectorPlanner, ScheduledBlocks, StepPlan
+from engine_ext.vllm.segment_plan import SegmentPlanner, SegmentSettings
+from engine_ext.vllm.segment_worker import SegmentWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -70,16 +73,22 @@ class KvrelayConnector(KVConnectorBase_V1):
         self.planner: ConnectorPlanner | None = None
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()
+        segment_dir = Path(self.config.host_dir) / "segments"  # not a block file name: the host tier skips it
+        placing = self.config.segment_mb > 0 and Path(model.model).is_dir()
         if role == KVConnectorRole.SCHEDULER:
             tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+            settings = SegmentSettings(int(self.config.segment_mb * 2**20 * self.block_size // block_bytes),
+                                       self.config.blend_ratio, self.config.check_layer)
             self.planner = ConnectorPlanner(
                 self.config, self.block_size, root, PrefixLocator(tokenizer),
                 num_host_blocks=int(self.config.host_mb * 2**20 // block_bytes),
                 num_disk_blocks=int(self.config.disk_mb * 2**20 // block_bytes),
-                seal=PlanSeal.from_env())
+                seal=PlanSeal.from_env(),
+                segments=SegmentPlanner(tokenizer, root, settings) if placing else None)
             self._adopt_files()
         else:
-            self.copier = BlockCopier(self.files)
+            segments = SegmentWorker(BlockFiles(segment_dir), Path(model.model)) if placing else None
+            self.copier = BlockCopier(self.files, segments)
         log.info("kvrelay connector (%s): host %s (%.0f MB), disk %s (%.0f MB), block %d tokens, %d bytes",
                  role.name, self.config.host_dir, self.config.host_mb, self.config.disk_dir, self.config.disk_mb,
                  self.block_size, block_bytes)
@@ -126,7 +135,7 @@ class KvrelayConnector(KVConnectorBase_V1):
             self._planner.load_failed(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._planner.finished(request.request_id)
+        self._planner.finished(request.request_id, request.output_token_ids)
         return False, None
 
     # Worker side
@@ -136,12 +145,17 @@ class KvrelayConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
-        if not isinstance(metadata, KvrelayMetadata) or not metadata.plan.loads:
+        if not isinstance(metadata, KvrelayMetadata):
             return
+        plan = metadata.plan
         if self.config.async_loads:
-            self._copier.load_async(metadata.plan.loads)
+            self._copier.load_async(plan.loads)
+            for job, claimed in plan.jobs:
+                self._copier.run_job(job, claimed)
         else:
-            self._failed_blocks |= self._copier.load(metadata.plan.loads)
+            self._failed_blocks |= self._copier.load(plan.loads)
+            for job, claimed in plan.jobs:
+                self._failed_blocks |= self._copier.run_job_now(job, claimed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose asynchronous loads are done; their failed blocks go out in the

@@ -30,19 +30,26 @@ import torch
 
 from engine_ext.vllm.files import BlockFileError, BlockFiles
 from engine_ext.vllm.index import BlockLoad, BlockMove, BlockSave, FileOp, TierName
+from engine_ext.vllm.segment_plan import ReuseJob, SegmentDelete, SegmentSave
+from engine_ext.vllm.segment_worker import SegmentWorker
 
 log = logging.getLogger(__name__)
 MAX_FAILED_REQUESTS = 4096
 
 
+WorkerOp = FileOp | SegmentSave | SegmentDelete
+
+
 class BlockCopier:
-    def __init__(self, tiers: dict[TierName, BlockFiles]) -> None:
+    def __init__(self, tiers: dict[TierName, BlockFiles], segments: SegmentWorker | None = None) -> None:
         self.tiers = tiers
+        self.segments = segments
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvrelay-kv-files")
         self._failed_requests: OrderedDict[str, None] = OrderedDict()  # bounded: the newest failures
-        self._loading: dict[str, list[tuple[BlockLoad, Future[None]]]] = {}  # asynchronous loads per request
+        # Per request, its asynchronous loads and jobs: the vLLM blocks each fails, and its future.
+        self._loading: dict[str, list[tuple[list[int], Future[None]]]] = {}
         self.num_loaded = 0
         self.num_saved = 0
 
@@ -51,6 +58,8 @@ class BlockCopier:
         (num_blocks, kv_heads, block_size, 2 * head_dim) and dim 1 in the GPU one
         (2, num_blocks, block_size, kv_heads, head_dim)."""
         self._layers = list(kv_caches.values())
+        if self.segments is not None:
+            self.segments.register(self._layers, num_blocks)
         shape = self._layers[0].shape
         if shape[0] == num_blocks:
             self._block_dim = 0
@@ -84,7 +93,23 @@ class BlockCopier:
         and move issued before them); `finished_loads` says when each request's are done."""
         for load in loads:
             self._loading.setdefault(load.request_id, []).append(
-                (load, self._executor.submit(self._load_one, load)))
+                ([load.block_id], self._executor.submit(self._load_one, load)))
+
+    def run_job(self, job: ReuseJob, claimed_blocks: list[int]) -> None:
+        """Start a ReuseJob behind everything issued before it (its request's loads
+        included); if it fails, `claimed_blocks` are reported failed with the request."""
+        segments = self._segments
+        self._loading.setdefault(job.request_id, []).append(
+            (claimed_blocks, self._executor.submit(self._run_job, segments, job)))
+
+    def run_job_now(self, job: ReuseJob, claimed_blocks: list[int]) -> set[int]:
+        """Synchronous loads: run the job before the forward; the blocks that failed."""
+        try:
+            self._executor.submit(self._run_job, self._segments, job).result()
+        except Exception as exc:  # noqa: BLE001 - any failure means vLLM computes the claim itself
+            log.warning("kvrelay connector: computing a claim in vLLM instead: %r", exc)
+            return set(claimed_blocks)
+        return set()
 
     def finished_loads(self) -> tuple[set[str], set[int]]:
         """(requests whose asynchronous loads are all done, vLLM block ids that failed among them).
@@ -94,20 +119,25 @@ class BlockCopier:
         for request_id, pending in list(self._loading.items()):
             if not all(future.done() for _, future in pending):
                 continue
-            for load, future in pending:
+            for block_ids, future in pending:
                 exc = future.exception()
                 if exc is not None:
                     if not isinstance(exc, BlockFileError):
-                        log.warning("kvrelay connector: recomputing a block after an unexpected error: %r", exc)
-                    failed.add(load.block_id)
+                        log.warning("kvrelay connector: vLLM computes %d blocks itself after: %r", len(block_ids), exc)
+                    failed.update(block_ids)
             done.add(request_id)
             del self._loading[request_id]
         return done, failed
 
-    def save_and_move(self, ops: list[FileOp]) -> None:
-        """Copy the saved blocks out now; write them and run the moves in the background."""
+    def save_and_move(self, ops: list[WorkerOp]) -> None:
+        """Copy the saved blocks and segments out now; write them and run the moves and
+        deletes in the background."""
         for op in ops:
-            if isinstance(op, BlockSave):
+            if isinstance(op, SegmentSave):
+                self._submit(self._segments.write, op, self._segments.save(op))
+            elif isinstance(op, SegmentDelete):
+                self._submit(self._segments.delete, op)
+            elif isinstance(op, BlockSave):
                 if op.request_id in self._failed_requests:
                     continue  # computed over a block that failed to load; the scheduler drops it too
                 data = torch.stack([layer.select(self._block_dim, op.block_id) for layer in self._layers]).cpu()
@@ -126,6 +156,16 @@ class BlockCopier:
         future = self._executor.submit(fn, *args)
         future.add_done_callback(_log_failure)
         return future
+
+    @property
+    def _segments(self) -> SegmentWorker:
+        if self.segments is None:
+            raise RuntimeError("kvrelay connector: segment placement is off in this worker")
+        return self.segments
+
+    @staticmethod
+    def _run_job(segments: SegmentWorker, job: ReuseJob) -> None:
+        segments.run(job)
 
     def _read(self, load: BlockLoad) -> torch.Tensor:
         return self.tiers[load.tier].read(load.block_hash, self.block_shape, self._layers[0].dtype)

@@ -46,6 +46,8 @@ class DevicePool(Protocol):
 
     def get_cached_block(self, block_hash: Hashable, kv_cache_group_ids: list[int]) -> Sequence[PoolBlock] | None: ...
 
+    def evict_blocks(self, block_ids: set[int]) -> None: ...
+
 
 class DeviceOrder:
     def __init__(self, table: WorkflowTable) -> None:
@@ -64,6 +66,12 @@ class DeviceOrder:
         if block_hashes:
             self._prefixes.pop(agent, None)
             self._prefixes[agent] = tuple(block_hashes)
+
+    def unpublish(self, block_ids: Sequence[int]) -> None:
+        """Take these blocks out of vLLM's prefix cache (they stay with their request):
+        blocks holding approximate KV must never be another request's exact hit."""
+        if self.pool is not None and block_ids:
+            self.pool.evict_blocks(set(block_ids))
 
     def reorder(self) -> int:
         """Move the free blocks of known prefixes to the back of vLLM's free queue, the

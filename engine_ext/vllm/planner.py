@@ -31,13 +31,22 @@ from engine_ext.vllm.config import ConnectorConfig
 from engine_ext.vllm.device import DeviceOrder
 from engine_ext.vllm.index import BlockLoad, FileOp, TierIndex, TierName
 from engine_ext.vllm.locator import PrefixLocator
+from engine_ext.vllm.segment_plan import (
+    PLACING_METHODS,
+    Placement,
+    ReuseJob,
+    SegmentDelete,
+    SegmentPlanner,
+    SegmentSave,
+)
 
 log = logging.getLogger(__name__)
 
 
 class StepPlan(NamedTuple):
     loads: list[BlockLoad]  # before the forward
-    ops: list[FileOp]  # saves and moves, in order, after the forward
+    ops: list[FileOp | SegmentSave | SegmentDelete]  # saves, moves and deletes, in order, after the forward
+    jobs: list[tuple[ReuseJob, list[int]]] = []  # after the loads: each with the blocks it fills
 
 
 class ScheduledBlocks(NamedTuple):
@@ -62,6 +71,14 @@ class PlannedRequest:
     saved: list[bytes] = field(default_factory=list)  # blocks this request's computation was saved as
     loaded: Counter[TierName] = field(default_factory=Counter)  # blocks loaded, per tier
     failed: bool = False  # a load failed: its KV from then on is not trusted, nothing more is saved
+    # Approximate segment reuse (engine_ext/vllm/segment_plan.py), for apps that opted in:
+    tenant: str = DEFAULT_TENANT
+    plan: SegmentPlan | None = None  # set when the plan names a placing method
+    token_ids: list[int] = field(default_factory=list)
+    num_local: int = 0  # vLLM's own hit at the last lookup
+    placement: Placement | None = None
+    num_harvested: int = 0  # placement.harvest entries saved so far
+    approx_from: int | None = None  # first position whose KV is approximate: kept out of vLLM's prefix cache
 
 
 @dataclass
@@ -75,8 +92,10 @@ class PlannerStats:
 
 class ConnectorPlanner:
     def __init__(self, config: ConnectorConfig, block_size: int, root: bytes, locator: PrefixLocator,
-                 num_host_blocks: int, num_disk_blocks: int, seal: PlanSeal | None = None) -> None:
+                 num_host_blocks: int, num_disk_blocks: int, seal: PlanSeal | None = None,
+                 segments: SegmentPlanner | None = None) -> None:
         self.config = config
+        self.segments = segments  # None: approximate placement off
         self.seal = seal  # with one, only the gateway's sealed plans are followed (kvrelay/wire/seal.py)
         self.block_size = block_size
         self.root = root
@@ -89,10 +108,12 @@ class ConnectorPlanner:
         self.stats = PlannerStats()
         self._requests: dict[str, PlannedRequest] = {}
         self._loads: list[BlockLoad] = []  # allocated since the last step
-        self._deletes: list[FileOp] = []  # files of dropped blocks, deleted with the next step
+        self._deletes: list[FileOp | SegmentDelete] = []  # files of dropped blocks, deleted with the next step
         # Per step, vLLM block id -> load: a failure comes back one or two steps later
         # (async scheduling); more in flight only loses a chance to clean up early.
         self._recent_loads: deque[dict[int, BlockLoad]] = deque(maxlen=4)
+        self._jobs: list[tuple[ReuseJob, list[int]]] = []  # claims allocated since the last step
+        self._recent_claims: deque[dict[int, ReuseJob]] = deque(maxlen=4)  # block id -> its job, per step
 
     def num_matched_tokens(self, request_id: str, token_ids: Sequence[int], params: dict[str, Any] | None,
                            num_computed_tokens: int, device_hashes: Sequence[Hashable] = ()) -> int:
@@ -111,16 +132,29 @@ class ConnectorPlanner:
         while num_hits < len(state.hashes) and self.index.where(state.hashes[num_hits]) is not None:
             num_hits += 1
         state.num_hit_blocks = num_hits
-        return max(0, num_hits * self.block_size - num_computed_tokens)
+        state.num_local = num_computed_tokens
+        held = max(num_hits * self.block_size, num_computed_tokens)
+        if self.segments is not None and state.plan is not None:
+            state.placement = self.segments.place(state.tenant, state.token_ids, state.plan, held)
+            if state.placement is not None and state.placement.spans:
+                return state.placement.end - num_computed_tokens  # the worker fills the claim
+        return held - num_computed_tokens
 
     def allocated(self, request_id: str, block_ids: list[int], num_external_tokens: int) -> None:
-        """vLLM gave the request its blocks; the last `num_external_tokens` of its hit
-        come from the tiers."""
+        """vLLM gave the request its blocks; `num_external_tokens` past its own hit come
+        from the tiers (whole blocks) and then, when segments are placed, the claim."""
         state = self._requests.get(request_id)
         if state is None or num_external_tokens <= 0:
             return
-        last = state.num_hit_blocks
-        first = last - num_external_tokens // self.block_size
+        first = state.num_local // self.block_size
+        last = max(first, state.num_hit_blocks)
+        placement, segments = state.placement, self.segments
+        state.num_harvested = 0
+        if placement and placement.spans and segments and state.num_local + num_external_tokens == placement.end:
+            held = max(last * self.block_size, state.num_local)
+            job = segments.job(request_id, placement, state.token_ids, block_ids, held)
+            self._jobs.append((job, block_ids[held // self.block_size : (placement.end - 1) // self.block_size + 1]))
+            state.approx_from = placement.spans[0].start
         state.loaded = Counter()  # this admission's loads (a preempted request is admitted again)
         for i in range(first, last):
             block_hash = state.hashes[i]
@@ -146,27 +180,45 @@ class ConnectorPlanner:
                 continue
             if item.block_ids is not None:
                 state.block_ids = list(item.block_ids) if item.replace else state.block_ids + list(item.block_ids)
-            ops += self._settle(item.request_id, state, item.num_computed_tokens + item.num_scheduled_tokens)
+            num_done = item.num_computed_tokens + item.num_scheduled_tokens
+            ops += self._settle(item.request_id, state, num_done)
+            ops += self._harvest(item.request_id, state, num_done)
+            if state.approx_from is not None:  # vLLM publishes full blocks as it computes them
+                self.device.unpublish(state.block_ids[state.approx_from // self.block_size :])
         ops += self._prefetch()
         if self.config.device_order:
             self.device.reorder()
         loads, self._loads = self._loads, []
+        jobs, self._jobs = self._jobs, []
         self._recent_loads.append({load.block_id: load for load in loads})
+        self._recent_claims.append({block_id: job for job, blocks in jobs for block_id in blocks})
         self.stats.num_loaded_blocks += len(loads)
-        return StepPlan(loads, ops)
+        return StepPlan(loads, ops, jobs)
 
-    def finished(self, request_id: str) -> None:
+    def finished(self, request_id: str, output_ids: Sequence[int] = ()) -> None:
         state = self._requests.pop(request_id, None)
-        if state is not None and state.agent is not None:
+        if state is None:
+            return
+        if state.agent is not None:
             self.table.finished(state.agent, state.session)
             self._reorder_due = True
+        if self.segments is not None and state.plan is not None and not state.failed:
+            self.segments.output_finished(state.tenant, output_ids)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not read these blocks and vLLM recomputes them. Their files go,
         and so does every block the requests concerned saved: the worker stopped saving
         them (what they computed after the failure read a bad block), and one they did
         save is cheaper to recompute later than to tell apart. A block id found in
-        several recent steps drops each candidate: a good block lost is only a miss."""
+        several recent steps drops each candidate: a good block lost is only a miss. A
+        failed claim drops the segments its job read."""
+        for claims in self._recent_claims:
+            for job in {id(claims[b]): claims[b] for b in block_ids & claims.keys()}.values():
+                for span in job.spans:
+                    self._deletes += self.segments.drop(span.key) if self.segments is not None else []
+                state = self._requests.get(job.request_id)
+                if state is not None:
+                    state.failed = True  # its KV is vLLM's own from here on: nothing more is harvested
         for recent in self._recent_loads:
             for block_id in block_ids & recent.keys():
                 load = recent[block_id]
@@ -193,7 +245,9 @@ class ConnectorPlanner:
             steps = plan.workflow.steps_to_execution if plan.workflow is not None else None
             self.table.observe(agent, prefix or None, steps, plan.session_id)
             self.device.observe(agent, device_hashes[:num_prefix])
-        state = PlannedRequest(agent, hashes, prefix, plan.session_id)
+        state = PlannedRequest(agent, hashes, prefix, plan.session_id, tenant=tenant)
+        if self.segments is not None and any(seg.method in PLACING_METHODS for seg in plan.segments):
+            state.plan, state.token_ids = plan, token_ids  # the app opted into approximate reuse
         self._requests[request_id] = state
         self.stats.num_requests += 1
         return state
@@ -216,6 +270,21 @@ class ConnectorPlanner:
             state.num_settled += 1
         if state.num_settled > first:
             self.index.touch_chain(state.prefix[:state.num_settled])
+        return ops
+
+    def _harvest(self, request_id: str, state: PlannedRequest, num_done_tokens: int) -> list[SegmentSave | SegmentDelete]:
+        """Keep the quoted answers this request has now computed, for the next prompts."""
+        placement = state.placement
+        if placement is None or self.segments is None or state.failed:
+            return []
+        ops: list[SegmentSave | SegmentDelete] = []
+        while state.num_harvested < len(placement.harvest):
+            start, end, key = placement.harvest[state.num_harvested]
+            if end > num_done_tokens or end > len(state.block_ids) * self.block_size:
+                break
+            ops.append(SegmentSave(key, list(state.block_ids), start, end, request_id))
+            ops += self.segments.saved(key, start, end - start)
+            state.num_harvested += 1
         return ops
 
     def _prefetch(self) -> list[FileOp]:

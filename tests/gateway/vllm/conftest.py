@@ -55,8 +55,10 @@ def vllm_replicas(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     replicas = []
     for core in range(2):
         port = free_port()
+        # blend_ratio 1: an opted-in `blend` recomputes every placed token, so the suite can
+        # hold segment placement to vLLM's own answers (tests/gateway/vllm/test_vllm_segments.py).
         tiers = {"host_dir": str(host_root / f"kvrelay-test-{port}"), "disk_dir": str(logs / f"disk{core}"),
-                 "host_mb": 64, "disk_mb": 256}
+                 "host_mb": 64, "disk_mb": 256, "blend_ratio": 1.0}
         replicas.append(VllmServer(python, smollm2_dir, port, logs / f"replica{core}.log", served_model_name=MODEL,
                                    cpus=str(core), num_blocks=NUM_VLLM_BLOCKS, connector=tiers))
     try:

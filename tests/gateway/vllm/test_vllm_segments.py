@@ -1,0 +1,97 @@
+"""Approximate segment reuse inside a real vLLM replica, for plans that opt in: an agent's
+answer quoted by the next agents is kept from the first prompt that quotes it and placed
+(RoPE-shifted, the text around it computed by kvrelay's model) in the one after. The
+replicas run blend with blend_ratio 1, which recomputes every placed token: the answer
+must then be vLLM's own, which holds the whole path (claim, vLLM's cache layout, the
+computation, the write-back) to vLLM's numbers. Shift places the KV as it is. Either way
+the blocks from the first placed token on stay out of vLLM's prefix cache."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import openai
+import pytest
+
+from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan
+from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
+
+QUESTION = "Which ledgers should the guild keep for the spice trade this year, and why?"
+ROLE = "You are {name}, a clerk of the merchant guild. " + "Keep answers to the point and cite the ledgers. " * 14
+FILLER = "The guild's older ledgers are kept in the east hall, sorted by year and trade. " * 12
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _messages(name: str, quotes: list[tuple[str, str]]) -> list[dict]:
+    return ([{"role": "system", "content": ROLE.format(name=name)}, {"role": "user", "content": QUESTION}]
+            + [{"role": "user", "name": who, "content": text} for who, text in quotes])
+
+
+def _plan(name: str, messages: list[dict], method: str) -> dict:
+    """The gateway's plan for an app opted into `method`: the role prompt, the question and each quote."""
+    segments = [Segment(message_index=0, char_start=0, char_end=len(messages[0]["content"]), kind="fixed_prefix",
+                        name=name, content_hash=_sha(messages[0]["content"]), method=method),
+                Segment(message_index=1, char_start=0, char_end=len(QUESTION), kind="private",
+                        content_hash=_sha(QUESTION), method=method)]
+    segments += [Segment(message_index=i, char_start=0, char_end=len(m["content"]), kind="placeholder",
+                         name=f"agent_{m['name']}_current", content_hash=_sha(m["content"]), method=method)
+                 for i, m in enumerate(messages) if i >= 2]
+    plan = SegmentPlan(session_id=f"team-{method}", agent_id=name, request_id=f"r{time.monotonic_ns()}",
+                       app_id="team", segments=segments)
+    return {PLAN_KEY: plan.model_dump(mode="json")}
+
+
+def _ask(client: openai.OpenAI, messages: list[dict], plan: dict | None, max_tokens: int = 16, min_tokens: int = 0):
+    extra: dict = {"kv_transfer_params": plan} if plan else {}
+    if min_tokens:
+        extra["min_tokens"] = min_tokens
+    return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0,
+                                          logprobs=True, extra_body=extra)
+
+
+@pytest.fixture
+def client(vllm_replicas):
+    with openai.OpenAI(base_url=f"{vllm_replicas[1].url}/v1", api_key="unused", max_retries=0, timeout=180) as c:
+        yield c
+
+
+@pytest.mark.parametrize("method", ["blend", "shift"])
+def test_a_quoted_answer_is_kept_then_placed(client, vllm_replicas, method):
+    replica = vllm_replicas[1]
+    names = [f"{who}-{method}" for who in ("ada", "bo", "cy")]
+    for name in names:  # role prompt and question into vLLM's cache, as an app's earlier rounds would
+        _ask(client, _messages(name, [("earlier", FILLER)]), None, max_tokens=1)
+    # An answer longer than a vLLM block: it outnumbers whatever lies between vLLM's cached
+    # blocks and the quote, so placing it computes fewer tokens and the connector claims it.
+    first = _ask(client, _messages(names[0], []), _plan(names[0], _messages(names[0], []), method),
+                 max_tokens=VLLM_BLOCK + 16, min_tokens=VLLM_BLOCK + 16)
+    answer = first.choices[0].message.content
+    quotes = [(names[0], answer)]
+    second = _ask(client, _messages(names[1], quotes), _plan(names[1], _messages(names[1], quotes), method))
+    role_cached = _cached_role(second)
+    assert second.usage.prompt_tokens_details.cached_tokens == role_cached  # the quote is only kept here
+    messages = _messages(names[2], quotes)
+    placed = _ask(client, messages, _plan(names[2], messages, method))
+    dense = _ask(client, messages, None)  # vLLM alone, the same prompt
+    claim_end = placed.usage.prompt_tokens_details.cached_tokens
+    assert claim_end > role_cached + 32  # the claim reached the end of the quote
+    quote_start = claim_end - first.usage.completion_tokens
+    # vLLM alone finds only exact blocks: none from the block the quote starts in.
+    assert dense.usage.prompt_tokens_details.cached_tokens <= quote_start // VLLM_BLOCK * VLLM_BLOCK
+    log = replica.log_tail(10**7)
+    assert "differs from kvrelay's model" not in log and "blocks itself after" not in log  # no claim fell back
+    if method == "blend":  # every placed token recomputed: vLLM's own answer
+        assert placed.choices[0].message.content == dense.choices[0].message.content
+    else:
+        assert placed.choices[0].message.content
+
+
+def _cached_role(response) -> int:
+    """What vLLM held of the prompt: whole blocks of its role prompt and question."""
+    cached = response.usage.prompt_tokens_details.cached_tokens
+    assert cached >= VLLM_BLOCK
+    return cached
