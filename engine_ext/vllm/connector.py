@@ -135,8 +135,8 @@ class KvrelayConnector(KVConnectorBase_V1):
             self._planner.load_failed(set(connector_output.invalid_block_ids))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._planner.finished(request.request_id, request.output_token_ids)
-        return False, None
+        held = self._planner.finished(request.request_id, request.output_token_ids, block_ids)
+        return held, None  # held: freed once the worker has copied the answer's KV (get_finished)
 
     # Worker side
 
@@ -158,11 +158,12 @@ class KvrelayConnector(KVConnectorBase_V1):
                 self._failed_blocks |= self._copier.run_job_now(job, claimed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """Requests whose asynchronous loads are done; their failed blocks go out in the
-        same step (get_block_ids_with_load_errors is asked right after)."""
+        """(finished requests whose held blocks may be freed, requests whose asynchronous
+        loads are done); failed blocks go out in the same step (get_block_ids_with_load_errors
+        is asked right after)."""
         done, failed = self._copier.finished_loads()
         self._failed_blocks |= failed
-        return None, done or None
+        return self._copier.released(finished_req_ids) or None, done or None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Nothing to wait for: start_load_kv loaded every layer."""

@@ -50,6 +50,8 @@ class BlockCopier:
         self._failed_requests: OrderedDict[str, None] = OrderedDict()  # bounded: the newest failures
         # Per request, its asynchronous loads and jobs: the vLLM blocks each fails, and its future.
         self._loading: dict[str, list[tuple[list[int], Future[None]]]] = {}
+        self._released: set[str] = set()  # finished requests whose held blocks were copied
+        self._finished: OrderedDict[str, None] = OrderedDict()  # finished requests vLLM named (bounded)
         self.num_loaded = 0
         self.num_saved = 0
 
@@ -134,7 +136,11 @@ class BlockCopier:
         deletes in the background."""
         for op in ops:
             if isinstance(op, SegmentSave):
-                self._submit(self._segments.write, op, self._segments.save(op))
+                try:
+                    self._submit(self._segments.write, op, self._segments.save(op))
+                finally:
+                    if op.hold:  # copied (or failed): vLLM may free the finished request's blocks
+                        self._released.add(op.request_id)
             elif isinstance(op, SegmentDelete):
                 self._submit(self._segments.delete, op)
             elif isinstance(op, BlockSave):
@@ -144,6 +150,19 @@ class BlockCopier:
                 self._submit(self._write, op, data)
             else:
                 self._submit(self._move, op)
+
+    def released(self, finished_req_ids: set[str]) -> set[str]:
+        """Held requests whose answers are copied out; vLLM frees their blocks. Only ids
+        vLLM has named as finished (in this call or an earlier one) may be reported."""
+        for request_id in finished_req_ids:
+            self._finished[request_id] = None
+        done = {request_id for request_id in self._released if request_id in self._finished}
+        self._released -= done
+        for request_id in done:
+            del self._finished[request_id]
+        while len(self._finished) > MAX_FAILED_REQUESTS:  # the ones never held
+            self._finished.popitem(last=False)
+        return done
 
     def drain(self) -> None:
         """Wait for every write and move issued so far."""

@@ -108,7 +108,8 @@ class ConnectorPlanner:
         self.stats = PlannerStats()
         self._requests: dict[str, PlannedRequest] = {}
         self._loads: list[BlockLoad] = []  # allocated since the last step
-        self._deletes: list[FileOp | SegmentDelete] = []  # files of dropped blocks, deleted with the next step
+        # Ops for the next step: files of dropped blocks and segments to delete, answers to keep.
+        self._pending: list[FileOp | SegmentSave | SegmentDelete] = []
         # Per step, vLLM block id -> load: a failure comes back one or two steps later
         # (async scheduling); more in flight only loses a chance to clean up early.
         self._recent_loads: deque[dict[int, BlockLoad]] = deque(maxlen=4)
@@ -173,7 +174,7 @@ class ConnectorPlanner:
     def step(self, scheduled: list[ScheduledBlocks]) -> StepPlan:
         """This step's loads, then the saves of prefix blocks computed by its end, then
         the prefetch of the agents due next."""
-        ops, self._deletes = self._deletes, []
+        ops, self._pending = self._pending, []
         for item in scheduled:
             state = self._requests.get(item.request_id)
             if state is None:
@@ -195,15 +196,21 @@ class ConnectorPlanner:
         self.stats.num_loaded_blocks += len(loads)
         return StepPlan(loads, ops, jobs)
 
-    def finished(self, request_id: str, output_ids: Sequence[int] = ()) -> None:
+    def finished(self, request_id: str, output_ids: Sequence[int] = (), block_ids: Sequence[int] = ()) -> bool:
+        """The request is done; True when its answer is being kept from its blocks (vLLM
+        must hold them until the worker reports the copy, which the next step makes)."""
         state = self._requests.pop(request_id, None)
         if state is None:
-            return
+            return False
         if state.agent is not None:
             self.table.finished(state.agent, state.session)
             self._reorder_due = True
-        if self.segments is not None and state.plan is not None and not state.failed:
-            self.segments.output_finished(state.tenant, output_ids)
+        if self.segments is None or state.plan is None or state.failed:
+            return False
+        ops = self.segments.output_finished(request_id, state.tenant, len(state.token_ids), output_ids,
+                                            list(block_ids))
+        self._pending += ops
+        return any(isinstance(op, SegmentSave) for op in ops)
 
     def load_failed(self, block_ids: set[int]) -> None:
         """The worker could not read these blocks and vLLM recomputes them. Their files go,
@@ -215,20 +222,20 @@ class ConnectorPlanner:
         for claims in self._recent_claims:
             for job in {id(claims[b]): claims[b] for b in block_ids & claims.keys()}.values():
                 for span in job.spans:
-                    self._deletes += self.segments.drop(span.key) if self.segments is not None else []
+                    self._pending += self.segments.drop(span.key) if self.segments is not None else []
                 state = self._requests.get(job.request_id)
                 if state is not None:
                     state.failed = True  # its KV is vLLM's own from here on: nothing more is harvested
         for recent in self._recent_loads:
             for block_id in block_ids & recent.keys():
                 load = recent[block_id]
-                self._deletes += self.index.drop(load.block_hash)
+                self._pending += self.index.drop(load.block_hash)
                 self.stats.num_failed_loads += 1
                 state = self._requests.get(load.request_id)
                 if state is not None and not state.failed:
                     state.failed = True
                     for block_hash in state.saved:
-                        self._deletes += self.index.drop(block_hash)
+                        self._pending += self.index.drop(block_hash)
 
     def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None,
                device_hashes: Sequence[Hashable]) -> PlannedRequest | None:

@@ -67,6 +67,7 @@ class SegmentSave(NamedTuple):
     start: int
     end: int
     request_id: str
+    hold: bool = False  # a finished request whose blocks vLLM holds until the worker says it copied them
 
 
 class SegmentDelete(NamedTuple):
@@ -112,15 +113,27 @@ class SegmentPlanner:
         self._stored: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (position, num tokens)
         self._num_tokens = 0
 
-    def output_finished(self, tenant: str, output_ids: Sequence[int]) -> None:
+    def output_finished(self, request_id: str, tenant: str, prompt_len: int, output_ids: Sequence[int],
+                        block_ids: list[int]) -> list[SegmentSave | SegmentDelete]:
         """A request of an opted-in app answered: its text may be quoted by the next agents,
         as the model wrote it or stripped (as frameworks often pass it on). Each text is
-        looked for as the ids the model produced and as the text's own tokenization."""
+        looked for as the ids the model produced and as the text's own tokenization.
+
+        The answer's own KV (computed by its request, every token but the last sampled
+        one) is kept at once, so every agent of the next round can place it, not only
+        the ones after the first that quotes it: the returned ops save it from the
+        finished request's blocks (the connector holds them until the save is copied)."""
         ids = list(output_ids)
         while ids and ids[-1] in self._special:  # the stop token is not part of the text a client sees
             ids.pop()
         if len(ids) < self.settings.min_tokens:
-            return
+            return []
+        num_with_kv = min(len(ids), len(output_ids) - 1)  # the last sampled token was never run
+        key = self._key(tenant, ids)
+        ops: list[SegmentSave | SegmentDelete] = []
+        if num_with_kv >= self.settings.min_tokens and key not in self._stored and block_ids:
+            ops.append(SegmentSave(key, list(block_ids), prompt_len, prompt_len + num_with_kv, request_id, hold=True))
+            ops += self.saved(key, prompt_len, num_with_kv)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for variant in dict.fromkeys((text, text.strip())):
             candidates = [tuple(ids)] if variant == text else []
@@ -130,6 +143,10 @@ class SegmentPlanner:
             self._texts.move_to_end(key)
         while len(self._texts) > MAX_TEXTS:
             self._texts.popitem(last=False)
+        return ops
+
+    def _key(self, tenant: str, ids: Sequence[int]) -> bytes:
+        return hashlib.sha256(self.root + tenant.encode() + b"\0" + _pack(ids)).digest()[:16]
 
     def place(self, tenant: str, token_ids: Sequence[int], plan: SegmentPlan, num_computed: int) -> Placement | None:
         """Where this prompt's reusable segments are and which can be placed, or None when
@@ -150,14 +167,15 @@ class SegmentPlanner:
             start, ids = found
             end = start + len(ids)
             cursor = end
-            key = hashlib.sha256(self.root + tenant.encode() + b"\0" + _pack(ids)).digest()[:16]
+            key = self._key(tenant, ids)
             stored = self._stored.get(key)
             if stored is None:
                 harvest.append((start, end, key))
                 continue
             self._stored.move_to_end(key)
-            head = min(self.settings.link_tokens, len(ids) - 1) if method == "link" and start > 0 else 0
-            spans.append(PlacedSpan(start + head, end, key, stored[0], head))
+            position, num_stored = stored  # an answer kept by its own request lacks its last token
+            head = min(self.settings.link_tokens, num_stored - 1) if method == "link" and start > 0 else 0
+            spans.append(PlacedSpan(start + head, start + num_stored, key, position, head))
         placed = sum(s.end - s.start for s in spans)
         claim_end = spans[-1].end if spans else 0
         if spans and placed <= claim_end - num_computed - placed:

@@ -126,3 +126,22 @@ def test_an_asynchronous_load_waits_for_the_write_issued_before_it(tiers):
     assert copier.finished_loads() == ({"r"}, set())
     assert torch.equal(source["layer1"][5], source["layer1"][2])
     copier.close()
+
+
+def test_a_held_request_is_released_once_its_answer_is_copied_and_vllm_named_it_finished(tiers, llama_dir):
+    from engine_ext.vllm.segment_plan import SegmentSave
+    from engine_ext.vllm.segment_worker import SegmentWorker
+
+    segments = SegmentWorker(BlockFiles(tiers["host"].directory / "segments"), llama_dir)
+    copier = BlockCopier(tiers, segments)
+    cfg = segments.config
+    copier.register({f"l{i}": torch.randn(NUM_BLOCKS, cfg.num_kv_heads, 4, 2 * cfg.head_dim)
+                     for i in range(cfg.num_layers)}, NUM_BLOCKS)
+    copier.save_and_move([SegmentSave(h(1), [2, 3], 1, 6, "held", hold=True),
+                          SegmentSave(h(2), [4], 0, 3, "running")])  # a harvest: its request runs on
+    assert copier.released(set()) == set()  # not named finished yet: vLLM must not free it
+    assert copier.released({"held", "running", "other"}) == {"held"}
+    assert copier.released({"held"}) == set()  # once
+    copier.drain()
+    assert segments.files.path(h(1)).stat().st_size == 2 * cfg.num_layers * 5 * cfg.num_kv_heads * cfg.head_dim * 4
+    copier.close()

@@ -154,3 +154,24 @@ def test_the_store_keeps_its_budget_and_a_failed_claim_drops_what_it_read(tokeni
     assert [op for op in step.ops if isinstance(op, SegmentSave)]
     segments = p.segments
     assert segments.saved(b"x" * 16, 0, 25) == [SegmentDelete(job.spans[0].key)]  # over 30 tokens: LRU goes
+
+
+def test_a_finished_answer_is_kept_from_its_own_blocks_and_placed_by_the_next_prompt(tokenizer):
+    p, _ = planner(tokenizer)
+    ids_a, params_a = quoting(tokenizer, "A", "nothing yet")
+    p.num_matched_tokens("a", ids_a, params_a, 0)
+    answer = tokenizer(ANSWER.strip(), add_special_tokens=False)["input_ids"]
+    blocks_a = list(range(40, 40 + (len(ids_a) + len(answer)) // BLOCK + 1))
+    assert p.finished("a", answer, blocks_a)  # stopped by length: its last token has no KV
+    save, = [op for op in p.step([]).ops if isinstance(op, SegmentSave)]
+    assert save.hold and save.block_ids == blocks_a
+    assert (save.start, save.end) == (len(ids_a), len(ids_a) + len(answer) - 1)
+    ids_b, params_b = quoting(tokenizer, "B", ANSWER)
+    claimed, step = admit(p, "b", ids_b, params_b, num_local=3 * BLOCK)
+    span, = step.jobs[0][0].spans
+    assert ids_b[span.start:span.end + 1] == answer and span.position == len(ids_a)
+    assert claimed == span.end - 3 * BLOCK  # the answer's last token is computed with the rest
+    ids_c, params_c = quoting(tokenizer, "C", "nothing yet")
+    p.num_matched_tokens("c", ids_c, params_c, 0)
+    assert not p.finished("c", tokenizer(ANSWER, add_special_tokens=False)["input_ids"][:2], [1])  # too short
+    assert not p.finished("unknown", answer, [1])
