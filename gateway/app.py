@@ -21,6 +21,7 @@ from gateway.adapters import AdapterRouter
 from gateway.fidelity_guard import FidelityGuard
 from gateway.fidelity_metrics import FidelityCollector
 from gateway.fidelity_poll import FidelityPoller
+from gateway.upstream_probe import UpstreamProber
 from gateway.approximation import Approximation
 from gateway.admin import install_admin
 from gateway.ui import install_ui
@@ -70,17 +71,16 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         inference = Inference(settings.inference, router)
         store, saver = await start_store(settings, db, inference)
         hold = RoundHold(settings.inference.round_hold_ms) if settings.inference.round_hold_ms > 0 else None
-        seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
-            if settings.plan_secret is not None else None
         metrics = GatewayMetrics(pool.served)
         metrics.count_bounds(inference.bounded)
         metrics.count_records(writer)
-        guard, poller = start_guard(settings, http, pool, metrics)
-        if poller is not None:
-            loops.append(poller)
+        seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
+            if settings.plan_secret is not None else None
+        guard, prober, guard_loops = start_guard(settings, http, pool, metrics, seal)
+        loops += guard_loops
         approximation = Approximation.from_settings(settings.approximation, guard, guard)
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
-                                         inference, store, hold, seal, approximation, guard)
+                                         inference, store, hold, seal, approximation, guard, prober=prober)
         app.state.db = db
         app.state.loops = loops if saver is None else [*loops, saver]
         try:
@@ -148,19 +148,22 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     return app
 
 
-def start_guard(settings: GatewaySettings, http: aiohttp.ClientSession, pool: UpstreamPool,
-                metrics: GatewayMetrics) -> tuple[FidelityGuard | None, SupervisedTask | None]:
-    """The fidelity guard, its figures in /metrics and the loop that feeds it engines'
-    probe scores; nothing when the guard is off."""
+def start_guard(settings: GatewaySettings, http: aiohttp.ClientSession, pool: UpstreamPool, metrics: GatewayMetrics,
+                seal: PlanSeal | None = None) -> tuple[FidelityGuard | None, UpstreamProber | None, list[SupervisedTask]]:
+    """The fidelity guard, its figures in /metrics, the loop that feeds it engines' probe
+    scores and the one that scores probes for upstreams that cannot (vLLM); nothing
+    when the guard is off."""
     guard_settings = settings.approximation.guard
     if not guard_settings.enabled:
-        return None, None
+        return None, None, []
     guard = FidelityGuard(guard_settings)
     metrics.registry.register(FidelityCollector(guard))
     poller = FidelityPoller(http, pool, guard, guard_settings.poll_interval_s)
-    task = SupervisedTask("kvrelay-fidelity-poll", poller.run)
-    task.start()
-    return guard, task
+    prober = UpstreamProber(http, pool, guard, poller.scores_itself, seal)
+    tasks = [SupervisedTask("kvrelay-fidelity-poll", poller.run), SupervisedTask("kvrelay-upstream-probe", prober.run)]
+    for task in tasks:
+        task.start()
+    return guard, prober, tasks
 
 
 async def build_access(settings: GatewaySettings, db: AsyncEngine) -> AccessControl:

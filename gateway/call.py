@@ -22,6 +22,7 @@ from opentelemetry.trace import Tracer
 
 from gateway.approximation import Approximation, HeaderChoice, parse_header
 from gateway.fidelity_guard import FidelityGuard
+from gateway.upstream_probe import Probe, UpstreamProber
 from gateway.auth import AccessControl, Charge
 from gateway.errors import (BadRequestError, BodyTooLargeError, GatewayError, GatewayInternalError, UpstreamFailedError,
                             UpstreamTimeoutError)
@@ -65,6 +66,7 @@ class GatewayState:
     plan_seal: PlanSeal | None = None  # None: plans go unsealed (an engine on loopback)
     approximation: Approximation = field(default_factory=Approximation)  # exact unless opted in
     fidelity: FidelityGuard | None = None  # None: the fidelity guard is off
+    prober: UpstreamProber | None = None  # scores probes for upstreams that do not (vLLM); None: guard off
     responses: ResponseSessions = field(default_factory=ResponseSessions)  # previous_response_id -> session
 
 
@@ -94,6 +96,8 @@ class ProxiedCall:
         self._charge: Charge | None = None
         self._app_id: str | None = None
         self._round: RoundInfo | None = None
+        self._probe: tuple[str, str, str] | None = None  # (tenant, app, method) of a probed request
+        self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -228,7 +232,12 @@ class ProxiedCall:
             if method is not None:  # a sampled share is scored again by the engine (gateway/fidelity_guard.py)
                 plan = Approximation.apply(plan, method, approx.wants_probe(tenant, ident.app_id, method))
                 self.record.plan = plan.model_dump_json()  # the record says which method ran
-        return with_plan(body, plan, self.state.plan_seal)
+                if plan.probe:
+                    self._probe = (tenant, ident.app_id, method)
+        body = with_plan(body, plan, self.state.plan_seal)
+        if self._probe is not None:
+            self._probe_body = body
+        return body
 
     def _reuse_choice(self) -> HeaderChoice:
         """The client's X-Kvrelay-Reuse, checked before any planning."""
@@ -427,6 +436,9 @@ class ProxiedCall:
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
             self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
                                                   "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids)))
+        if rec.status == "ok" and self._probe and self._probe_body and rec.upstream and self.state.prober:
+            # An upstream that scores its own probes (the embedded engine) is skipped by offer().
+            self.state.prober.offer(Probe(rec.upstream, self.endpoint, self._probe_body, *self._probe))
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 

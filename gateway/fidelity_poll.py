@@ -39,7 +39,12 @@ class FidelityPoller:
         self._clock = clock
         self._cursor: dict[str, int] = {}
         self._quiet_until: dict[str, float] = {}
+        self._scores_itself: dict[str, bool] = {}  # url -> whether it has the endpoint, once known
         self.num_errors = 0
+
+    def scores_itself(self, url: str) -> bool | None:
+        """Whether the upstream scores probes itself (None: not asked yet, or no clear answer)."""
+        return self._scores_itself.get(url)
 
     async def run(self) -> None:
         """The loop a SupervisedTask runs."""
@@ -60,6 +65,7 @@ class FidelityPoller:
             async with self.http.get(url + PATH, params={"after": str(after)},
                                      timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:
                 if response.status in _MISSING:
+                    self._scores_itself[url] = False
                     logger.debug("upstream %s has no %s (HTTP %d); asking again in %gs", url, PATH, response.status,
                                  QUIET_S)
                     self._quiet_until[url] = self._clock() + QUIET_S
@@ -67,6 +73,7 @@ class FidelityPoller:
                 if response.status != 200:
                     self.num_errors += 1
                     return 0
+                self._scores_itself[url] = True
                 body = await response.json(content_type=None)
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             # Health checks report a down upstream; this loop just tries again next time.

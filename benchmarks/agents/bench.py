@@ -134,7 +134,7 @@ class Bench:
 
     # -- the bench -------------------------------------------------------------------------
     def run(self) -> BenchResult:
-        runs = _interleaved(self.workloads)
+        runs = interleaved(self.workloads)
         if self.quick:
             self._concurrent(runs, [len(runs)], ["full"], prompts=None)
         else:
@@ -198,7 +198,7 @@ class Bench:
         """TTFT of the fully connected team's 5th agent (it reads the most): vLLM APC vs
         the approximate stack that does best on it."""
         fifth = {r.key for w in self.workloads if w.name == "kvcomm_team" for run in w.runs
-                 for r in run.requests if r.agent == _fifth_agent(run)}
+                 for r in run.requests if r.agent == fifth_agent(run)}
         if not fifth:
             return
         ttft = {stack: Cell({k: o for k, o in cell.outcomes.items() if k in fifth}).ttft_ms(0.5)
@@ -293,7 +293,7 @@ def _estimate(body: dict[str, Any]) -> int:
     return chars // 3 + int(body.get("max_tokens") or body.get("max_completion_tokens") or 64) + 64
 
 
-def _fifth_agent(run: Run) -> str | None:
+def fifth_agent(run: Run) -> str | None:
     agents: list[str] = []
     for request in run.requests:
         if request.agent not in agents:
@@ -301,7 +301,7 @@ def _fifth_agent(run: Run) -> str | None:
     return agents[4] if len(agents) >= 5 else None
 
 
-def _interleaved(workloads: list[Workload]) -> list[Run]:
+def interleaved(workloads: list[Workload]) -> list[Run]:
     """Runs of all workloads, taking one of each in turn, so sessions in flight together mix apps."""
     queues = [list(w.runs) for w in workloads]
     out: list[Run] = []

@@ -23,6 +23,7 @@ of vLLM's cache and the two implementations are checked against each other on la
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,19 +66,26 @@ class ModelBridge:
         cfg = ModelConfig.from_dir(model_dir)
         return cls(load_model(model_dir, cfg, "float32"), paged)
 
-    @torch.inference_mode()
     def check_layout(self, token_ids: list[int], block_ids: list[int]) -> None:
         """Raise LayoutMismatch unless layer 0's K/V of these (computed, leading) tokens,
         read from vLLM's blocks, equal this model's own."""
+        k, v = self.paged.read(0, block_ids, 0, len(token_ids))
+        self.check_layer0(token_ids, 0, k, v)
+
+    @torch.inference_mode()
+    def check_layer0(self, token_ids: Sequence[int], start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Raise LayoutMismatch unless vLLM's layer-0 K and V of tokens at positions
+        [start, start + n), as read through PagedKV, equal this model's own. Layer 0
+        depends on nothing but each token and its position, so any span vLLM computed
+        will do."""
         n = len(token_ids)
-        positions = torch.arange(n)
+        positions = torch.arange(start, start + n)
         cos, sin = rope_cos_sin(self.model.inv_freq, positions)
-        cache = _scratch(self.model.config, n)
-        meta = _metadata(positions, n)
-        layer = self.model.layers[0]
-        layer(self.model.embed_tokens(torch.tensor(token_ids)), cos, sin, cache[0], meta)
-        k, v = self.paged.read(0, block_ids, 0, n)
-        error = max((k.float() - cache[0][0]).abs().max().item(), (v.float() - cache[0][1]).abs().max().item())
+        cache = _scratch(self.model.config, start + n)
+        self.model.layers[0](self.model.embed_tokens(torch.tensor(list(token_ids))), cos, sin, cache[0],
+                             _metadata(positions, start + n))
+        error = max((k.float() - cache[0][0][start:]).abs().max().item(),
+                    (v.float() - cache[0][1][start:]).abs().max().item())
         if error > LAYOUT_TOLERANCE:
             raise LayoutMismatch(f"layer 0 of vLLM's cache differs from kvrelay's model by {error:.3g} "
                                  f"(layout {self.paged.layout}); placing segments is off")

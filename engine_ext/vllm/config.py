@@ -40,6 +40,16 @@ class ConnectorConfig:
         if self.workflow_idle_s <= 0:
             raise ValueError("kvrelay connector: workflow_idle_s must be > 0")
 
+    def shard_dirs(self, rank: int, world_size: int) -> dict[str, str]:
+        """The tiers' directories of one tensor-parallel worker. Each worker holds its own
+        KV heads of every block, so each keeps its own shard files, in its own
+        subdirectory; a block is a hit only where every worker holds its shard (a missing
+        one fails that worker's load, and vLLM recomputes the block)."""
+        if world_size == 1:
+            return {"host": self.host_dir, "disk": self.disk_dir}
+        shard = f"tp{rank}-of-{world_size}"
+        return {"host": os.path.join(self.host_dir, shard), "disk": os.path.join(self.disk_dir, shard)}
+
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
         """Settings from kv_connector_extra_config; unknown keys and wrong types are errors."""

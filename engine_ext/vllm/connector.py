@@ -67,14 +67,19 @@ class KvrelayConnector(KVConnectorBase_V1):
         model, cache = vllm_config.model_config, vllm_config.cache_config
         self.block_size = group.kv_cache_spec.block_size
         # Everything that changes a block's bytes for the same tokens is in its hash.
+        tp = vllm_config.parallel_config.tensor_parallel_size
         root = namespace_root(f"vllm|{model.model}|{model.revision}|{model.dtype}|{model.quantization}|"
-                              f"{cache.cache_dtype}|{self.block_size}|{block_bytes}|{len(group.layer_names)}")
-        self.files = {"host": BlockFiles(self.config.host_dir), "disk": BlockFiles(self.config.disk_dir)}
+                              f"{cache.cache_dtype}|{self.block_size}|{block_bytes}|{len(group.layer_names)}|tp{tp}")
+        self.shards = [{tier: BlockFiles(path) for tier, path in self.config.shard_dirs(rank, tp).items()}
+                       for rank in range(tp)]
         self.planner: ConnectorPlanner | None = None
         self.copier: BlockCopier | None = None
         self._failed_blocks: set[int] = set()
         segment_dir = Path(self.config.host_dir) / "segments"  # not a block file name: the host tier skips it
         placing = self.config.segment_mb > 0 and Path(model.model).is_dir()
+        if placing and tp > 1:
+            placing = False  # kvrelay's model would have to compute each worker's heads apart
+            log.warning("kvrelay connector: segment placement is off under tensor parallelism (one worker only)")
         if role == KVConnectorRole.SCHEDULER:
             tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
             settings = SegmentSettings(int(self.config.segment_mb * 2**20 * self.block_size // block_bytes),
@@ -88,7 +93,7 @@ class KvrelayConnector(KVConnectorBase_V1):
             self._adopt_files()
         else:
             segments = SegmentWorker(BlockFiles(segment_dir), Path(model.model)) if placing else None
-            self.copier = BlockCopier(self.files, segments)
+            self.copier = BlockCopier(self.shards[_tensor_parallel_rank() if tp > 1 else 0], segments)
         log.info("kvrelay connector (%s): host %s (%.0f MB), disk %s (%.0f MB), block %d tokens, %d bytes",
                  role.name, self.config.host_dir, self.config.host_mb, self.config.disk_dir, self.config.disk_mb,
                  self.block_size, block_bytes)
@@ -203,30 +208,39 @@ class KvrelayConnector(KVConnectorBase_V1):
 
     def _adopt_files(self) -> None:
         """Start-up: blocks already in the tiers' directories (a restarted replica with
-        fixed directories) are kept, newest first, up to each tier's budget; the rest
-        are deleted. Their sizes are checked when they are loaded."""
-        for tier, files in self.files.items():
-            files.clear_partial()
-            found = files.hashes()  # oldest first
+        fixed directories) are kept, newest first, up to each tier's budget, where every
+        tensor-parallel worker holds its shard; the rest are deleted. Their sizes are
+        checked when they are loaded."""
+        for tier in ("host", "disk"):
+            shards = [files[tier] for files in self.shards]
+            for files in shards:
+                files.clear_partial()
+            everywhere = set.intersection(*(set(files.hashes()) for files in shards))
+            found = [block_hash for block_hash in shards[0].hashes() if block_hash in everywhere]  # oldest first
             num_drop = max(0, len(found) - self._planner.index.capacity[tier])
-            for block_hash in found[:num_drop]:
-                files.delete(block_hash)
-            for block_hash in found[num_drop:]:
-                if not self._planner.index.adopt(block_hash, tier):
-                    files.delete(block_hash)  # a move cut short left it in both tiers
-            if found[num_drop:]:
-                log.info("kvrelay connector: kept %d %s blocks from an earlier run", len(found) - num_drop, tier)
+            kept = {block_hash for block_hash in found[num_drop:] if self._planner.index.adopt(block_hash, tier)}
+            for files in shards:  # too many, a move cut short (in both tiers), or a shard missing
+                for block_hash in set(files.hashes()) - kept:
+                    files.delete(block_hash)
+            if kept:
+                log.info("kvrelay connector: kept %d %s blocks from an earlier run", len(kept), tier)
 
 
 def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
     """Refuse what the connector would get wrong rather than serve wrong KV."""
-    if vllm_config.parallel_config.world_size > 1:
-        raise ValueError("kvrelay connector: tensor or pipeline parallelism is not supported yet "
-                         "(each worker would write its own shard under one block name)")
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise ValueError("kvrelay connector: pipeline parallelism is not supported (tensor parallelism is: "
+                         "each worker keeps its own shard of every block)")
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
         raise ValueError("kvrelay connector: only models with one full-attention KV cache group are supported "
                          "(no sliding window, no hybrid attention)")
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
 
 
 def _tokens_alone_decide_kv(request: Request) -> bool:

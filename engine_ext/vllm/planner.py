@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class StepPlan(NamedTuple):
     loads: list[BlockLoad]  # before the forward
     ops: list[FileOp | SegmentSave | SegmentDelete]  # saves, moves and deletes, in order, after the forward
-    jobs: list[tuple[ReuseJob, list[int]]] = []  # after the loads: each with the blocks it fills
+    jobs: tuple[tuple[ReuseJob, list[int]], ...] = ()  # after the loads: each with the blocks it fills
 
 
 class ScheduledBlocks(NamedTuple):
@@ -194,7 +194,7 @@ class ConnectorPlanner:
         self._recent_loads.append({load.block_id: load for load in loads})
         self._recent_claims.append({block_id: job for job, blocks in jobs for block_id in blocks})
         self.stats.num_loaded_blocks += len(loads)
-        return StepPlan(loads, ops, jobs)
+        return StepPlan(loads, ops, tuple(jobs))
 
     def finished(self, request_id: str, output_ids: Sequence[int] = (), block_ids: Sequence[int] = ()) -> bool:
         """The request is done; True when its answer is being kept from its blocks (vLLM
@@ -289,7 +289,8 @@ class ConnectorPlanner:
             start, end, key = placement.harvest[state.num_harvested]
             if end > num_done_tokens or end > len(state.block_ids) * self.block_size:
                 break
-            ops.append(SegmentSave(key, list(state.block_ids), start, end, request_id))
+            ops.append(SegmentSave(key, list(state.block_ids), start, end, request_id,
+                                   token_ids=tuple(state.token_ids[start:end])))
             ops += self.segments.saved(key, start, end - start)
             state.num_harvested += 1
         return ops

@@ -68,6 +68,7 @@ class SegmentSave(NamedTuple):
     end: int
     request_id: str
     hold: bool = False  # a finished request whose blocks vLLM holds until the worker says it copied them
+    token_ids: tuple[int, ...] = ()  # the segment's tokens: the worker checks vLLM's cache layout on them
 
 
 class SegmentDelete(NamedTuple):
@@ -132,7 +133,8 @@ class SegmentPlanner:
         key = self._key(tenant, ids)
         ops: list[SegmentSave | SegmentDelete] = []
         if num_with_kv >= self.settings.min_tokens and key not in self._stored and block_ids:
-            ops.append(SegmentSave(key, list(block_ids), prompt_len, prompt_len + num_with_kv, request_id, hold=True))
+            ops.append(SegmentSave(key, list(block_ids), prompt_len, prompt_len + num_with_kv, request_id, hold=True,
+                                   token_ids=tuple(ids[:num_with_kv])))
             ops += self.saved(key, prompt_len, num_with_kv)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         for variant in dict.fromkeys((text, text.strip())):

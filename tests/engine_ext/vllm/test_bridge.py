@@ -128,3 +128,16 @@ def test_a_cache_the_bridge_cannot_read_is_refused(model):
     paged = PagedKV(paged_layers("cpu", cfg), NUM_BLOCKS, cfg.num_kv_heads, cfg.head_dim)  # never written
     with pytest.raises(LayoutMismatch, match="layer 0 of vLLM's cache differs"):
         ModelBridge(model, paged).check_layout([5, 6, 7, 8, 9], [0])
+
+
+def test_layer_0_of_any_computed_span_checks_the_layout(model):
+    """A span vLLM computed anywhere (an answer at position 20) checks the layout as well as
+    a prompt's first tokens: layer 0 depends on each token and its position alone."""
+    cfg = model.config
+    tokens = [(i * 3 + 1) % 90 + 5 for i in range(32)]
+    dense = dense_kv(model, tokens)
+    bridge = ModelBridge(model, PagedKV(paged_layers("gpu", cfg), NUM_BLOCKS, cfg.num_kv_heads, cfg.head_dim))
+    bridge.check_layer0(tokens[20:30], 20, dense[0][0][20:30], dense[0][1][20:30])
+    assert bridge.checked
+    with pytest.raises(LayoutMismatch):
+        bridge.check_layer0(tokens[20:30], 19, dense[0][0][20:30], dense[0][1][20:30])  # one position off

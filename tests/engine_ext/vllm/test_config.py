@@ -32,3 +32,10 @@ def test_defaults_are_per_engine_and_values_are_coerced():
 def test_bad_settings_say_what_is_wrong(extra, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ConnectorConfig.from_extra(extra, "e1")
+
+
+def test_each_tensor_parallel_worker_keeps_its_shards_apart():
+    config = ConnectorConfig.from_extra({"host_dir": "/dev/shm/h", "disk_dir": "/var/d"}, "e1")
+    assert config.shard_dirs(0, 1) == {"host": "/dev/shm/h", "disk": "/var/d"}
+    assert config.shard_dirs(1, 2) == {"host": "/dev/shm/h/tp1-of-2", "disk": "/var/d/tp1-of-2"}
+    assert len({config.shard_dirs(rank, 4)["disk"] for rank in range(4)}) == 4

@@ -89,3 +89,33 @@ def test_a_quoted_answer_is_kept_then_placed(client, vllm_replicas, method):
     else:
         assert placed.choices[0].message.content
 
+
+
+def test_the_gateway_scores_its_blend_probes_on_vllm(vllm_replicas, start_gateway):
+    """The product path: a gateway rule opts the app into blend, the guard probes every
+    request, and since vLLM cannot score probes the gateway scores them itself on the
+    replica's idle time. The replicas run blend at ratio 1, so the figures must be exact."""
+    from gateway.approximation import ApproximationSettings, GuardSettings
+    from tests.gateway.vllm.test_vllm_gateway import VLLM_TIMEOUTS
+
+    approximation = ApproximationSettings(rules=[{"method": "blend"}],
+                                          guard=GuardSettings(sample_rate=1.0, poll_interval_s=0.2))
+    # One gateway, one replica on one core: a health check (bounded by connect_s) must not
+    # time out while the replica scores a probe, or the next request finds no upstream.
+    timeouts = VLLM_TIMEOUTS.model_copy(update={"connect_s": 30.0})
+    gw = start_gateway([vllm_replicas[0].url], timeouts=timeouts, approximation=approximation, health_interval_s=1.0)
+    headers = {"x-kvrelay-session-id": "guarded"}
+    with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=180, default_headers=headers) as c:
+        time.sleep(1.0)  # the poller has asked the replica for its scores once (it has none: 404)
+        for question in ("Which ledger first?", "Which ledger next?"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": ROLE.format(name="vera")},
+                                                             {"role": "user", "content": question}],
+                                      max_tokens=8, temperature=0)
+    deadline = time.monotonic() + 120
+    guard = gw.state.fidelity
+    while time.monotonic() < deadline and gw.state.prober.num_scored < 2:
+        time.sleep(0.5)
+    assert gw.state.prober.num_scored == 2 and gw.state.prober.num_failed == 0
+    row, = [r for r in guard.snapshot() if r["method"] == "blend"]
+    assert row["scores"] == 2 and row["state"] == "on"
+    assert row["top1"] == 1.0 and row["kl"] < 1e-3
