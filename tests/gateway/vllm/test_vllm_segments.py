@@ -55,14 +55,19 @@ def _ask(client: openai.OpenAI, messages: list[dict], plan: dict | None, max_tok
 
 
 @pytest.fixture
-def client(vllm_replicas):
-    with openai.OpenAI(base_url=f"{vllm_replicas[1].url}/v1", api_key="unused", max_retries=0, timeout=180) as c:
+def replica(vllm_replicas):
+    """A replica still running (test_vllm_gateway's failover test kills one of the two)."""
+    return next(r for r in vllm_replicas if r.process is not None and r.process.poll() is None)
+
+
+@pytest.fixture
+def client(replica):
+    with openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0, timeout=180) as c:
         yield c
 
 
 @pytest.mark.parametrize("method", ["blend", "shift"])
-def test_a_quoted_answer_is_kept_then_placed(client, vllm_replicas, method):
-    replica = vllm_replicas[1]
+def test_a_quoted_answer_is_kept_then_placed(client, replica, method):
     names = [f"{who}-{method}" for who in ("ada", "bo", "cy")]
     for name in names:  # role prompt and question into vLLM's cache, as an app's earlier rounds would
         _ask(client, _messages(name, [("earlier", FILLER)]), None, max_tokens=1)
@@ -91,7 +96,7 @@ def test_a_quoted_answer_is_kept_then_placed(client, vllm_replicas, method):
 
 
 
-def test_the_gateway_scores_its_blend_probes_on_vllm(vllm_replicas, start_gateway):
+def test_the_gateway_scores_its_blend_probes_on_vllm(replica, start_gateway):
     """The product path: a gateway rule opts the app into blend, the guard probes every
     request, and since vLLM cannot score probes the gateway scores them itself on the
     replica's idle time. The replicas run blend at ratio 1, so the figures must be exact."""
@@ -103,7 +108,7 @@ def test_the_gateway_scores_its_blend_probes_on_vllm(vllm_replicas, start_gatewa
     # One gateway, one replica on one core: a health check (bounded by connect_s) must not
     # time out while the replica scores a probe, or the next request finds no upstream.
     timeouts = VLLM_TIMEOUTS.model_copy(update={"connect_s": 30.0})
-    gw = start_gateway([vllm_replicas[0].url], timeouts=timeouts, approximation=approximation, health_interval_s=1.0)
+    gw = start_gateway([replica.url], timeouts=timeouts, approximation=approximation, health_interval_s=1.0)
     headers = {"x-kvrelay-session-id": "guarded"}
     with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=180, default_headers=headers) as c:
         time.sleep(1.0)  # the poller has asked the replica for its scores once (it has none: 404)
