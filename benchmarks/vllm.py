@@ -37,10 +37,10 @@ from typing import Any
 import httpx
 
 from benchmarks.agents import scoring
-from benchmarks.agents.bench import Cell, Prompts, fifth_agent, interleaved
+from benchmarks.agents.bench import Cell, Prompts, estimate_tokens, fifth_agent, interleaved, quick_subset
 from benchmarks.agents.replay import Key, Replay
 from benchmarks.agents.stacks import MAX_MODEL_LEN, MODEL, TOOL_ARGS, VLLM_BLOCK, warm
-from benchmarks.agents.workload import Workload, load_all
+from benchmarks.agents.workload import load_all
 from benchmarks.common import BenchResult, free_port
 from benchmarks.stack import Service
 from engine_ext.model_store import resolve_model
@@ -93,12 +93,8 @@ class VllmBench:
         self.quick = quick
         self.model_dir = resolve_model(model)
         self.log_dir = log_dir
-        workloads = load_all(names=list(QUICK_WORKLOADS)) if quick else load_all()
-        if quick:
-            workloads = [Workload(w.name, w.framework, w.description, w.runs[:QUICK_WORKLOADS[w.name]])
-                         for w in workloads]
-        self.workloads = workloads
-        self.runs = interleaved(workloads)
+        self.workloads = quick_subset(load_all(names=list(QUICK_WORKLOADS)), QUICK_WORKLOADS) if quick else load_all()
+        self.runs = interleaved(self.workloads)
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
         self.budgets: dict[str, int] = {}
@@ -163,7 +159,7 @@ class VllmBench:
         for run in self.runs:
             per_agent: dict[str, int] = {}
             for r in run.requests:
-                tokens = peaks.get(r.key, _estimate(r.body))
+                tokens = peaks.get(r.key, estimate_tokens(r.body))
                 per_agent[r.agent] = max(per_agent.get(r.agent, 0), tokens)
                 longest = max(longest, tokens)
             sets.append(sum(per_agent.values()))
@@ -240,11 +236,6 @@ def _agreement(client: httpx.Client, url: str, body: dict[str, Any], answer: str
 
 def _only(cell: Cell, keep: Any) -> Cell:
     return Cell({k: o for k, o in cell.outcomes.items() if keep(k)})
-
-
-def _estimate(body: dict[str, Any]) -> int:
-    chars = sum(len(str(m.get("content") or "")) for m in body.get("messages", []))
-    return chars // 3 + int(body.get("max_tokens") or body.get("max_completion_tokens") or 64) + 64
 
 
 def run(quick: bool = False, model: str | None = None) -> BenchResult:

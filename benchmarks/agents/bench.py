@@ -97,7 +97,7 @@ class Bench:
         self.quick = quick
         self.model_dir = resolve_model(model)
         self.log_dir = log_dir
-        self.workloads = _quick_subset(load_all(names=list(QUICK_RUNS))) if quick else load_all()
+        self.workloads = quick_subset(load_all(names=list(QUICK_RUNS))) if quick else load_all()
         self.has_vllm = find_vllm_python() is not None
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
@@ -283,12 +283,12 @@ def working_set(runs: list[Run], concurrency: int, peaks: dict[Key, int]) -> Bud
     longest request (prompt plus answer) of that many largest runs; half of it, but
     never less than the longest request needs. Before any
     replay has measured them, a generous character-based estimate (4 chars per token)."""
-    per_run = sorted((max(peaks.get(r.key, _estimate(r.body)) for r in run.requests) for run in runs), reverse=True)
+    per_run = sorted((max(peaks.get(r.key, estimate_tokens(r.body)) for r in run.requests) for run in runs), reverse=True)
     full = sum(per_run[:concurrency]) + 256
     return Budget(full, max(full // 2, per_run[0] + 256))  # the longest request must still fit
 
 
-def _estimate(body: dict[str, Any]) -> int:
+def estimate_tokens(body: dict[str, Any]) -> int:
     chars = sum(len(str(m.get("content") or "")) for m in body.get("messages", []))
     return chars // 3 + int(body.get("max_tokens") or body.get("max_completion_tokens") or 64) + 64
 
@@ -310,8 +310,9 @@ def interleaved(workloads: list[Workload]) -> list[Run]:
     return out
 
 
-def _quick_subset(workloads: list[Workload]) -> list[Workload]:
-    return [Workload(w.name, w.framework, w.description, w.runs[:QUICK_RUNS[w.name]]) for w in workloads]
+def quick_subset(workloads: list[Workload], runs: dict[str, int] = QUICK_RUNS) -> list[Workload]:
+    """Each workload cut to its first `runs[name]` runs."""
+    return [Workload(w.name, w.framework, w.description, w.runs[:runs[w.name]]) for w in workloads]
 
 
 def run(quick: bool = False, model: str | None = None) -> BenchResult:

@@ -91,11 +91,6 @@ class ModelBridge:
                                  f"(layout {self.paged.layout}); placing segments is off")
         self.checked = True
 
-    def read_segment(self, block_ids: list[int], start: int, end: int) -> SegmentKV:
-        """Positions [start, end) of a request, every layer, as computed there."""
-        pairs = [self.paged.read(layer, block_ids, start, end) for layer in range(len(self.paged.layers))]
-        return SegmentKV(torch.stack([k for k, _ in pairs]).clone(), torch.stack([v for _, v in pairs]).clone(), start)
-
     @torch.inference_mode()
     def run(self, job: ReuseJob, segments: list[SegmentKV]) -> None:
         """Fill positions [job.num_computed, job.end) of the request's blocks (see the module docstring)."""

@@ -102,12 +102,12 @@ class BlockCopier:
         included); if it fails, `claimed_blocks` are reported failed with the request."""
         segments = self._segments
         self._loading.setdefault(job.request_id, []).append(
-            (claimed_blocks, self._executor.submit(self._run_job, segments, job)))
+            (claimed_blocks, self._executor.submit(segments.run, job)))
 
     def run_job_now(self, job: ReuseJob, claimed_blocks: list[int]) -> set[int]:
         """Synchronous loads: run the job before the forward; the blocks that failed."""
         try:
-            self._executor.submit(self._run_job, self._segments, job).result()
+            self._executor.submit(self._segments.run, job).result()
         except Exception as exc:  # noqa: BLE001 - any failure means vLLM computes the claim itself
             log.warning("kvrelay connector: computing a claim in vLLM instead: %r", exc)
             return set(claimed_blocks)
@@ -181,10 +181,6 @@ class BlockCopier:
         if self.segments is None:
             raise RuntimeError("kvrelay connector: segment placement is off in this worker")
         return self.segments
-
-    @staticmethod
-    def _run_job(segments: SegmentWorker, job: ReuseJob) -> None:
-        segments.run(job)
 
     def _read(self, load: BlockLoad) -> torch.Tensor:
         return self.tiers[load.tier].read(load.block_hash, self.block_shape, self._layers[0].dtype)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 
 import torch
@@ -54,12 +56,8 @@ class SegmentWorker:
         vLLM's cache layout (so a later claim that starts at position 0 can be trusted)."""
         self.files.write(op.key, data)
         if op.token_ids and self._disabled is None and (self._bridge is None or not self._bridge.checked):
-            bridge = self._load_bridge()
-            try:
-                bridge.check_layer0(op.token_ids, op.start, data[0][0], data[1][0])  # (n, H, D) each
-            except LayoutMismatch as exc:
-                self._disabled = str(exc)
-                log.warning("kvrelay connector: %s", exc)
+            with suppress(LayoutMismatch):  # logged, and placement is now off: no answer depends on it
+                self._checked(self._load_bridge().check_layer0, op.token_ids, op.start, data[0][0], data[1][0])
 
     def delete(self, op: SegmentDelete) -> None:
         self.files.delete(op.key)
@@ -92,13 +90,17 @@ class SegmentWorker:
             if not bridge.checked:
                 if job.num_computed == 0:
                     raise LayoutMismatch("no computed tokens to check vLLM's cache layout against yet")
-                try:
-                    bridge.check_layout(job.token_ids[: job.num_computed], job.block_ids)
-                except LayoutMismatch as exc:
-                    self._disabled = str(exc)
-                    log.warning("kvrelay connector: %s", exc)
-                    raise
+                self._checked(bridge.check_layout, job.token_ids[: job.num_computed], job.block_ids)
             return bridge
+
+    def _checked(self, check: Callable[..., None], *args: object) -> None:
+        """Run a layout check; a mismatch turns placement off for the process, logged once."""
+        try:
+            check(*args)
+        except LayoutMismatch as exc:
+            self._disabled = str(exc)
+            log.warning("kvrelay connector: %s", exc)
+            raise
 
     @property
     def _paged(self) -> PagedKV:
