@@ -132,8 +132,8 @@ class Probes:
                 try:
                     job = self._abort(engine)
                 except Exception:
-                    self.num_failed += 1
                     logger.exception("aborting a fidelity probe failed; dropped")
+                    self.num_failed += 1
                     return
                 self._jobs.appendleft(job)
                 self.num_interrupted += 1
@@ -144,8 +144,8 @@ class Probes:
         try:
             self._running = _Running(job, _start_score(engine, job))
         except Exception:
-            self.num_failed += 1
             logger.exception("fidelity probe of request %s could not start; dropped", job.request_id)
+            self.num_failed += 1
 
     def after_step(self) -> None:
         """After a step: a finished dense score becomes a result. A failure is logged and
@@ -162,8 +162,8 @@ class Probes:
             score = FidelityScore(request_id=job.request_id, tenant=job.tenant, app=job.app, method=job.method,
                                   top1=top1, kl=kl, tokens=len(job.output_ids))
         except Exception:
-            self.num_failed += 1
             logger.exception("fidelity probe of request %s failed; dropped", job.request_id)
+            self.num_failed += 1  # after the log: a reader of the count finds the line
             return
         with self._lock:
             self._last_seq = next(self._seq)

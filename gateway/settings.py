@@ -61,6 +61,7 @@ class InferenceSettings(BaseModel):
     max_step_sources: Annotated[int, Field(ge=2, le=1024)] = 64  # step-graph sources kept per agent and kind
     max_workflow_agents: Annotated[int, Field(ge=1, le=10_000)] = 64  # agents a plan's workflow names, nearest first
     # Planning runs on the event loop: past this much CPU time (plus 0.05 ms per message),
+    # counted after the linear scan of the prompt for known texts,
     # the rest of a plan is skipped and the request goes on with what was planned
     # (counted as plans_over_budget).
     plan_budget_ms: Annotated[float, Field(gt=0, le=1000)] = 10.0

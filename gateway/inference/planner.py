@@ -5,7 +5,8 @@ agent just produced is recognised when the next agent's prompt quotes it. Both a
 synchronous and touch only memory, on the gateway's event loop, so their cost is bounded:
 linear in the prompt (numpy passes, C string searches), and bounded in the app's state
 (agents found by index, not scan; a step graph of at most `max_agents` nodes walked once;
-the question looked for in linear time). On top, `plan_budget_ms`: the plan is built in
+the question looked for in linear time). On top, `plan_budget_ms`, counted once the prompt has
+been scanned for known texts (a linear pass done whatever the budget): the plan is built in
 stages (who is asking: the agent, then the session it continues, linking.py; the
 segments and round, segments.py and rounds.py; the workflow, stepgraph.py), and once the budget is
 spent the stages left are skipped. The request then goes on with the plan built so far
@@ -73,12 +74,15 @@ class Inference:
 
     def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
         messages = prompt_messages(body)
-        # The budget grows with the transcript: planning is linear in it, and a long but
-        # ordinary one (hundreds of turns) must keep its plan; only what is beyond
-        # linear cost is cut.
-        deadline = Deadline((self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3)
         app = self.app(ident.app_id)
         found = {m.index: find_texts(app, m.content) for m in messages if m.content}
+        # The clock starts after the scan for known texts: the scan is linear in the prompt
+        # and done whatever the budget, and its cost says nothing of what follows (the first
+        # long prompt after start pays the first touch of fresh memory, several times the
+        # scan itself, and lost its plan to it). The budget grows with the transcript: a long
+        # but ordinary one (hundreds of turns) must keep its plan; only what is beyond linear
+        # cost is cut.
+        deadline = Deadline((self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3)
         called = app.session_of_calls(call_ids(body))
         system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
         opening = next((m.content for m in messages if m.content), None)

@@ -5,6 +5,7 @@ counted as plans_over_budget; through the gateway, the upstream gets that plan."
 from __future__ import annotations
 
 import re
+import time
 
 from kvrelay.wire.plan import read_plan
 from gateway.identity import identify
@@ -64,6 +65,23 @@ def test_the_budget_grows_with_the_transcript(monkeypatch):
     body = {"messages": [{"role": "user", "content": f"turn {i}"} for i in range(1000)]}
     inference.plan(identify({"x-session-id": "long"}, body, None), body, "r-long", "m")
     assert budgets == [(10 + 2 * planner.PER_MESSAGE_MS) / 1e3, (10 + 1000 * planner.PER_MESSAGE_MS) / 1e3]
+
+
+def test_the_scan_for_known_texts_is_not_counted(monkeypatch):
+    """The scan is linear and done whatever the budget; a slow one (the first long prompt
+    after start touches fresh memory) must not cost the plan its segments."""
+    scan = planner.find_texts
+
+    def slow_scan(app, content):
+        spent = time.thread_time() + 0.02  # twice the budget, in the clock the budget counts
+        while time.thread_time() < spent:
+            pass
+        return scan(app, content)
+
+    monkeypatch.setattr(planner, "find_texts", slow_scan)
+    inference = Inference(InferenceSettings(plan_budget_ms=10))
+    result = _plan(inference, LEDGER)
+    assert not result.over_budget and result.plan.segments and result.plan.workflow is not None
 
 
 def test_a_plan_within_budget_is_whole_and_not_counted():
