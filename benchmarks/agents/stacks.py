@@ -47,11 +47,12 @@ class Running:
 
 
 @contextmanager
-def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
+def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path,
+            vllm_eager: bool = True) -> Iterator[Running]:
     """Start one stack with a KV cache of `kv_tokens`, warm it with one unrelated request,
-    yield it, stop it."""
+    yield it, stop it. `vllm_eager`: vLLM without torch.compile (see VllmServer.eager)."""
     if name == "vllm_apc":
-        with _vllm(model_dir, kv_tokens, log_dir) as running:
+        with _vllm(model_dir, kv_tokens, log_dir, vllm_eager) as running:
             yield running
         return
     db_path = log_dir / f"{name}.sqlite"
@@ -77,7 +78,7 @@ def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path) -> 
 
 
 @contextmanager
-def _vllm(model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
+def _vllm(model_dir: Path, kv_tokens: int, log_dir: Path, eager: bool) -> Iterator[Running]:
     python = find_vllm_python()
     if python is None:
         raise RuntimeError("no vLLM venv (make vllm-venv)")
@@ -86,10 +87,10 @@ def _vllm(model_dir: Path, kv_tokens: int, log_dir: Path) -> Iterator[Running]:
     # could not fit the rest.
     server = VllmServer(python, model_dir, free_port(), log_dir / "vllm.log", served_model_name=MODEL, cpus="0-1",
                         num_blocks=num_blocks, max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK),
-                        extra_args=TOOL_ARGS)
+                        extra_args=TOOL_ARGS, eager=eager)
     try:
         server.start()
-        server.wait_ready(time.monotonic() + 300)
+        server.wait_ready(time.monotonic() + 600)
         warm(server.url)
         yield Running("vllm_apc", server.url, None)
     finally:

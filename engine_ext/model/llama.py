@@ -1,7 +1,7 @@
 """A compact Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 Projections are fused (qkv, gate_up) so each layer runs two large matmuls instead of five;
-the loader concatenates the HF weights accordingly.
+the loader concatenates the HF weights accordingly, then packs them for oneDNN (linear.py).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from torch import nn
 from engine_ext.adapters.rows import AdapterRows
 from engine_ext.config import ModelConfig
 from engine_ext.model.attention import AttentionMetadata, paged_attention
+from engine_ext.model.linear import PackedLinear
 from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each (num_slots, kv_heads, head_dim)
@@ -36,8 +37,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = PackedLinear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = PackedLinear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
@@ -76,8 +77,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.layer = layer
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = PackedLinear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = PackedLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, adapters: AdapterRows | None = None) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (N, 2 * intermediate)
@@ -112,7 +113,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not touch the fp32 frequencies.

@@ -50,6 +50,9 @@ class VllmServer:
     max_model_len: int = 2048
     connector: dict | None = None  # kv_connector_extra_config; None: no connector
     extra_args: tuple[str, ...] = ()  # more `api_server` options, as given
+    # --enforce-eager: no torch.compile at start (minutes on 2 cores), what the tests and the
+    # reuse benches want; False runs vLLM's CPU default (inductor), what `bench engine` compares with.
+    eager: bool = True
     process: subprocess.Popen | None = field(default=None, repr=False)
 
     @property
@@ -62,8 +65,8 @@ class VllmServer:
 
     def command(self) -> list[str]:
         command = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                   "--served-model-name", self.served_model_name, "--dtype", "float32", "--enforce-eager",
-                   "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len),
+                   "--served-model-name", self.served_model_name, "--dtype", "float32",
+                   *(["--enforce-eager"] if self.eager else []), "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", str(self.max_model_len),
                    "--enable-prompt-tokens-details"]
         if self.num_blocks is not None:
             command += ["--num-gpu-blocks-override", str(self.num_blocks)]

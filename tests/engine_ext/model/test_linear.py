@@ -1,0 +1,78 @@
+"""PackedLinear: the same products as nn.Linear, each row independent of the others."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine_ext.model.linear import PackedLinear, onednn_available, pack_linears
+
+pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+
+
+def _layer(dtype: torch.dtype, bias: bool = False) -> PackedLinear:
+    torch.manual_seed(0)
+    layer = PackedLinear(576, 960, bias=bias).to(dtype)
+    layer.pack()
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_products_equal_f_linear(dtype, bias):
+    layer = _layer(dtype, bias)
+    x = torch.randn(37, 576).to(dtype)
+    expected = nn.functional.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(layer(x).float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_a_row_s_result_does_not_depend_on_the_batch_beyond_f_linear_s_rounding():
+    """fp32: a row alone, among 8 and among 300 agrees with F.linear's own spread; bf16:
+    the same bits whatever the batch (what lets bf16 decode batched equal solo)."""
+    layer = _layer(torch.float32)
+    x = torch.randn(300, 576)
+    reference = nn.functional.linear(x.double(), layer.weight.double()).float()
+    for rows in (slice(0, 1), slice(0, 8), slice(0, 300)):
+        torch.testing.assert_close(layer(x[rows]), reference[rows], atol=1e-5, rtol=1e-5)
+    layer = _layer(torch.bfloat16)
+    x = x.bfloat16()
+    wide, eight = layer(x), layer(x[:8])
+    for row in (0, 3, 7):
+        alone = layer(x[row : row + 1])
+        assert torch.equal(alone[0], eight[row]) and torch.equal(alone[0], wide[row])
+
+
+def test_unpacked_it_is_nn_linear_and_pack_linears_packs_each_layer():
+    model = nn.Sequential(PackedLinear(16, 8), nn.ReLU(), PackedLinear(8, 4, bias=False), nn.Linear(4, 2))
+    x = torch.randn(3, 16)
+    plain = model(x)
+    assert all(m.packed is None for m in model if isinstance(m, PackedLinear))
+    assert pack_linears(model) == 2
+    torch.testing.assert_close(model(x), plain, atol=1e-6, rtol=1e-5)
+    model[0].weight.data.mul_(2.0)  # a changed weight counts once packed again
+    model[0].pack()
+    assert not torch.allclose(model(x), plain)
+
+
+def test_a_bf16_engine_packs_its_linears_and_decodes_a_batch_as_each_alone(llama_dir):
+    from engine_ext.request import EngineRequest
+    from engine_ext.sampling import SamplingParams
+    from tests.helpers import make_engine
+
+    engine = make_engine(llama_dir, num_blocks=64, dtype="bfloat16")
+    layer = engine.model.layers[0]
+    assert all(m.packed is not None for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, engine.model.lm_head))
+    assert make_engine(llama_dir, num_blocks=8).model.lm_head.packed is None  # fp32 stays on F.linear
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17, 30)]
+    alone = []
+    for ids in prompts:
+        engine.kv.pool.reset_cache()
+        alone.append(engine.generate(ids, params).output_token_ids)
+    engine.kv.pool.reset_cache()
+    seqs = [engine.add_request(EngineRequest(f"b{i}", ids, params)) for i, ids in enumerate(prompts)]
+    while engine.has_work:
+        engine.step()
+    assert [s.output_token_ids for s in seqs] == alone
