@@ -30,6 +30,7 @@ def _fail(message: str) -> typer.Exit:
 def _build_engine(settings: EngineSettings) -> LLMEngine:
     """The engine the settings describe; a model or setting it cannot serve fails the command."""
     try:
+        from engine_ext.async_engine import build_off_thread
         from engine_ext.engine import LLMEngine
         from engine_ext.errors import EngineError
         from engine_ext.model_store import resolve_model
@@ -38,7 +39,8 @@ def _build_engine(settings: EngineSettings) -> LLMEngine:
     try:
         config = settings.engine_config()
         model_dir = resolve_model(settings.model)
-        return LLMEngine(model_dir, config, settings.served_model_name or model_dir.name)
+        # Served, the engine is stepped on its own thread (AsyncEngine): see build_off_thread.
+        return build_off_thread(lambda: LLMEngine(model_dir, config, settings.served_model_name or model_dir.name))
     except (EngineError, ValueError) as exc:
         raise _fail(str(exc).replace("\n", "; ")) from exc
 

@@ -153,3 +153,17 @@ async def test_an_aborted_request_leaves_its_timeline_finished(engines):
     await outputs.aclose()  # the caller walks away after its first token
     assert wait_until(lambda: line.finished is not None)
     assert line.first_token is not None and line.finished >= line.first_token
+
+
+def test_build_off_thread_builds_on_a_thread_that_has_ended_and_reraises_its_error():
+    import threading
+
+    import pytest
+
+    from engine_ext.async_engine import build_off_thread
+
+    built_on: list[threading.Thread] = []
+    assert build_off_thread(lambda: built_on.append(threading.current_thread()) or 7) == 7
+    assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
+    with pytest.raises(ValueError, match="no model"):
+        build_off_thread(lambda: (_ for _ in ()).throw(ValueError("no model")))
