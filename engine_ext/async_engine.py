@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -33,21 +34,8 @@ def build_off_thread(build: Callable[[], T]) -> T:
     with a second thread's team alive, libgomp slows every parallel region of the engine
     thread (a SmolLM2 fp32 decode step took 48.7 ms against 27.9 ms, measured). A team
     ends with its thread, so the engine thread is then the only one with a team."""
-    box: dict[str, T] = {}
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            box["built"] = build()
-        except BaseException as exc:  # re-raised on the calling thread
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="kvrelay-engine-build")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return box["built"]
+    with ThreadPoolExecutor(1, thread_name_prefix="kvrelay-engine-build") as pool:
+        return pool.submit(build).result()  # leaving `with` joins the thread
 
 
 @dataclass
