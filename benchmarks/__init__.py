@@ -16,6 +16,7 @@ from benchmarks.common import report as write_report  # not `report`: that name 
 BENCHMARKS: dict[str, str] = {
     "agents": "benchmarks.agents",
     "collective": "benchmarks.collective",
+    "dtype": "benchmarks.dtype",
     "engine": "benchmarks.engine",
     "faithful": "benchmarks.faithful",
     "gateway": "benchmarks.gateway",

@@ -14,6 +14,9 @@ from kvrelay.wire.plan import ReuseMethod
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 Dtype = Literal["float32", "bfloat16", "float16"]
+# How weight products run (engine_ext/model/linear.py): oneDNN on prepacked weights, plain
+# F.linear, or auto (packed for bf16/fp16; for fp32 whichever a timing at load finds faster).
+LinearKernel = Literal["auto", "packed", "plain"]
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
@@ -405,6 +408,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     dtype: Dtype = "float32"
+    linear_kernel: LinearKernel = "auto"
     num_threads: int | None = None
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
@@ -426,3 +430,5 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if self.dtype not in TORCH_DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.linear_kernel not in get_args(LinearKernel):
+            raise ValueError(f"unsupported linear_kernel {self.linear_kernel!r}")

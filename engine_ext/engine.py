@@ -76,7 +76,7 @@ class LLMEngine:
         self.model_name = model_name or self.model_dir.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
-        self.model = load_model(self.model_dir, self.model_config, config.dtype)
+        self.model = load_model(self.model_dir, self.model_config, config.dtype, config.linear_kernel)
         self.adapters = AdapterRegistry(config.adapters, self.model_config, self.model_name, TORCH_DTYPES[config.dtype])
         self.kv_cache = KVCache(self.model_config, config)
         # KVFlow's view of the workflows, per session (engine_ext/tiers)

@@ -44,6 +44,9 @@ class EngineSettings(YamlFileSettings):
     max_num_batched_tokens: Annotated[int, Field(ge=1, description="tokens computed per engine step")] = 2048
     max_model_len: Annotated[int | None, Field(ge=2, description="cap on prompt + completion tokens")] = None
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Field(description="weights and KV dtype")] = "float32"
+    linear_kernel: Annotated[Literal["auto", "packed", "plain"], Field(
+        description="weight products: packed (oneDNN on prepacked weights) | plain (F.linear) | auto (bf16 and "
+                    "fp16 packed; fp32 timed both ways on the model's weights at load, the faster kept)")] = "auto"
     # Reuse beyond the prefix cache.
     reuse_method: Annotated[Literal["prefix", "dense", "off", "blend", "shift", "link", "kvcomm"], Field(
         description="what a planned segment that names no method gets: prefix (exact: the prefix cache and its "
@@ -156,5 +159,6 @@ class EngineSettings(YamlFileSettings):
             raise ValueError(f"invalid KV tier settings: {exc}") from exc
         return EngineConfig(kv_cache_bytes=self.kv_cache_mb * MiB, block_size=self.block_size,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            max_model_len=self.max_model_len, dtype=self.dtype, reuse=reuse, tiers=tiers,
+                            max_model_len=self.max_model_len, dtype=self.dtype,
+                            linear_kernel=self.linear_kernel, reuse=reuse, tiers=tiers,
                             adapters=self.adapter_specs())

@@ -1,26 +1,41 @@
-"""PackedLinear: nn.Linear whose product runs on a weight prepacked for oneDNN.
+"""PackedLinear: nn.Linear whose product can run on a weight prepacked for oneDNN.
 
-A decode step multiplies one row per sequence by every weight of the model, so its
-time is the time the weights take to stream from memory. For bf16 weights, oneDNN on a
-copy of the weight reordered once into its blocked layout (AMX tiles where the CPU has
-them) streams them faster than `F.linear`: on a 2-core AVX-512 machine, SmolLM2-135M
-decodes 10% faster at batch 1 and 17% at batch 8, and prefills 5-14% faster. For fp32
-the same packing is slower than `F.linear` (MKL) at batch 1, so the loader packs bf16
-models only (loader.py). The copy is made once, after the weights are loaded (`pack`);
-the plain weight stays the parameter, for what reads it (adapter training, the vLLM
-bridge).
+A decode step multiplies one row per sequence by every weight of the model, so its time
+is the time the weights take to stream from memory, and which library streams them
+faster depends on the CPU. Measured on 2-core machines, SmolLM2-135M's decode-shaped
+products over all its weights (1 and 8 rows):
+- AMD EPYC (AVX-512, no AMX), fp32: oneDNN on packed weights 26-27 ms, `F.linear`
+  (MKL) 47 ms at 1 row and 62 ms at 8: packing nearly doubles decode (16 -> 27 tok/s
+  at batch 1, 93 -> 189 at batch 8) and prefills 5-8% faster;
+- Intel with AMX, fp32: packing was slower than MKL at 1 row; bf16: packed decodes
+  10-17% faster.
+So for fp32 the loader measures both on the model's own weights and keeps the faster
+(`pack_linears(..., "auto")`); bf16 and fp16 are always packed where oneDNN exists,
+since packed they give each row the same bits whatever the batch (what lets those
+dtypes decode batched equal solo) and where the CPU has a oneDNN kernel for them (fp16
+needs AVX512-FP16; without it fp16 stays on F.linear). The packed copy is made once, after loading; the
+plain weight stays the parameter, for what reads it (adapter training, the vLLM bridge).
 
 As with `F.linear`, a row's fp32 result can differ in its last bits with the number of
-rows beside it (the kernel blocks the reduction by shape), so batched and solo decoding
-agree to rounding, not bit for bit; the engine's batched-equals-solo tests compare
-greedy tokens, as before. In bf16 both give each row the same bits whatever the batch.
+rows beside it (the kernel blocks the reduction by shape), so fp32 batched and solo
+decoding agree to rounding, not bit for bit; the engine's batched-equals-solo tests
+compare greedy tokens.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_ext.config import LinearKernel
+
+# Decode batches the choice is timed at: one sequence, and a batch of agents.
+_TIMED_ROWS = (1, 8)
+# The batch-size hint that picks oneDNN's layout; 8 measured as fast as 1 at one row.
+_PACK_HINT = 8
 
 
 def onednn_available() -> bool:
@@ -30,15 +45,18 @@ def onednn_available() -> bool:
 
 class PackedLinear(nn.Linear):
     """nn.Linear, plus `pack()`: from then on the product reads a oneDNN-packed copy of
-    the weight. Unpacked (before `pack`, or where oneDNN is absent) it is nn.Linear."""
+    the weight. Unpacked (before `pack`, after `unpack`, or where oneDNN is absent) it
+    is nn.Linear."""
 
     packed: torch.Tensor | None = None
 
     def pack(self) -> None:
         """Prepack the current weight (call again after changing it)."""
         with torch.no_grad():
-            # The batch-size hint picks the layout; 1 is the decode step's shape.
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), _PACK_HINT)
+
+    def unpack(self) -> None:
+        self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dtype != self.weight.dtype:
@@ -46,11 +64,48 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Pack every PackedLinear of `model` when oneDNN is there; how many were packed."""
-    if not onednn_available():
-        return 0
+def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> int:
+    """Pack the PackedLinears of `model` when oneDNN is there and `kernel` (or, for
+    "auto", the dtype or a timing on the model's own weights) says so; how many were packed."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    for layer in layers:
-        layer.pack()
+    if kernel == "plain" or not layers or not onednn_available():
+        return 0
+    try:
+        for layer in layers:
+            layer.pack()
+    except RuntimeError:  # no oneDNN kernel for this dtype on this CPU (fp16 without AVX512-FP16)
+        for layer in layers:
+            layer.unpack()
+        return 0
+    if kernel == "auto" and layers[0].weight.dtype == torch.float32 and not _packed_is_faster(layers):
+        for layer in layers:
+            layer.unpack()
+        return 0
     return len(layers)
+
+
+def _packed_is_faster(layers: list[PackedLinear], rounds: int = 3) -> bool:
+    """Time decode-shaped products over every layer, packed and plain in alternating
+    rounds (the weights stream from memory as in a real step); compare the best rounds."""
+    inputs = {(layer.in_features, rows): torch.randn(rows, layer.in_features, dtype=layer.weight.dtype)
+              for layer in layers for rows in _TIMED_ROWS}
+    packed = [layer.packed for layer in layers]
+
+    def sweep(use_packed: bool) -> float:
+        for layer, copy in zip(layers, packed):
+            layer.packed = copy if use_packed else None
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for rows in _TIMED_ROWS:
+                for layer in layers:
+                    layer(inputs[layer.in_features, rows])
+        return time.perf_counter() - start
+
+    best = {True: float("inf"), False: float("inf")}
+    for round_ in range(rounds + 1):
+        timings = {use: sweep(use) for use in (True, False)}
+        if round_:  # the first round only warms both paths
+            best = {use: min(best[use], timings[use]) for use in best}
+    for layer, copy in zip(layers, packed):
+        layer.packed = copy
+    return best[True] <= best[False]

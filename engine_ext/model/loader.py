@@ -9,14 +9,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine_ext.config import TORCH_DTYPES, ModelConfig
+from engine_ext.config import TORCH_DTYPES, LinearKernel, ModelConfig
 from engine_ext.errors import ModelLoadError
 from engine_ext.model.llama import CausalLM
 from engine_ext.model.linear import pack_linears
 
-# Measured on a 2-core AVX-512/AMX machine (benchmarks and engine_ext/model/linear.py): packed
-# bf16 decodes 10-17% faster; packed fp32 is slower than MKL at batch 1, so fp32 stays plain.
-PACKED_DTYPES = ("bfloat16",)
 
 
 def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -74,8 +71,10 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return state
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, dtype: str = "float32") -> CausalLM:
-    """Build the model on CPU and load its weights; shape mismatches raise ModelLoadError."""
+def load_model(model_dir: Path, cfg: ModelConfig, dtype: str = "float32",
+               linear_kernel: LinearKernel = "auto") -> CausalLM:
+    """Build the model on CPU and load its weights; shape mismatches raise ModelLoadError.
+    `linear_kernel` says how the weight products run (engine_ext/model/linear.py)."""
     state = _fused_state_dict(_read_checkpoint(Path(model_dir)), cfg)
     # Build on the meta device and adopt the checkpoint tensors: no random init, no copy.
     with torch.device("meta"):
@@ -91,6 +90,5 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: str = "float32") -> Cau
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(TORCH_DTYPES[dtype]).eval()
-    if dtype in PACKED_DTYPES:
-        pack_linears(model)
+    pack_linears(model, linear_kernel)
     return model

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -49,11 +51,43 @@ def test_unpacked_it_is_nn_linear_and_pack_linears_packs_each_layer():
     x = torch.randn(3, 16)
     plain = model(x)
     assert all(m.packed is None for m in model if isinstance(m, PackedLinear))
-    assert pack_linears(model) == 2
+    assert pack_linears(model, "packed") == 2
     torch.testing.assert_close(model(x), plain, atol=1e-6, rtol=1e-5)
     model[0].weight.data.mul_(2.0)  # a changed weight counts once packed again
     model[0].pack()
     assert not torch.allclose(model(x), plain)
+
+
+def _slowed(op):
+    """`op`, taking a millisecond longer per call: a kernel the timing must find slower."""
+    def slow(*args, **kwargs):
+        time.sleep(1e-3)
+        return op(*args, **kwargs)
+    return slow
+
+
+@pytest.mark.parametrize("slow_side", ["packed", "plain"])
+def test_auto_keeps_the_kernel_a_timing_finds_faster_for_fp32(monkeypatch, slow_side):
+    model = nn.Sequential(PackedLinear(64, 96), PackedLinear(96, 64, bias=False))
+    x = torch.randn(3, 64)
+    plain = model(x)
+    if slow_side == "packed":
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", _slowed(torch.ops.mkldnn._linear_pointwise))
+    else:
+        monkeypatch.setattr(nn.functional, "linear", _slowed(nn.functional.linear))
+    packed = pack_linears(model, "auto")
+    assert packed == (0 if slow_side == "packed" else 2)
+    assert all((m.packed is None) == (slow_side == "packed") for m in model)
+    torch.testing.assert_close(model(x), plain, atol=1e-6, rtol=1e-5)
+
+
+def test_auto_packs_bf16_without_timing_and_plain_packs_nothing(monkeypatch):
+    def no_timing(layers):
+        raise AssertionError("bf16 is packed for its batch-independent rows, not timed")
+    monkeypatch.setattr("engine_ext.model.linear._packed_is_faster", no_timing)
+    model = nn.Sequential(PackedLinear(64, 96), PackedLinear(96, 64)).to(torch.bfloat16)
+    assert pack_linears(model, "plain") == 0 and all(m.packed is None for m in model)
+    assert pack_linears(model, "auto") == 2 and all(m.packed is not None for m in model)
 
 
 def test_a_bf16_engine_packs_its_linears_and_decodes_a_batch_as_each_alone(llama_dir):
@@ -64,7 +98,8 @@ def test_a_bf16_engine_packs_its_linears_and_decodes_a_batch_as_each_alone(llama
     engine = make_engine(llama_dir, num_blocks=64, dtype="bfloat16")
     layer = engine.model.layers[0]
     assert all(m.packed is not None for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj, engine.model.lm_head))
-    assert make_engine(llama_dir, num_blocks=8).model.lm_head.packed is None  # fp32 stays on F.linear
+    assert make_engine(llama_dir, num_blocks=8, linear_kernel="plain").model.lm_head.packed is None
+    assert make_engine(llama_dir, num_blocks=8, linear_kernel="packed").model.lm_head.packed is not None
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     prompts = [torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 17, 30)]
     alone = []
