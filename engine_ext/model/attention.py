@@ -137,8 +137,10 @@ def paged_attention(
         k_dec = k_cache.index_select(0, flat).view(batch, max_len, *k_cache.shape[1:]).transpose(1, 2)
         v_dec = v_cache.index_select(0, flat).view(batch, max_len, *v_cache.shape[1:]).transpose(1, 2)
         # k_dec, v_dec: (B, kv_heads, Lmax, D)
+        # A lone sequence has no padding to mask: the unmasked kernel is quicker and the same.
+        mask = None if batch == 1 else meta.decode_mask
         o = F.scaled_dot_product_attention(
-            q_dec, k_dec, v_dec, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+            q_dec, k_dec, v_dec, attn_mask=mask, scale=scale, enable_gqa=True
         )  # (B, heads, 1 or 2, D)
         out[meta.decode_start : num_kv] = o[:, :, 0, :]
         if num_decoders:
