@@ -188,6 +188,10 @@ class AnchorConfig:
     anchors is dropped. Distances are L2 norms of the difference of the base values (all
     layers but the first), as in the paper; they grow with the sample's length, so long
     samples get sharper weights (a lower entropy) at the same temperature.
+
+    Samples are chunks of at most `chunk_tokens` of a placeholder, each decided in the
+    pool of its chunk position (engine_ext/kvcomm/bank.py): a new document longer than
+    every anchor is still predicted, chunk by chunk.
     """
 
     gamma: float = 0.3
@@ -195,6 +199,7 @@ class AnchorConfig:
     prune_window: int = 5
     temperature: float = 1.0
     correction: KvcommCorrection = "full"
+    chunk_tokens: int = 128
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
@@ -205,6 +210,8 @@ class AnchorConfig:
             raise ValueError("anchors.prune_window must be in [1, max_anchors]")
         if self.temperature <= 0.0:
             raise ValueError("anchors.temperature must be > 0")
+        if self.chunk_tokens < 1:
+            raise ValueError("anchors.chunk_tokens must be >= 1")
         if self.correction not in get_args(KvcommCorrection):
             raise ValueError(f"unknown kvcomm correction {self.correction!r}")
 

@@ -1,15 +1,15 @@
 """Anchors and their pools: what KVCOMM has measured about a placeholder's samples.
 
-An anchor is one sample of a placeholder (one user question, one answer of an agent)
-that was computed densely in the prompts of the agents that read it. It keeps the
+An anchor is one sample of a placeholder (one chunk of a user question or of an
+agent's answer: long texts are cut into chunks, bank.py) that was computed densely in the prompts of the agents that read it. It keeps the
 sample's base KV (the segment index's entry, canonical frame) and, per agent, how far
 the real KV in that agent's prompt was from the base: the placeholder offset, and the
 offset of the fixed segment that followed the placeholder there. Offsets are stored in
 the canonical frame too (keys rotated back to position 0), so they apply wherever the
 placeholder lands next time.
 
-A pool holds the anchors of one placeholder name of one app, shared by every session of
-that app: a recurring workflow learns once.
+A pool holds the anchors of one chunk position of one placeholder name of one app,
+shared by every session of that app: a recurring workflow learns once.
 
 An offset is exact only against the KV it was measured from. The segment index may
 evict an entry and register the same tokens again with other KV (computed behind
@@ -22,9 +22,18 @@ offset to the index's KV only where the identities are equal (bank.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from engine_ext.kv.blobs import Blob
 from engine_ext.kv.segment_index import EntryIdentity
+
+
+class SampleIdentity(NamedTuple):
+    """Which KV a sample's base is: a chunk of one version of an index entry. A long
+    placeholder is decided chunk by chunk (bank.py), each chunk a sample of its own."""
+
+    entry: EntryIdentity
+    offset: int  # the chunk's first token within the entry
 
 
 @dataclass
@@ -60,7 +69,7 @@ class Anchor:
     # offsets stay consistent with it for predicting other samples whatever the index
     # holds later; but they are added to the index's KV for these very tokens only while
     # the index holds this version (None: from no known entry, never).
-    base_identity: EntryIdentity | None = None
+    base_identity: SampleIdentity | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -74,10 +83,10 @@ class Anchor:
         with this agent's offsets measured."""
         return self.num_tokens >= num_tokens and agent_id in self.offsets
 
-    def exact_for(self, entry: EntryIdentity) -> bool:
-        """Whether its offsets were measured against this very entry (content and
-        version), so adding them to it reproduces the measured KV."""
-        return self.base_identity == entry
+    def exact_for(self, sample: SampleIdentity) -> bool:
+        """Whether its offsets were measured against this very chunk of this very entry
+        (content and version), so adding them to it reproduces the measured KV."""
+        return self.base_identity == sample
 
 
 class AnchorPool:

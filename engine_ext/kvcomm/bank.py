@@ -1,17 +1,32 @@
-"""AnchorBank: KVCOMM's anchor pools, one per (tenant and app, placeholder name), and its two acts.
+"""AnchorBank: KVCOMM's anchor pools, one per (tenant and app, placeholder name, chunk position), and its two acts.
 
-1. `decide`, at admission, for a placeholder whose base KV the segment index holds:
-   - the sample is itself an anchor with this agent's offsets: use them alone (exact);
+Samples are chunks. A placeholder on real agent traffic is often a new document far
+longer than anything measured before, and the paper's rule (an anchor serves a sample
+only when it is at least as long) then leaves it without an eligible anchor, so it is
+measured densely every time. So the assembler cuts a placeholder into chunks of
+`chunk_tokens` and decides each chunk as a sample of its own, in the pool of its chunk
+position: how a text's KV shifts behind another agent's prefix depends on how far the
+text has gone from that prefix, and chunk j of one document is the best guide to chunk
+j of the next. A chunk position no earlier sample reached (a longer document) is
+predicted from the nearest earlier position that has eligible anchors (`fallback`): the
+deepest chunks measured describe the deep ones best.
+
+1. `decide`, at admission, for a chunk whose base KV the segment index holds:
+   - the chunk is itself an anchor with this agent's offsets: use them alone (exact);
    - else the eligible anchors (at least as long, measured for this agent) are weighed
      by distance; if the entropy criterion holds, the anchors carrying 90% of the
-     weight predict the placeholder as base + sum of weights x their offsets (weights
+     weight predict the chunk as base + sum of weights x their offsets (weights
      per token, from each one's distance at that token), and the fixed segment after it
      as its base + the same anchors' prefix offsets (whole-sample weights);
-   - otherwise the sample is measured: computed densely here and recorded.
+   - otherwise the chunk is measured: computed densely here and recorded.
+   An anchor of the same text measured for other agents only is not a reason to
+   measure: the chunk is predicted from this agent's other anchors like a new text,
+   and gains this agent's offsets only when it must be measured anyway.
    Deciding changes nothing, so a request admitted twice (after a failed allocation)
    is decided twice without counting twice.
 2. `commit`, once the prompt is computed: activation counts of the anchors a prediction
-   used go up, and measured samples become anchors (or gain this agent's offsets).
+   used go up, and measured chunks become anchors (or gain this agent's offsets).
+   What measuring cost is counted in tokens (`stats`).
 
 All tensors live in cache blocks through a BlobStore: anchors share the engine's one
 memory budget and LRU, and an anchor whose blocks were evicted is dropped when next seen.
@@ -20,12 +35,13 @@ Offsets are keyed to the exact base they were measured against. The segment inde
 evict an entry and register the same tokens again with other KV (EntryIdentity,
 kv/segment_index.py), and real - old base added to a new base is no longer the real KV.
 So an offset is added to the index's KV only where it was measured against that very
-version: an exact anchor's placeholder offsets against the placeholder's entry, every
-anchor's prefix offsets against the fixed segment's entry. Refused ones are counted in
-the decision's detail (`stale_anchors`, `stale_prefix_offsets`), never applied silently.
-An anchor used as a neighbour for another sample is not refused: its offsets are added
-to a different text's KV by design, weighed by the distance from its own base copy, and
-that copy is the very KV they were measured against whatever the index holds now.
+version: an exact anchor's placeholder offsets against the same chunk of the
+placeholder's entry, every anchor's prefix offsets against the fixed segment's entry.
+Refused ones are counted in the decision's detail (`stale_anchors`,
+`stale_prefix_offsets`), never applied silently. An anchor used as a neighbour for
+another sample is not refused: its offsets are added to a different text's KV by
+design, weighed by the distance from its own base copy, and that copy is the very KV
+they were measured against whatever the index holds now.
 """
 
 from __future__ import annotations
@@ -41,24 +57,26 @@ from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root
 from engine_ext.kv.segment_index import EntryIdentity, SegmentEntry, SegmentIndex
 from engine_ext.kvcomm import offsets
-from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool
+from engine_ext.kvcomm.anchors import AgentOffsets, Anchor, AnchorPool, SampleIdentity
 from engine_ext.kvcomm.criterion import nucleus, predict
 from engine_ext.kvcomm.offsets import Correction
 
-PoolKey = tuple[str, str, str]  # (tenant, app id, placeholder name)
+PoolKey = tuple[str, str, str, int]  # (tenant, app id, placeholder name, chunk position)
 
 
 class Decision(NamedTuple):
-    """What to do with one placeholder (and the fixed segment after it)."""
+    """What to do with one chunk of a placeholder (and, for its last chunk, the fixed
+    segment after it)."""
 
     predicted: bool  # False: compute densely and measure
     pool: PoolKey
     agent_id: str
-    anchors: list[Anchor]  # predicted from (their activations go up on commit), or the anchor to measure
+    anchors: list[Anchor]  # predicted from (their activations go up on commit); none when measured
     placeholder: Correction | None
     prefix: Correction | None  # None: the following segment is not corrected
     detail: dict[str, Any]  # reported per placeholder
     prefix_base: EntryIdentity | None = None  # the fixed segment's entry `prefix` was measured against
+    num_tokens: int = 0  # the chunk's tokens, when predicted
 
 
 class Measurement(NamedTuple):
@@ -66,11 +84,16 @@ class Measurement(NamedTuple):
 
     decision: Decision
     token_ids: tuple[int, ...]
-    position: int  # where the placeholder starts in the prompt
-    base: SegmentEntry  # pinned until the commit
-    prefix_token_ids: tuple[int, ...] | None  # the fixed segment after it, if any
+    position: int  # where the chunk starts in the prompt
+    base: SegmentEntry  # the placeholder's entry, pinned until the commit
+    prefix_token_ids: tuple[int, ...] | None  # the fixed segment after it, if any (last chunk only)
     prefix_position: int
     tenant: str = DEFAULT_TENANT  # whose segment index holds its prefix
+    offset: int = 0  # where the chunk starts within `base`
+
+    @property
+    def identity(self) -> SampleIdentity:
+        return SampleIdentity(self.base.identity, self.offset)
 
 
 class AnchorBank:
@@ -88,12 +111,17 @@ class AnchorBank:
         self.correction = config.correction  # the ablation switch, settable at run time
         self.num_predicted = 0
         self.num_measured = 0
+        self.num_predicted_tokens = 0  # placed from anchors
+        self.num_measured_tokens = 0  # computed densely to be measured: what learning costs
         self.num_skipped = 0  # measurements not recorded for lack of free blocks
 
     # -- deciding ----------------------------------------------------------------------
     def decide(self, pool_key: PoolKey, agent_id: str, token_ids: tuple[int, ...], base: SegmentEntry,
-               prefix_token_ids: tuple[int, ...] | None) -> Decision:
-        """Predict or measure the sample `token_ids`, whose index entry is `base`.
+               prefix_token_ids: tuple[int, ...] | None, offset: int = 0,
+               fallback: tuple[PoolKey, ...] = ()) -> Decision:
+        """Predict or measure the chunk `token_ids`, which starts `offset` tokens into the
+        index entry `base`. Neighbours come from `pool_key`'s pool or, where it has no
+        eligible anchor, from the first of the `fallback` pools that has.
 
         An exact anchor measured against another version of `base` is refused: treated
         as absent (neither exact nor a neighbour for its own tokens), so the sample is
@@ -103,33 +131,31 @@ class AnchorBank:
         samples as a neighbour (its base copy matches its offsets), and the re-measured
         anchor keeps its place and activations, so a recurring sample is not pruned for
         having been evicted from the index."""
-        pool = self.pools.get(pool_key)
-        if pool is not None:
-            self._drop_invalid(pool)
+        pool = self._pool(pool_key)
         stale: dict[str, int] = {}
         exact = pool.find(token_ids) if pool is not None else None
         refused = None
-        if exact is not None and not exact.exact_for(base.identity):
+        if exact is not None and not exact.exact_for(SampleIdentity(base.identity, offset)):
             refused, exact = exact, None
             stale["stale_anchors"] = 1
         prefix_base = self._current(prefix_token_ids, pool_key[0])
-        if exact is not None:
-            if agent_id not in exact.offsets:
-                return self._measure(pool_key, agent_id, [exact], {"anchor": "measured", "anchors_used": 0})
+        if exact is not None and agent_id in exact.offsets:
             return self._predicted(pool_key, agent_id, [exact], torch.ones(1, len(token_ids)), torch.ones(1),
                                    prefix_token_ids, prefix_base, {"anchor": "exact", "anchors_used": 1})
-        eligible = [a for a in pool.eligible(agent_id, len(token_ids)) if a is not refused] if pool is not None else []
+        eligible, source = self._eligible((pool_key, *fallback), agent_id, len(token_ids), (exact, refused))
         if not eligible:
-            return self._measure(pool_key, agent_id, [],
-                                 {"anchor": "new", "anchors_used": 0, "eligible": 0, **stale})
-        base_slots = self.index.slots(base)
+            label = "measured" if exact is not None else "new"
+            return self._measure(pool_key, agent_id, {"anchor": label, "anchors_used": 0, "eligible": 0, **stale})
+        base_slots = self.index.slots(base)[offset : offset + len(token_ids)]  # (n,)
         token_dist = offsets.token_distances(self.kv_cache, base_slots,
                                              [self.blobs.slots(a.base) for a in eligible])  # (A, n)
         pred = predict(offsets.sample_distances(token_dist), self.config.gamma, self.config.temperature)
         detail = {"eligible": len(eligible), "entropy": round(pred.entropy, 4),
                   "threshold": round(pred.threshold, 4), **stale}
+        if source != pool_key:
+            detail["from_chunk"] = source[3]
         if not pred.shareable:
-            return self._measure(pool_key, agent_id, [], {"anchor": "new", "anchors_used": 0, **detail})
+            return self._measure(pool_key, agent_id, {"anchor": "new", "anchors_used": 0, **detail})
         # The anchors carrying the weight predict; per token, each weighs by its own distance there.
         used = nucleus(pred.weights)
         token_weights = torch.softmax(-token_dist[used] / self.config.temperature, dim=0)  # (U, n)
@@ -137,14 +163,42 @@ class AnchorBank:
         return self._predicted(pool_key, agent_id, [eligible[i] for i in used], token_weights, pred.weights[used],
                                prefix_token_ids, prefix_base, detail)
 
+    def _pool(self, key: PoolKey) -> AnchorPool | None:
+        """The pool of `key`, without the anchors whose blocks were evicted."""
+        pool = self.pools.get(key)
+        if pool is not None:
+            self._drop_invalid(pool)
+        return pool
+
+    def _eligible(self, keys: tuple[PoolKey, ...], agent_id: str, num_tokens: int,
+                  excluded: tuple[Anchor | None, ...]) -> tuple[list[Anchor], PoolKey]:
+        """The eligible anchors of the first pool of `keys` that has any, and its key."""
+        for key in keys:
+            pool = self._pool(key)
+            found = [a for a in pool.eligible(agent_id, num_tokens) if a not in excluded] if pool else []
+            if found:
+                return found, key
+        return [], keys[0]
+
     def _current(self, token_ids: tuple[int, ...] | None, tenant: str) -> EntryIdentity | None:
         """The identity of the index's entry for a fixed segment now (None: none held).
         A peek, not a lookup: the assembler looks it up itself when it places it."""
         entry = self.index.peek(token_ids, tenant) if token_ids is not None else None
         return entry.identity if entry is not None else None
 
-    def _measure(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], detail: dict) -> Decision:
-        return Decision(False, pool_key, agent_id, anchors, None, None, detail)
+    @staticmethod
+    def _measure(pool_key: PoolKey, agent_id: str, detail: dict[str, Any]) -> Decision:
+        return Decision(False, pool_key, agent_id, [], None, None, detail)
+
+    @staticmethod
+    def measuring(decision: Decision) -> Decision:
+        """The same chunk measured instead: another chunk of its placeholder must be
+        measured, and a placeholder is computed densely whole (a chunk computed behind
+        predicted ones would be measured against approximate KV)."""
+        if not decision.predicted:
+            return decision
+        return Decision(False, decision.pool, decision.agent_id, [], None, None,
+                        {**decision.detail, "anchor": "measured"})
 
     def _predicted(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], token_weights: torch.Tensor,
                    weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None,
@@ -169,7 +223,7 @@ class AnchorBank:
                 w = weights[measured] / weights[measured].sum()  # (A',)
                 prefix = Correction([self.blobs.slots(anchors[i].offsets[agent_id].prefix) for i in measured], w)
         return Decision(True, pool_key, agent_id, anchors, placeholder, prefix, detail,
-                        prefix_base if prefix is not None else None)
+                        prefix_base if prefix is not None else None, token_weights.shape[1])
 
     def blobs_of(self, decision: Decision) -> list[Blob]:
         """The blobs a decision reads: pinned from admission until the prefill is done."""
@@ -182,6 +236,7 @@ class AnchorBank:
         """A prediction ran: its anchors were activated."""
         if decision.predicted and self.learning:
             self.num_predicted += 1
+            self.num_predicted_tokens += decision.num_tokens
             for anchor in decision.anchors:
                 anchor.num_activations += 1
 
@@ -191,13 +246,14 @@ class AnchorBank:
         An anchor of these tokens measured against another version of the base is
         replaced by this measurement (its other agents' offsets go with it: they too
         were measured against the old version)."""
+        self.num_measured_tokens += len(m.token_ids)  # computed densely, whether recorded or not
         if not self.learning or not self.index.is_current(m.base):
             return False
         d = m.decision
         pool = self.pools.setdefault(d.pool, AnchorPool(self.config.max_anchors, self.config.prune_window))
         anchor = pool.find(m.token_ids)
         stale = None
-        if anchor is not None and not anchor.exact_for(m.base.identity):
+        if anchor is not None and not anchor.exact_for(m.identity):
             stale, anchor = anchor, None
         if anchor is not None and d.agent_id in anchor.offsets:
             return False  # another request measured it meanwhile
@@ -218,7 +274,10 @@ class AnchorBank:
                 self.num_skipped += 1
                 return False
             if anchor is None:
-                self.index.copy_shifted(self.index.slots(m.base), self.blobs.slots(base), 0)  # same frame
+                # The chunk's own frame (it starts at position 0), as its offsets are measured
+                # in: they then apply to a chunk at any position, another chunk position included.
+                chunk = self.index.slots(m.base)[m.offset : m.offset + n]  # (n,)
+                self.index.copy_shifted(chunk, self.blobs.slots(base), -m.offset)
             offsets.measure(self.kv_cache, self.shifter, real, m.position, self.blobs.slots(base),
                             self.blobs.slots(placeholder))
             if prefix is not None:
@@ -231,7 +290,7 @@ class AnchorBank:
         for blob in new_blobs:
             self.blobs.seal(blob)
         if anchor is None:
-            anchor = Anchor(next(self._ids), m.token_ids, base, base_identity=m.base.identity)
+            anchor = Anchor(next(self._ids), m.token_ids, base, base_identity=m.identity)
             if stale is not None:
                 pool.replace(stale, anchor)
                 self._discard(stale)
@@ -274,4 +333,5 @@ class AnchorBank:
         live = [b for a in anchors for b in a.blobs() if self.blobs.valid(b)]
         return {"pools": len(self.pools), "anchors": len(anchors),
                 "anchor_bytes": sum(self.blobs.num_bytes(b) for b in live),
-                "predicted": self.num_predicted, "measured": self.num_measured, "skipped": self.num_skipped}
+                "predicted": self.num_predicted, "measured": self.num_measured, "skipped": self.num_skipped,
+                "predicted_tokens": self.num_predicted_tokens, "measured_tokens": self.num_measured_tokens}

@@ -81,3 +81,16 @@ def _weighted_sum(cache: torch.Tensor, stacked: torch.Tensor, weights: torch.Ten
     num_anchors, n = weights.shape
     rows = cache.index_select(0, stacked).float().view(num_anchors, n, -1)  # (A, n, kv_heads * D)
     return torch.einsum("an,anx->nx", weights.float(), rows).view(n, *cache.shape[1:])
+
+
+class ChunkedCorrection(NamedTuple):
+    """A placeholder's corrections, one per chunk (each predicted from its own anchors,
+    bank.py), applied where each chunk lands."""
+
+    chunks: list[tuple[int, Correction]]  # (first token of the chunk within the segment, its correction)
+
+    def apply(self, kv_cache: KVCache, shifter: RopeShifter, dst: torch.Tensor, position: int) -> None:
+        """Add each chunk's offsets to its part of the slots `dst` (n,), which start at `position`."""
+        bounds = [start for start, _ in self.chunks[1:]] + [dst.shape[0]]
+        for (start, correction), end in zip(self.chunks, bounds):
+            correction.apply(kv_cache, shifter, dst[start:end], position + start)

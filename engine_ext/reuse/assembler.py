@@ -13,14 +13,14 @@ both are computed densely and the placeholder is measured once the prompt is don
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from engine_ext.config import ReuseConfig
 from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.kv.segment_index import SegmentEntry, SegmentIndex
-from engine_ext.kvcomm import AnchorBank, Correction, Decision, Measurement
+from engine_ext.kvcomm import AnchorBank, ChunkedCorrection, Correction, Decision, Measurement
 from engine_ext.reuse.locks import BlobLock, CacheLock, SegmentLock
 from engine_ext.reuse.methods import METHODS
 from engine_ext.reuse.segments import (
@@ -39,7 +39,7 @@ class PlacedSegment(NamedTuple):
     method: ReuseMethod  # shift | blend | link | kvcomm
     entry: SegmentEntry
     num_linked: int  # tokens at its start recomputed in every layer (link; the last prompt token)
-    correction: Correction | None = None  # kvcomm: offsets added after the shift
+    correction: Correction | ChunkedCorrection | None = None  # kvcomm: offsets added after the shift
     kvcomm: dict | None = None  # kvcomm: what the anchor bank decided, reported
 
 
@@ -151,7 +151,12 @@ class Assembler:
                 token_ids: list[int], scope: ReuseScope | None) -> int:
         """Decide a kvcomm segment (and the fixed segment after a placeholder); returns
         how many segments it consumed. A shared block or fixed prefix on its own, with no
-        placeholder before it, has no anchors: it is placed by the RoPE shift alone."""
+        placeholder before it, has no anchors: it is placed by the RoPE shift alone.
+
+        A placeholder is decided chunk by chunk (engine_ext/kvcomm/bank.py). It is placed
+        only when every chunk is predicted; else it is computed densely whole and every
+        chunk is measured (a chunk computed behind predicted ones would be measured
+        against approximate KV, and the dense computation is paid either way)."""
         if seg.kind != "placeholder" or self.bank is None or scope is None or scope.agent_id is None:
             self.index.acquire(entry)
             assembly.placed.append(PlacedSegment(seg, "shift", entry, 0))
@@ -161,28 +166,49 @@ class Assembler:
                                      or follower.num_tokens < self.config.min_segment_tokens):
             follower = None  # only a fixed segment right after it (template tokens apart) is its prefix
         follower_ids = tuple(token_ids[follower.start : follower.end]) if follower else None
-        sample = tuple(token_ids[seg.start : seg.end])
-        pool = (scope.tenant, scope.app_id, seg.name or "")  # anchors never cross tenants
-        decision = self.bank.decide(pool, scope.agent_id, sample, entry, follower_ids)
-        self.index.acquire(entry)
-        if not decision.predicted:
-            assembly.measurements.append(Measurement(decision, sample, seg.start, entry, follower_ids,
-                                                     follower.start if follower else 0, scope.tenant))
+        chunks = _chunks(seg.num_tokens, self.config.anchors.chunk_tokens)
+        decisions = []
+        for j, (start, end) in enumerate(chunks):
+            pool = (scope.tenant, scope.app_id, seg.name or "", j)  # anchors never cross tenants
+            fallback = tuple(pool[:3] + (i,) for i in range(j - 1, -1, -1))
+            last = j == len(chunks) - 1
+            decisions.append(self.bank.decide(pool, scope.agent_id, tuple(token_ids[seg.start + start : seg.start + end]),
+                                              entry, follower_ids if last else None, start, fallback))
+        detail = _summary(decisions)
+        if not all(d.predicted for d in decisions):
+            for (start, end), decision in zip(chunks, decisions):
+                last = end == seg.num_tokens
+                self.index.acquire(entry)  # a pin per measurement: each lets go of its own (`locks`)
+                assembly.measurements.append(Measurement(
+                    self.bank.measuring(decision), tuple(token_ids[seg.start + start : seg.start + end]),
+                    seg.start + start, entry, follower_ids if last else None,
+                    follower.start if follower and last else 0, scope.tenant, start))
             assembly.dense.append(SegmentOutcome(seg, "dense", 0, seg.num_tokens, "kvcomm: measured as an anchor",
-                                                 kvcomm=decision.detail))
+                                                 kvcomm=detail))
             if follower is not None:
                 assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
                                                      "kvcomm: measured after its placeholder"))
             return 2 if follower is not None else 1
-        for blob in self.bank.blobs_of(decision):
-            self.bank.blobs.acquire(blob)
-        assembly.decisions.append(decision)
-        assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, decision.placeholder, decision.detail))
+        self.index.acquire(entry)
+        for decision in decisions:
+            for blob in self.bank.blobs_of(decision):
+                self.bank.blobs.acquire(blob)
+        assembly.decisions += decisions
+        parts = [(start, d.placeholder) for (start, _), d in zip(chunks, decisions) if d.placeholder is not None]
+        correction = None if not parts else parts[0][1] if len(parts) == 1 else ChunkedCorrection(parts)
+        assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, correction, detail))
         if follower is None:
             return 1
+        self._follower(assembly, follower, follower_ids, decisions[-1], scope.tenant)
+        return 2
+
+    def _follower(self, assembly: Assembly, follower: TokenSegment, follower_ids: tuple[int, ...] | None,
+                  decision: Decision, tenant: str) -> None:
+        """Place the fixed segment after a predicted placeholder with the prefix offsets
+        of its last chunk's anchors, or compute it."""
         # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
         corrected = decision.prefix is not None or self.bank.correction != "full"
-        follower_entry = self.index.lookup(follower_ids, scope.tenant) if corrected else None
+        follower_entry = self.index.lookup(follower_ids, tenant) if corrected and follower_ids else None
         # Prefix offsets are added only to the version of its entry they were measured against.
         stale = decision.prefix is None and bool(decision.detail.get("stale_prefix_offsets"))
         if (follower_entry is not None and decision.prefix is not None
@@ -195,7 +221,6 @@ class Assembler:
         else:
             self.index.acquire(follower_entry)
             assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix))
-        return 2
 
     def _refusal(self, seg: TokenSegment, method: ReuseMethod, num_hit: int) -> str | None:
         """Why this segment must be computed densely, or None if it may be placed."""
@@ -220,3 +245,30 @@ class Assembler:
             self.bank.commit(decision)
         for measurement in assembly.measurements:
             self.bank.record(measurement, prompt_slots)
+
+
+def _chunks(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """A placeholder's chunks as (start, end) within it: `chunk_tokens` each, the last shorter."""
+    return [(start, min(start + chunk_tokens, num_tokens)) for start in range(0, num_tokens, chunk_tokens)]
+
+
+def _summary(decisions: list[Decision]) -> dict[str, Any]:
+    """What the anchor bank decided for a placeholder, reported on its outcome: a single
+    chunk's detail as it is; for several, the first unpredicted chunk's verdict (or
+    `exact` / `hit` when all were predicted) and counts over the chunks."""
+    if len(decisions) == 1:
+        return decisions[0].detail
+    missed = next((d for d in decisions if not d.predicted), None)
+    if missed is not None:
+        anchor = missed.detail["anchor"]
+    else:
+        anchor = "exact" if all(d.detail["anchor"] == "exact" for d in decisions) else "hit"
+    detail: dict[str, Any] = {"anchor": anchor, "anchors_used": sum(d.detail["anchors_used"] for d in decisions),
+                              "chunks": len(decisions), "chunks_predicted": sum(d.predicted for d in decisions)}
+    fallbacks = sum("from_chunk" in d.detail for d in decisions)
+    if fallbacks:
+        detail["chunks_from_earlier_positions"] = fallbacks
+    stale = sum(d.detail.get("stale_anchors", 0) for d in decisions)
+    if stale:
+        detail["stale_anchors"] = stale
+    return detail

@@ -18,7 +18,7 @@ from engine_ext.kvcomm import Anchor, AnchorBank, Decision, Measurement
 from engine_ext.rope import RopeShifter
 
 BLOCK = 4
-POOL = ("default", "app", "user_question")
+POOL = ("default", "app", "user_question", 0)
 SAMPLE = tuple(range(10, 22))  # 12 tokens: 3 blocks
 INSTRUCTION = tuple(range(40, 48))  # the fixed segment after the placeholder: 2 blocks
 SYSTEM = 6  # tokens before the placeholder in the agent's prompt
@@ -153,12 +153,12 @@ def test_offsets_of_an_evicted_and_reregistered_base_are_never_applied_to_the_ne
     run_agent(r, SAMPLE, seed=10)
     assert run_agent(r, SAMPLE, seed=11).detail["anchor"] == "exact"
     stale = the_anchor(r)
-    assert stale.base_identity == old.identity and stale.num_activations == 1
+    assert stale.base_identity.entry == old.identity and stale.num_activations == 1
     # The LRU evicts the sample's entry (the anchor and the instruction stay); the sample is
     # computed again behind another prefix and registered: same tokens, other KV.
     evict(r, keep=anchor_blobs(r) + [r.index.lookup(INSTRUCTION).blob])
     new = produce(r, SAMPLE, seed=2)
-    assert new.key == old.key and new.identity != stale.base_identity
+    assert new.key == old.key and new.identity != stale.base_identity.entry
     v_old = r.kv_cache.layers[-1][1][r.bank.blobs.slots(stale.base)]
     v_new = r.kv_cache.layers[-1][1][r.index.slots(new)]
     assert not torch.allclose(v_old, v_new)  # real - old base + new base would not be the real KV
@@ -168,7 +168,7 @@ def test_offsets_of_an_evicted_and_reregistered_base_are_never_applied_to_the_ne
     assert refused.detail == {"anchor": "new", "anchors_used": 0, "eligible": 0, "stale_anchors": 1}
     # Re-measured against the new version: replaced in place, its activations kept.
     fresh = the_anchor(r)
-    assert fresh is not stale and fresh.base_identity == new.identity and fresh.num_activations == 1
+    assert fresh is not stale and fresh.base_identity.entry == new.identity and fresh.num_activations == 1
     assert not r.bank.blobs.valid(stale.base)  # the old blobs are freed
     again = run_agent(r, SAMPLE, seed=13)
     assert again.predicted and again.detail == {"anchor": "exact", "anchors_used": 1}

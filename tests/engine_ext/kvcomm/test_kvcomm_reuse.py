@@ -170,7 +170,7 @@ def test_another_agent_measures_an_existing_anchor(deep_llama):
     ids, segs = b.prompt(sample)
     _, seq = prefill_kv(eng, ids, segs, ReuseScope("app", "agent-b"))
     assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "measured"
-    (anchor,) = eng.anchor_bank.pools[("default", "app", "user_question")].anchors
+    (anchor,) = eng.anchor_bank.pools[("default", "app", "user_question", 0)].anchors
     assert set(anchor.offsets) == {"agent-a", "agent-b"}
     # Other apps learn apart.
     _, other = prefill_kv(eng, ids, segs, ReuseScope("other-app", "agent-b"))
@@ -198,7 +198,7 @@ def test_pool_limit_prunes_and_frees_anchor_memory(deep_llama):
         stats = eng.anchor_bank.stats()
         sizes.append((stats["anchors"], stats["anchor_bytes"]))
     assert [n for n, _ in sizes] == [1, 2, 2, 2]
-    pool = eng.anchor_bank.pools[("default", "app", "user_question")]
+    pool = eng.anchor_bank.pools[("default", "app", "user_question", 0)]
     assert [len(a.token_ids) for a in pool.anchors] == [52, 53]
     bytes_per_block = eng.kv_cache.bytes_per_block
     expected = sum(len(b.blocks) for a in pool.anchors for b in a.blobs()) * bytes_per_block
@@ -244,8 +244,8 @@ def test_offsets_measured_against_an_evicted_base_are_never_applied_to_its_new_v
     _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
     assert outcome_of(seq, segs[1].start).kvcomm["anchor"] == "exact"
     old = index.peek(sample)
-    (stale,) = bank.pools[("default", "app", "user_question")].anchors
-    assert stale.base_identity == old.identity
+    (stale,) = bank.pools[("default", "app", "user_question", 0)].anchors
+    assert stale.base_identity.entry == old.identity
     # The sample's entry is evicted (its anchor and the instruction stay), then computed again
     # behind another prefix and registered: the same tokens, a new version, other KV.
     evict_all_but(eng, stale.blobs() + [index.peek(agent.instruction).blob])
@@ -260,8 +260,8 @@ def test_offsets_measured_against_an_evicted_base_are_never_applied_to_its_new_v
     assert ph.method == "dense" and ph.num_reused == 0
     assert ph.kvcomm == {"anchor": "new", "anchors_used": 0, "eligible": 0, "stale_anchors": 1}
     assert ph.to_json()["kvcomm"]["stale_anchors"] == 1
-    (fresh,) = bank.pools[("default", "app", "user_question")].anchors
-    assert fresh is not stale and fresh.base_identity == new.identity and fresh.num_activations == 1
+    (fresh,) = bank.pools[("default", "app", "user_question", 0)].anchors
+    assert fresh is not stale and fresh.base_identity.entry == new.identity and fresh.num_activations == 1
 
     # Measured again against the new version, the exact anchor reproduces the real KV again.
     kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
@@ -283,7 +283,7 @@ def test_prefix_offsets_of_a_reregistered_fixed_segment_are_refused_and_reported
     produce(eng, sample)
     ids, segs = agent.prompt(sample)
     prefill_kv(eng, ids, segs, SCOPE_A)  # measured
-    (anchor,) = bank.pools[("default", "app", "user_question")].anchors
+    (anchor,) = bank.pools[("default", "app", "user_question", 0)].anchors
     measured_against = anchor.offsets["agent-a"].prefix_base
     assert measured_against == index.peek(agent.instruction).identity
     # The instruction's entry is evicted; the next prompt computes it (no entry: no offset to
@@ -299,3 +299,66 @@ def test_prefix_offsets_of_a_reregistered_fixed_segment_are_refused_and_reported
     assert ph.method == "kvcomm" and ph.kvcomm == {"anchor": "exact", "anchors_used": 1, "stale_prefix_offsets": 1}
     assert fixed.method == "dense" and fixed.num_reused == 0
     assert fixed.reason == "kvcomm: its prefix offsets were measured against another version of it"
+
+
+def test_a_long_placeholder_is_measured_chunk_by_chunk_then_reproduced_exactly(deep_llama):
+    eng = engine(deep_llama, chunk_tokens=8)
+    agent, sample, earlier = Agent(70), tokens(30, 71), tokens(26, 72)
+    produce(eng, earlier)
+    prefill_kv(eng, *agent.prompt(earlier), ReuseScope("app", None))  # the instruction's base
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    dense_kv, _ = prefill_kv(eng, ids)
+    _, measured = prefill_kv(eng, ids, segs, SCOPE_A)
+    first = outcome_of(measured, segs[1].start)
+    assert first.method == "dense" and first.kvcomm["chunks"] == 4 and first.kvcomm["chunks_predicted"] == 0
+    pools = eng.anchor_bank.pools
+    assert [len(pools[("default", "app", "user_question", j)].anchors[0].token_ids) for j in range(4)] == [8, 8, 8, 6]
+    assert eng.anchor_bank.stats()["measured_tokens"] == len(sample)
+
+    kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "kvcomm" and ph.num_reused == len(sample)
+    assert ph.kvcomm == {"anchor": "exact", "anchors_used": 4, "chunks": 4, "chunks_predicted": 4}
+    assert outcome_of(seq, segs[2].start).method == "kvcomm"  # the last chunk's prefix offsets
+    for (k, v), (dk, dv) in zip(kv, dense_kv):
+        torch.testing.assert_close(k, dk, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(v, dv, atol=2e-5, rtol=1e-5)
+    assert eng.anchor_bank.stats()["predicted_tokens"] == len(sample)
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 128])
+def test_a_new_text_longer_than_every_anchor_is_predicted_from_earlier_chunk_positions(deep_llama, chunk_tokens):
+    eng = engine(deep_llama, chunk_tokens=chunk_tokens)
+    agent, short = Agent(73), tokens(30, 74)
+    produce(eng, short)
+    prefill_kv(eng, *agent.prompt(short), SCOPE_A)  # measured: chunks of 8, 8, 8, 6
+    longer = tokens(40, 75)
+    produce(eng, longer)
+    ids, segs = agent.prompt(longer)
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    if chunk_tokens == 128:  # one sample: no anchor is as long, so it is measured again
+        assert ph.method == "dense" and ph.kvcomm["anchor"] == "new"
+        return
+    # Chunk 3 (8 tokens; position 3's anchor has 6) and chunk 4 (no anchor there) use position 2's.
+    assert ph.method == "kvcomm" and ph.num_reused == len(longer)
+    assert ph.kvcomm["chunks"] == ph.kvcomm["chunks_predicted"] == 5
+    assert ph.kvcomm["anchor"] == "hit" and ph.kvcomm["chunks_from_earlier_positions"] == 2
+
+
+def test_a_text_another_agent_measured_is_predicted_from_the_readers_own_anchors(deep_llama):
+    eng = engine(deep_llama, chunk_tokens=16)
+    a, b = Agent(76), Agent(77)
+    scope_b = ReuseScope("app", "agent-b")
+    older, newer = tokens(30, 78), tokens(30, 79)
+    produce(eng, older)
+    prefill_kv(eng, *b.prompt(older), scope_b)  # b's anchors, from an earlier task
+    produce(eng, newer)
+    prefill_kv(eng, *a.prompt(newer), SCOPE_A)  # a measures the new text first
+    measured = eng.anchor_bank.stats()["measured_tokens"]
+    ids, segs = b.prompt(newer)
+    _, seq = prefill_kv(eng, ids, segs, scope_b)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "kvcomm" and ph.kvcomm["anchor"] == "hit" and ph.num_reused == len(newer)
+    assert eng.anchor_bank.stats()["measured_tokens"] == measured  # no second measurement
