@@ -54,7 +54,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, probes: Probes | None = None) -> None:
         self.engine = engine
-        self.probes = probes if probes is not None else Probes()
+        self.probes = probes if probes is not None else Probes(chunk_tokens=engine.config.probe_chunk_tokens)
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
@@ -111,8 +111,8 @@ class AsyncEngine:
                 timeout = 0.5 if idle else (0.001 if waiting else 0.0)
                 if not self._drain_commands(timeout):
                     break
-                if self.probes.has_jobs:  # dense re-scores run only while no request is in flight
-                    self.probes.tick(self.engine, busy=bool(self._sinks))
+                if self.probes.has_jobs:  # the scheduler runs a dense re-score only in steps no request wants
+                    self.probes.tick(self.engine)
                 if self.engine.has_work:
                     self._step()
         except BaseException as exc:  # the thread must report why it died, then stop serving

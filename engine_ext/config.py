@@ -406,13 +406,16 @@ class EngineConfig:
 
     `kv_cache_bytes` stands for GPU memory: it alone decides how many KV blocks exist.
     `max_num_batched_tokens` bounds one step, so a long prefill is split into chunks
-    that interleave with the decode steps of running requests.
+    that interleave with the decode steps of running requests. `probe_chunk_tokens`
+    bounds a step of a fidelity probe's dense score (engine_ext/probes.py), and so how
+    long a request arriving during it waits.
     """
 
     kv_cache_bytes: int = 512 * 2**20
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    probe_chunk_tokens: int = 64
     max_model_len: int | None = None
     dtype: Dtype = "float32"
     linear_kernel: LinearKernel = "auto"
@@ -433,6 +436,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.probe_chunk_tokens < 1:
+            raise ValueError("probe_chunk_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.dtype not in TORCH_DTYPES:

@@ -148,6 +148,8 @@ class LLMEngine:
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
             raise InvalidRequestError("the prompt is empty", param="prompt")
+        if request.max_chunk_tokens is not None and request.max_chunk_tokens < 1:
+            raise InvalidRequestError("max_chunk_tokens must be >= 1")
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", param="prompt")
@@ -181,6 +183,8 @@ class LLMEngine:
             publish=request.publish,
             adapter=served,
             timeline=timeline,
+            background=request.background,
+            max_chunk_tokens=request.max_chunk_tokens,
         )
         self._observe_workflow(seq)
         self.scheduler.add(seq)

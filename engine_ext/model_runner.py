@@ -65,9 +65,13 @@ class ModelRunner:
         for group in groups.values():
             rows += self._run_group(group)
         rows = self._decode_first_tokens(rows)
+        scored: list[tuple[Sequence, torch.Tensor]] = []
         if batch:
-            rows += self._run_batch(batch)
+            rows += self._run_batch(batch, scored)
         self.last_forward_end = time.monotonic()
+        for seq, hidden in scored:  # positions before its last: their logits precede a sampled row's
+            for row in self.model.compute_logits(hidden):
+                seq.logits.append(row)
         if not rows:
             return []
         seqs = [seq for seq, _ in rows]
@@ -129,11 +133,14 @@ class ModelRunner:
             rows[i] = (seqs[j], hidden[num + j : num + j + 1])
         return rows
 
-    def _run_batch(self, chunks: list[ScheduledChunk]) -> list[tuple[Sequence, torch.Tensor]]:
+    def _run_batch(self, chunks: list[ScheduledChunk], scored: list[tuple[Sequence, torch.Tensor]] | None = None
+                   ) -> list[tuple[Sequence, torch.Tensor]]:
         """One forward for every plain chunk. A multi-LoRA sequence's rows get its
         adapter's updates; an ICaRus sequence about to sample adds a decoder row (its
         token again, base + adapter, reading the base K/V and writing none) after every
-        K/V row, and samples from it."""
+        K/V row, and samples from it. Into `scored` go the final hidden states of the
+        positions a teacher-forced sequence keeps logits of (`Sequence.logits_from`),
+        but its last, whose sampled row keeps them."""
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
@@ -143,10 +150,15 @@ class ModelRunner:
         sampling_seqs: list[Sequence] = []
         spans: list[AdapterSpan] = []
         decoders: list[DecoderRow] = []
+        kept: list[tuple[Sequence, int, int]] = []  # (sequence, first row, end row) whose logits it keeps
         for seq, num_tokens in chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             context = self.kv.slots(seq, end)  # (end,)
             row = len(input_ids)
+            if scored is not None and seq.logits_from is not None and seq.logits is not None:
+                first, last = max(start, seq.logits_from), min(end, seq.num_tokens - 1)
+                if first < last:
+                    kept.append((seq, row + first - start, row + last - start))
             input_ids += seq.token_ids[start:end]
             positions.append(torch.arange(start, end))
             new_slots.append(context[start:])
@@ -186,6 +198,8 @@ class ModelRunner:
             torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta,
             AdapterRows(spans) if spans else None,
         )  # (N, hidden)
+        if scored is not None:
+            scored += [(seq, hidden[first:end]) for seq, first, end in kept]
         return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]
 
 

@@ -8,10 +8,16 @@ of the same prompt and the same output tokens (no segments, publishing nothing),
 `compare_logits` turns the two sets of logits into top-1 agreement and KL(dense ||
 approx): the fidelity of what was actually served, measured without changing it.
 
-Jobs run only while no request is in flight: the engine thread starts one when it is
-idle and aborts it (queueing it again) as soon as a request arrives, so a probe delays
-no request by more than one model step. Only the engine thread calls `Probes`' engine
-methods; `results_after` is read from the server's event loop, hence the lock.
+A guard must not cost the requests it guards, so a score is background work for the
+scheduler (engine_ext/scheduler.py): the prompt and the answer's tokens (but its last)
+form one sequence, prefilled in chunks of at most `chunk_tokens`, alone in their step,
+and only in steps no request wants; its logits are kept from the prompt's last position
+on, one per answer token, so no decode step is needed. A request arriving during a
+probe's step waits for that one short step at most, and the probe is paused, its KV
+and progress kept, until the engine is idle again. When a request could get its KV
+blocks in no other way, the probe's go first (before any request is preempted) and it
+starts over later. Only the engine thread calls `Probes`' engine methods;
+`results_after` is read from the server's event loop, hence the lock.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import itertools
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -27,6 +34,7 @@ import torch
 from engine_ext.fidelity import compare_logits
 from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope
 from engine_ext.sampling import SamplingParams
+from engine_ext.sequence import SequenceStatus
 from kvrelay.wire.reports import FidelityScore
 from engine_ext.request import EngineRequest
 
@@ -38,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 PROBED_METHODS = frozenset({"shift", "blend", "link", "kvcomm"})  # approximate: placed KV from elsewhere
 PROBE_PREFIX = "probe-"  # request ids of the dense scores
+DEFAULT_CHUNK_TOKENS = 64  # EngineConfig.probe_chunk_tokens: the most a probe computes in one step
 
 
 class CappedLogits(list[torch.Tensor]):
@@ -63,19 +72,28 @@ class ProbeJob(NamedTuple):
     logits: torch.Tensor  # (len(output_ids), vocab): the approximate logits that chose them
 
 
-class _Running(NamedTuple):
+@dataclass
+class _Running:
+    """The job being scored, and what the last step left of its dense sequence (so that
+    a step that did not advance it, or took its KV, is seen and counted)."""
+
     job: ProbeJob
     seq: Sequence
+    num_computed: int = 0
+    num_preemptions: int = 0
+    paused: bool = False
 
 
 class Probes:
     """Probe bookkeeping for one engine: which sequences record logits, queued and
     running jobs, and the results, bounded everywhere (oldest dropped, counted)."""
 
-    def __init__(self, max_tokens: int = 32, max_jobs: int = 16, max_results: int = 1024) -> None:
-        if max_tokens < 1 or max_jobs < 1 or max_results < 1:
+    def __init__(self, max_tokens: int = 32, max_jobs: int = 16, max_results: int = 1024,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+        if max_tokens < 1 or max_jobs < 1 or max_results < 1 or chunk_tokens < 1:
             raise ValueError("probe bounds must be >= 1")
         self.max_tokens = max_tokens
+        self.chunk_tokens = chunk_tokens
         self._jobs: deque[ProbeJob] = deque(maxlen=max_jobs)
         self._results: deque[FidelityScore] = deque(maxlen=max_results)
         self._watched: dict[str, Sequence] = {}  # probed requests in flight
@@ -85,7 +103,9 @@ class Probes:
         self._lock = threading.Lock()
         self.num_dropped = 0  # jobs pushed out of a full queue
         self.num_failed = 0  # jobs that raised
-        self.num_interrupted = 0  # jobs aborted for a request and queued again
+        self.num_paused = 0  # times a started score yielded to requests (its progress kept)
+        self.num_preempted = 0  # times a score lost its KV to requests short of memory (and started over)
+        self.num_chunks = 0  # steps that advanced a score
         self.num_skipped = 0  # probed requests that placed no approximate KV
 
     # -- the probed request ---------------------------------------------------------------
@@ -124,37 +144,31 @@ class Probes:
         """Cheap: whether the engine thread has probe work (queued or running)."""
         return bool(self._jobs) or self._running is not None
 
-    def tick(self, engine: LLMEngine, busy: bool) -> None:
-        """Before a loop iteration's step: with requests in flight (`busy`) a running job
-        yields to them; idle, the next job starts. A job that cannot start is dropped."""
-        if busy:
-            if self._running is not None:
-                try:
-                    job = self._abort(engine)
-                except Exception:
-                    logger.exception("aborting a fidelity probe failed; dropped")
-                    self.num_failed += 1
-                    return
-                self._jobs.appendleft(job)
-                self.num_interrupted += 1
-            return
+    def tick(self, engine: LLMEngine) -> None:
+        """Before a loop iteration's step: with no score running, the next job's starts.
+        The scheduler runs it only in steps that no request wants, so it may start while
+        requests run. A job that cannot start is dropped (counted)."""
         if self._running is not None or not self._jobs:
             return
         job = self._jobs.popleft()
         try:
-            self._running = _Running(job, _start_score(engine, job))
+            self._running = _Running(job, _start_score(engine, job, self.chunk_tokens))
         except Exception:
             logger.exception("fidelity probe of request %s could not start; dropped", job.request_id)
             self.num_failed += 1
 
     def after_step(self) -> None:
-        """After a step: a finished dense score becomes a result. A failure is logged and
-        counted; the engine loop goes on."""
+        """After a step: count what it did to the running score (a chunk, a pause, its KV
+        taken); a finished score becomes a result. A failure is logged and counted; the
+        engine loop goes on."""
         running = self._running
-        if running is None or not running.seq.is_finished:
+        if running is None:
+            return
+        self._observe(running)
+        if not running.seq.is_finished:
             return
         self._running = None
-        job, dense = running
+        job, dense = running.job, running.seq
         try:
             if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):
                 raise RuntimeError(f"the dense score ended early ({dense.finish_reason})")
@@ -169,19 +183,30 @@ class Probes:
             self._last_seq = next(self._seq)
             self._results.append(score.model_copy(update={"seq": self._last_seq}))
 
+    def _observe(self, running: _Running) -> None:
+        """Compare the score's sequence with the last step's view: advanced (a chunk),
+        holding KV but not advanced (paused: the step was the requests'; one count per
+        pause), or preempted (its KV freed; it starts over)."""
+        seq = running.seq
+        if seq.num_preemptions > running.num_preemptions:
+            self.num_preempted += seq.num_preemptions - running.num_preemptions
+            running.num_preemptions, running.paused = seq.num_preemptions, False
+        elif seq.num_computed_tokens != running.num_computed or seq.is_finished:
+            self.num_chunks += 1
+            running.paused = False
+        elif seq.status is SequenceStatus.RUNNING and not running.paused:
+            self.num_paused += 1
+            running.paused = True
+        running.num_computed = seq.num_computed_tokens
+
     def reset(self, engine: LLMEngine) -> None:
         """The engine failed a step: drop the running job and every watched request."""
         self._watched.clear()
-        if self._running is not None:
-            self._abort(engine)
-            self.num_failed += 1
-
-    def _abort(self, engine: LLMEngine) -> ProbeJob:
         running, self._running = self._running, None
-        assert running is not None
-        if not running.seq.is_finished:
-            engine.abort(running.seq.request_id)
-        return running.job
+        if running is not None:
+            if not running.seq.is_finished:
+                engine.abort(running.seq.request_id)
+            self.num_failed += 1
 
     # -- results, for the server's event loop ---------------------------------------------
     def results_after(self, after: int, limit: int = 1000) -> tuple[list[FidelityScore], int]:
@@ -193,8 +218,9 @@ class Probes:
         return found, found[-1].seq if found else last
 
     def counters(self) -> dict[str, int]:
-        return {"dropped": self.num_dropped, "failed": self.num_failed, "interrupted": self.num_interrupted,
-                "skipped": self.num_skipped, "queued": len(self._jobs)}
+        return {"dropped": self.num_dropped, "failed": self.num_failed, "paused": self.num_paused,
+                "preempted": self.num_preempted, "chunks": self.num_chunks, "skipped": self.num_skipped,
+                "queued": len(self._jobs)}
 
 
 def _placed_method(seq: Sequence) -> str | None:
@@ -209,12 +235,18 @@ def _placed_method(seq: Sequence) -> str | None:
     return max(reused, key=reused.__getitem__) if reused else None
 
 
-def _start_score(engine: LLMEngine, job: ProbeJob) -> Sequence:
-    """Queue the dense, teacher-forced score of a job: no segments (exact prefix hits of
-    the request's own tenant at most), nothing published, so it neither reads nor leaves
-    approximate KV."""
-    sampling = SamplingParams(max_tokens=len(job.output_ids), temperature=0.0, ignore_eos=True)
+def _start_score(engine: LLMEngine, job: ProbeJob, chunk_tokens: int) -> Sequence:
+    """Queue the dense, teacher-forced score of a job as background work: the prompt and
+    the answer's tokens but its last as one prompt, prefilled in chunks of at most
+    `chunk_tokens`, keeping the logits of every position from the prompt's last on (they
+    predicted the answer's tokens, one each). No segments (exact prefix hits of the
+    request's own tenant at most, and none reaching those positions), nothing published,
+    so it neither reads nor leaves approximate KV."""
+    num_prompt = len(job.prompt_ids)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     scope = ReuseScope(job.app, None, tenant=job.tenant)
-    seq = engine.add_request(EngineRequest(f"{PROBE_PREFIX}{job.request_id}", job.prompt_ids, sampling, publish=False, scope=scope))
-    seq.forced_token_ids, seq.logits = list(job.output_ids), []
+    seq = engine.add_request(EngineRequest(f"{PROBE_PREFIX}{job.request_id}", job.prompt_ids + job.output_ids[:-1],
+                                           sampling, publish=False, scope=scope, background=True,
+                                           max_chunk_tokens=chunk_tokens))
+    seq.forced_token_ids, seq.logits, seq.logits_from = job.output_ids[-1:], [], num_prompt - 1
     return seq

@@ -30,3 +30,7 @@ class EngineRequest:
     adapter: str | None = None  # a served LoRA adapter's name (engine_ext/adapters); None: the base model
     publish: bool = True  # False keeps its blocks out of the prefix cache (probes, approximate scoring)
     probe: bool = False  # the gateway's fidelity guard asked for a dense re-score (engine_ext/probes.py)
+    # Work no client waits for (a probe's dense score): it runs only in steps no request
+    # wants, in chunks of at most `max_chunk_tokens` (None: the step's budget).
+    background: bool = False
+    max_chunk_tokens: int | None = None

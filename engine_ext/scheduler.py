@@ -14,6 +14,15 @@ collective prefill), a prompt that extends a stored round cache starts from it, 
 blocks of a prefix that left the device are copied back from a lower KV tier, and a
 request whose prefix is still being prefetched is passed over while others run (KVFlow's
 status-aware scheduling), for at most `tiers.max_load_wait_ms`.
+
+Background sequences (a fidelity probe's dense score, engine_ext/probes.py) are work
+no client waits for. They run only in a step no request wants: while any request is
+waiting or running they are paused, keeping their KV and progress, and resume where
+they stopped once the engine is idle. A background step computes one chunk of at most
+the sequence's `max_chunk_tokens`, so a request arriving during it waits for that one
+short step at most. Their KV goes first when memory is short: before a request would
+be preempted for lack of blocks, background KV is freed (the background sequence later
+starts over).
 """
 
 from __future__ import annotations
@@ -23,7 +32,7 @@ from collections import deque
 from typing import NamedTuple
 
 from engine_ext.config import EngineConfig
-from engine_ext.kv.manager import KVCacheManager
+from engine_ext.kv.manager import KVCacheManager, PrefixMatch
 from engine_ext.reuse.lifecycle import ReuseLifecycle
 from engine_ext.sequence import Sequence, SequenceStatus
 
@@ -58,15 +67,29 @@ class Scheduler:
         self.lifecycle = lifecycle
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Background sequences, oldest first, waiting or running (holding KV) alike: never
+        # in `waiting` or `running`, so they take no request's place or `max_num_seqs` slot.
+        self.background: list[Sequence] = []
 
     @property
     def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.background)
+
+    @property
+    def has_requests(self) -> bool:
+        """Whether any request (not background work) is waiting or running."""
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        (self.background if seq.background else self.waiting).append(seq)
 
     def schedule(self) -> SchedulerOutput:
+        out = self._schedule_requests()
+        if self.has_requests:
+            return out  # background work is paused (its KV kept) while any request waits or runs
+        return self._schedule_background()
+
+    def _schedule_requests(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         num_preempted = 0
@@ -74,7 +97,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_tokens = min(seq.num_uncomputed, budget)
-            while not self.kv.allocate(seq, num_tokens):
+            while not self._allocate(seq, num_tokens):
                 victim = self.running.pop()
                 self._preempt(victim)
                 num_preempted += 1
@@ -111,13 +134,57 @@ class Scheduler:
         chunks.sort(key=lambda c: c.is_decode)  # stable: prefill chunks first
         return SchedulerOutput(chunks, num_preempted)
 
+    def _schedule_background(self) -> SchedulerOutput:
+        """No request waits or runs: the next chunk of the oldest background sequence,
+        alone in its step and at most its `max_chunk_tokens`, so that a request arriving
+        meanwhile waits for this one short step at most. Newer background sequences give
+        up their KV if it lacks room; with none to give, the step is empty (a transfer in
+        flight may hold blocks) and it tries again next step, its progress kept."""
+        if not self.background:
+            return SchedulerOutput([], 0)
+        seq = self.background[0]
+        budget = self.config.max_num_batched_tokens
+        if seq.max_chunk_tokens is not None:
+            budget = min(budget, seq.max_chunk_tokens)
+        chunk = self._background_chunk(seq, budget)
+        if chunk is None and self._free_background(keep=seq):
+            chunk = self._background_chunk(seq, budget)
+        return SchedulerOutput([chunk] if chunk is not None else [], 0)
+
+    def _background_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
+        """A background sequence's next chunk with its slots reserved (admitting it first
+        if it holds none); None when the pool cannot hold it now."""
+        if seq.status is SequenceStatus.RUNNING:
+            num_tokens = min(seq.num_uncomputed, budget)
+            return ScheduledChunk(seq, num_tokens) if self.kv.allocate(seq, num_tokens) else None
+        admission = self._admit(seq, budget)
+        return admission.chunk if admission is not None else None
+
+    def _allocate(self, seq: Sequence, num_tokens: int, prefix: PrefixMatch | None = None) -> bool:
+        """Reserve a request's slots; when the pool cannot supply them, background KV is
+        freed before the caller would preempt a request. Not sooner: a warm engine's free
+        blocks are nearly all cached prefixes, and freeing the probe whenever a request
+        takes one would restart it on every arrival (it would finish only in long idle
+        gaps); a probe's few blocks cost the LRU's oldest prefixes instead."""
+        if self.kv.allocate(seq, num_tokens, prefix):
+            return True
+        return self._free_background() and self.kv.allocate(seq, num_tokens, prefix)
+
+    def _free_background(self, keep: Sequence | None = None) -> bool:
+        """Preempt every background sequence holding KV (but `keep`); whether any did."""
+        victims = [bg for bg in self.background if bg.blocks and bg is not keep]
+        for victim in victims:
+            self._preempt(victim)
+        return bool(victims)
+
     def _admit(self, seq: Sequence, budget: int) -> Admission | None:
-        """Move a waiting sequence to running with its first chunk; None (nothing
-        changed) when the pool cannot hold it now."""
+        """Move a waiting sequence to running with its first chunk (a background sequence
+        stays in `background`); None (nothing changed) when the pool cannot hold it now."""
         started = time.monotonic()
         plan = self.lifecycle.plan(seq, budget)
         planned = time.monotonic()
-        if not self.kv.allocate(seq, plan.num_new_tokens, plan.prefix):
+        allocate = self.kv.allocate if seq.background else self._allocate  # background never frees background
+        if not allocate(seq, plan.num_new_tokens, plan.prefix):
             self.lifecycle.release(seq)
             return None
         placements = self.lifecycle.place(seq, plan)  # KV put in place at admission: part of the prefill
@@ -126,9 +193,10 @@ class Scheduler:
             return None
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = plan.num_ready
-        self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
+        if not seq.background:
+            self.waiting.remove(seq)
+            self.running.append(seq)
         if seq.timeline.admitted is None:
             seq.timeline.admit(started, planned)
             for method, placement in placements:
@@ -147,26 +215,29 @@ class Scheduler:
         seq.num_computed_tokens = 0
 
     def _preempt(self, seq: Sequence) -> None:
+        """Free a sequence's KV, to be recomputed later: a request (already out of
+        `running`) goes back to the head of the queue, background work stays in place."""
         self.lifecycle.release(seq)
         self.kv.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        if not seq.background:
+            self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark finished and release its blocks (they stay cached for reuse)."""
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.background):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.lifecycle.release(seq)
         self.kv.free(seq)
 
     def find(self, request_id: str) -> Sequence | None:
-        for seq in (*self.running, *self.waiting):
+        for seq in (*self.running, *self.waiting, *self.background):
             if seq.request_id == request_id:
                 return seq
         return None

@@ -72,6 +72,15 @@ class Sequence:
     # and keep the logits each step produced.
     forced_token_ids: list[int] | None = None
     logits: list[torch.Tensor] | None = None
+    # Teacher forcing in one prefill (a fidelity probe, engine_ext/probes.py): the forced
+    # tokens sit in the prompt, and `logits` also keeps the logits of every computed
+    # position from this one on (not only those of sampled tokens), in order.
+    logits_from: int | None = None
+    # Background work (a probe's dense score): run only in steps that no request wants, at
+    # most `max_chunk_tokens` tokens a step, and the first to lose its KV when memory is
+    # short (engine_ext/scheduler.py).
+    background: bool = False
+    max_chunk_tokens: int | None = None  # None: whatever the step's budget allows
 
     def __post_init__(self) -> None:
         if self.timeline is None:
@@ -97,6 +106,13 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_prefix_tokens(self) -> int:
+        """Tokens at its start whose KV may come from a cache instead of being computed: all
+        but the last, whose logits are needed, and none from `logits_from` on."""
+        last = self.num_tokens - 1
+        return last if self.logits_from is None else min(last, self.logits_from)
 
     @property
     def num_uncomputed(self) -> int:

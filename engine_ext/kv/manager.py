@@ -48,10 +48,11 @@ class KVCacheManager:
 
     def match_prefix(self, seq: Sequence) -> PrefixMatch:
         """Longest run of cached full blocks at the start of the sequence's tokens,
-        leaving at least one token to compute (its logits are needed)."""
+        leaving at least one token to compute (its logits are needed), and every token
+        whose logits the sequence keeps (`Sequence.max_prefix_tokens`)."""
         bs = self.block_size
         self.prefix_hashes(seq, len(seq.token_ids))
-        max_blocks = (len(seq.token_ids) - 1) // bs
+        max_blocks = seq.max_prefix_tokens // bs
         hits: list[Block] = []
         for block_hash in seq.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
@@ -66,19 +67,26 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool cannot supply them now."""
         hits = prefix.blocks if prefix else []
         num_cached = prefix.num_cached_tokens if prefix else 0
-        total = seq.num_computed_tokens + num_cached + num_new_tokens
-        num_needed = self.num_blocks_for(total) - len(seq.blocks) - len(hits)
+        num_needed = self.num_new_blocks(seq, num_new_tokens, prefix)
         # Taking a hit that sits unreferenced in the LRU also consumes a free block.
         num_revived = sum(1 for b in hits if b.ref_count == 0)
         if num_needed + num_revived > self.pool.num_free:
             return False
         for block in hits:
             self.pool.touch(block)
-        seq.blocks += hits + self.pool.allocate(max(num_needed, 0))
+        seq.blocks += hits + self.pool.allocate(num_needed)
         if prefix:
             seq.num_computed_tokens += num_cached
             self.num_hit_tokens += num_cached
         return True
+
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int, prefix: PrefixMatch | None = None) -> int:
+        """Fresh blocks `allocate` would take from the pool for these tokens (prefix hits
+        are not fresh): the ones that evict cached KV when the pool has no empty block."""
+        num_cached = prefix.num_cached_tokens if prefix else 0
+        num_hits = len(prefix.blocks) if prefix else 0
+        total = seq.num_computed_tokens + num_cached + num_new_tokens
+        return max(self.num_blocks_for(total) - len(seq.blocks) - num_hits, 0)
 
     def slots(self, seq: Sequence, end: int) -> torch.Tensor:
         """Cache slots of the sequence's tokens [0, end), shape (end,)."""

@@ -143,8 +143,8 @@ class ReuseLifecycle:
 
     def _lower_match(self, seq: Sequence, num_hits: int) -> LowerMatch:
         """The lower tiers' view of the prompt's blocks past its `num_hits` device hits,
-        keeping one prompt token to compute."""
-        max_blocks = (len(seq.token_ids) - 1) // self.kv.block_size
+        keeping one prompt token (and every token whose logits it keeps) to compute."""
+        max_blocks = seq.max_prefix_tokens // self.kv.block_size
         return self.tiers.match(seq.block_hashes[num_hits:max_blocks])
 
     # -- the prefill -------------------------------------------------------------------

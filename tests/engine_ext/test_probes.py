@@ -9,16 +9,22 @@ import torch
 
 import engine_ext.probes as probes_mod
 from engine_ext.async_engine import AsyncEngine
+from engine_ext.config import TierConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.fidelity import compare_logits
 from engine_ext.probes import ProbeJob, Probes
 from engine_ext.reuse.segments import ReuseScope, SegmentOutcome, TokenSegment
 from engine_ext.sampling import SamplingParams
+from engine_ext.scheduler import SchedulerOutput
 from tests.helpers import make_engine, wait_until
 from engine_ext.request import EngineRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 SCOPE = ReuseScope("travel", "critic", tenant="acme")
 DOC = "the capital of France is Paris and the river is wide.\n"
+# No lower KV tier: these tests count steps and free blocks, and a write-through backup
+# keeps its block pinned (and the engine stepping) until the copy lands.
+NO_LOWER_TIER = TierConfig(host_bytes=0)
 
 
 def _shifted(llm: LLMEngine) -> tuple[list[int], list[TokenSegment]]:
@@ -61,6 +67,8 @@ async def test_a_probed_shift_request_is_scored_densely_and_answers_the_same(ser
     assert result.tokens == 6 and next_seq == result.seq == 1  # capped at max_tokens
     assert 0.0 <= result.top1 <= 1.0 and result.kl > 1e-4  # shift placed KV computed without the head
     assert eng.probes.results_after(1) == ([], 1)
+    counters = eng.probes.counters()
+    assert counters["chunks"] >= 1 and counters["preempted"] == counters["failed"] == 0
     assert wait_until(lambda: not llm.has_work)
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks  # the dense score left nothing behind
 
@@ -90,34 +98,133 @@ async def test_a_failing_probe_is_logged_and_the_loop_goes_on(served, monkeypatc
     assert [r.request_id for r in eng.probes.results_after(0)[0]] == ["two"]
 
 
-def _job(llm: LLMEngine, rid: str = "r") -> ProbeJob:
-    prompt = llm.tokenizer.encode("Water boils at a hundred degrees")
-    approx = llm.generate(prompt, GREEDY, record_logits=True)
+def _job(llm: LLMEngine, rid: str = "r", prompt: list[int] | None = None, max_tokens: int = 8) -> ProbeJob:
+    """A job whose 'approximate' logits are the engine's own (a dense score finds top-1 1.0)."""
+    prompt = prompt if prompt is not None else llm.tokenizer.encode("Water boils at a hundred degrees")
+    approx = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                          record_logits=True)
     return ProbeJob(rid, "t", "app", "shift", prompt, approx.output_token_ids, torch.stack(approx.logits))
 
 
-def test_a_running_probe_yields_to_requests_and_resumes_when_idle(llama_dir):
-    llm = make_engine(llama_dir, num_blocks=64)
-    probes = Probes()
-    probes._jobs.append(_job(llm))
-    probes.tick(llm, busy=False)
+def _ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 400, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _record_steps(llm: LLMEngine) -> list[list[tuple[str, int]]]:
+    """Every step's chunks, as (request_id, tokens computed)."""
+    steps: list[list[tuple[str, int]]] = []
+    schedule = llm.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        out = schedule()
+        steps.append([(c.seq.request_id, c.num_tokens) for c in out.chunks])
+        return out
+
+    llm.scheduler.schedule = spy  # type: ignore[method-assign]
+    return steps
+
+
+def _step(llm: LLMEngine, probes: Probes) -> None:
+    probes.tick(llm)
     llm.step()
     probes.after_step()
-    probes.tick(llm, busy=True)  # a request arrived: the probe is aborted and queued again
-    # No request is left (a KV backup to the host tier may still be in flight: has_work counts it too).
-    assert probes.num_interrupted == 1 and not llm.scheduler.has_work and probes.has_jobs
-    probes.tick(llm, busy=False)
-    while llm.has_work:
-        llm.step()
-        probes.after_step()
+
+
+def test_a_probe_delays_an_arriving_request_by_one_chunk_step_and_resumes_where_it_paused(llama_dir):
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER)
+    job = _job(llm, prompt=_ids(100, 1), max_tokens=6)
+    llm.kv.pool.reset_cache()  # no prefix hit: the probe computes every token itself
+    probes = Probes(chunk_tokens=16)
+    probes._jobs.append(job)
+    steps = _record_steps(llm)
+    _step(llm, probes)
+    _step(llm, probes)
+    assert steps == [[("probe-r", 16)], [("probe-r", 16)]]  # a chunk a step, alone
+    dense = probes._running.seq
+    # A request arrives mid-prefill: it runs at the very next step, and alone until it ends.
+    real = llm.add_request(EngineRequest("real", _ids(40, 2), GREEDY))
+    while not real.is_finished:
+        _step(llm, probes)
+    request_steps = steps[2:]
+    assert request_steps[0] == [("real", 40)]
+    assert all(ids == [("real", 1)] for ids in request_steps[1:]) and len(request_steps) == GREEDY.max_tokens
+    assert dense.num_computed_tokens == 32 and dense.blocks  # paused, its KV and progress kept
+    assert probes.num_paused == 1 and probes.num_preempted == 0
+    while probes.has_jobs:
+        _step(llm, probes)
+    probe_steps = [chunk for step in steps[2 + len(request_steps):] for chunk in step]
+    assert probe_steps[0] == ("probe-r", 16)  # resumed at token 32, not from the start
+    assert all(rid == "probe-r" and n <= 16 for rid, n in probe_steps)
+    # Every token of the prompt and the forced answer (but its last) computed once, in all.
+    assert sum(n for step in steps for rid, n in step if rid == "probe-r") == 100 + 6 - 1
     (result,), _ = probes.results_after(0)
-    assert result.top1 == 1.0 and result.kl < 1e-4  # dense against dense: identical
-    assert not probes.has_jobs
+    assert result.top1 == 1.0 and result.kl < 1e-4 and result.tokens == 6  # dense against dense
+    counters = probes.counters()
+    assert counters["chunks"] == -(-105 // 16) and counters["paused"] == 1 and counters["preempted"] == 0
+    assert llm.kv.pool.num_free == llm.kv.pool.num_blocks  # the score left nothing behind
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 20, 64])
+def test_the_chunked_score_equals_the_whole_prompt_dense_score(llama_dir, chunk_tokens):
+    """Prompt and forced answer prefilled in chunks (at 1, token by token; at 20, the
+    positions scored straddle two chunks) give the logits of a whole-prompt prefill and
+    forced decode steps, so the same top-1 agreement and KL."""
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER)
+    prompt = _ids(40, 3)
+    exact = _job(llm, prompt=prompt, max_tokens=8)
+    noise = torch.randn(exact.logits.shape, generator=torch.Generator().manual_seed(0))
+    job = exact._replace(logits=exact.logits + 2.0 * noise)  # 'approximate': top-1 and KL off
+    old = llm.score(prompt, job.output_ids, publish=False).logits  # the whole-prompt score, as before
+    llm.kv.pool.reset_cache()
+    probes = Probes(chunk_tokens=chunk_tokens)
+    probes._jobs.append(job)
+    probes.tick(llm)
+    dense = probes._running.seq
+    while probes.has_jobs:
+        _step(llm, probes)
+    (result,), _ = probes.results_after(0)
+    assert torch.allclose(torch.stack(dense.logits), old, atol=1e-4)
+    top1, kl = compare_logits(old, job.logits)
+    assert result.top1 == top1 < 1.0 and result.kl == pytest.approx(kl, rel=1e-4) and kl > 1e-3
+
+
+def test_memory_pressure_frees_the_probe_never_the_request(llama_dir):
+    llm = make_engine(llama_dir, num_blocks=8, tiers=NO_LOWER_TIER)  # 128 tokens of KV
+    job = _job(llm, prompt=_ids(80, 4), max_tokens=6)
+    question = _ids(90, 5)
+    alone = llm.generate(question, GREEDY).output_token_ids
+    llm.kv.pool.reset_cache()
+    probes = Probes(chunk_tokens=16)
+    probes._jobs.append(job)
+    for _ in range(3):
+        _step(llm, probes)
+    dense = probes._running.seq
+    assert dense.num_computed_tokens == 48 and len(dense.blocks) == 3
+    real = llm.add_request(EngineRequest("real", question, GREEDY))  # needs 7 of the 8 blocks
+    while not real.is_finished:
+        _step(llm, probes)
+    assert real.num_preemptions == 0 and real.output_token_ids == alone
+    assert dense.num_preemptions == 1 and probes.num_preempted == 1 and probes.num_paused == 0
+    while probes.has_jobs:  # it starts over once the request is done, and still scores
+        _step(llm, probes)
+    (result,), _ = probes.results_after(0)
+    assert result.top1 == 1.0 and result.kl < 1e-4
+
+
+def test_a_probe_that_cannot_start_is_dropped_and_counted(llama_dir, caplog):
+    llm = make_engine(llama_dir, num_blocks=64)
+    probes = Probes()
+    job = _job(llm)
+    probes._jobs.append(job._replace(prompt_ids=[10**6]))  # outside the vocabulary: refused
+    probes._jobs.append(job)
+    _drain(llm, probes)
+    assert probes.num_failed == 1 and "could not start" in caplog.text
+    assert [r.request_id for r in probes.results_after(0)[0]] == ["r"]
 
 
 def _drain(llm: LLMEngine, probes: Probes) -> None:
     while probes.has_jobs:
-        probes.tick(llm, busy=False)
+        probes.tick(llm)
         if llm.has_work:
             llm.step()
         probes.after_step()

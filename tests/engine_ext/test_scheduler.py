@@ -310,3 +310,33 @@ def test_block_size_does_not_change_outputs(llama_dir, reference, block_size):
     again = engine.generate(prompts[2], SamplingParams(max_tokens=9, **GREEDY))
     assert again.num_cached_tokens == (40 - 1) // block_size * block_size
     assert again.output_token_ids == reference(prompts[2], 9)
+
+
+def test_background_work_runs_in_capped_chunks_only_in_steps_no_request_wants(llama_dir, reference):
+    """A background sequence (a fidelity probe's score) pauses, KV kept, while a request
+    waits or runs, takes no `max_num_seqs` slot, and resumes where it stopped."""
+    engine = make_engine(llama_dir, num_blocks=32, max_num_seqs=1, tiers=NO_LOWER_TIER)
+    steps = record_steps(engine)
+    bg_ids, a_ids = prompt(50, 7), prompt(20, 8)
+    bg = engine.add_request(EngineRequest("bg", bg_ids, SamplingParams(max_tokens=2, **GREEDY), publish=False,
+                                          background=True, max_chunk_tokens=16))
+    engine.step()
+    a = engine.add_request(EngineRequest("a", a_ids, SamplingParams(max_tokens=3, **GREEDY)))
+    assert engine.scheduler.find("bg") is bg
+    run_all(engine)
+    assert steps == [[("bg", 16)], [("a", 20)], [("a", 1)], [("a", 1)],
+                     [("bg", 16)], [("bg", 16)], [("bg", 2)], [("bg", 1)]]
+    assert a.output_token_ids == reference(a_ids, 3) and bg.output_token_ids == reference(bg_ids, 2)
+    assert bg.num_preemptions == 0 and engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    assert engine.kv.pool.num_cached == 1  # a's one full block; the background one published nothing
+
+
+def test_background_work_is_aborted_like_a_request(llama_dir):
+    engine = make_engine(llama_dir, num_blocks=32, tiers=NO_LOWER_TIER)
+    engine.add_request(EngineRequest("bg", prompt(50, 9), SamplingParams(max_tokens=2, **GREEDY), publish=False,
+                                     background=True, max_chunk_tokens=16))
+    engine.step()
+    assert engine.abort("bg") and not engine.has_work
+    assert engine.kv.pool.num_free == engine.kv.pool.num_blocks
+    with pytest.raises(InvalidRequestError):
+        engine.add_request(EngineRequest("bad", prompt(5, 1), SamplingParams(max_tokens=2), max_chunk_tokens=0))
