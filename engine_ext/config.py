@@ -408,7 +408,8 @@ class EngineConfig:
     `max_num_batched_tokens` bounds one step, so a long prefill is split into chunks
     that interleave with the decode steps of running requests. `probe_chunk_tokens`
     bounds a step of a fidelity probe's dense score (engine_ext/probes.py), and so how
-    long a request arriving during it waits.
+    long a request arriving during it waits; such steps start only once no request has
+    run for `probe_idle_ms`.
     """
 
     kv_cache_bytes: int = 512 * 2**20
@@ -416,6 +417,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     probe_chunk_tokens: int = 64
+    probe_idle_ms: float = 50.0
     max_model_len: int | None = None
     dtype: Dtype = "float32"
     linear_kernel: LinearKernel = "auto"
@@ -438,6 +440,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.probe_chunk_tokens < 1:
             raise ValueError("probe_chunk_tokens must be >= 1")
+        if not 0.0 <= self.probe_idle_ms <= 60_000.0:
+            raise ValueError("probe_idle_ms must be in [0, 60000]")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.dtype not in TORCH_DTYPES:

@@ -18,9 +18,11 @@ status-aware scheduling), for at most `tiers.max_load_wait_ms`.
 Background sequences (a fidelity probe's dense score, engine_ext/probes.py) are work
 no client waits for. They run only in a step no request wants: while any request is
 waiting or running they are paused, keeping their KV and progress, and resume where
-they stopped once the engine is idle. A background step computes one chunk of at most
-the sequence's `max_chunk_tokens`, so a request arriving during it waits for that one
-short step at most. Their KV goes first when memory is short: before a request would
+they stopped once the engine has been idle for `probe_idle_ms`: in an agent chain the
+next agent's request follows the last answer within milliseconds, and a chunk started
+in that gap would hold it. A background step computes one chunk of at most the
+sequence's `max_chunk_tokens`, so a request arriving during it waits for that one short
+step at most. Their KV goes first when memory is short: before a request would
 be preempted for lack of blocks, background KV is freed (the background sequence later
 starts over).
 """
@@ -70,6 +72,7 @@ class Scheduler:
         # Background sequences, oldest first, waiting or running (holding KV) alike: never
         # in `waiting` or `running`, so they take no request's place or `max_num_seqs` slot.
         self.background: list[Sequence] = []
+        self._requests_seen = float("-inf")  # monotonic time a step last had requests
 
     @property
     def has_work(self) -> bool:
@@ -85,8 +88,12 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule_requests()
+        now = time.monotonic()
         if self.has_requests:
+            self._requests_seen = now
             return out  # background work is paused (its KV kept) while any request waits or runs
+        if (now - self._requests_seen) * 1000.0 < self.config.probe_idle_ms:
+            return out  # an agent app's next request is usually a few ms behind the last answer
         return self._schedule_background()
 
     def _schedule_requests(self) -> SchedulerOutput:

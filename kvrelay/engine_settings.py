@@ -45,6 +45,8 @@ class EngineSettings(YamlFileSettings):
     probe_chunk_tokens: Annotated[int, Field(ge=1, description="tokens a fidelity probe's dense score computes per "
                                                                "step: the most a request arriving meanwhile waits "
                                                                "for")] = 64
+    probe_idle_ms: Annotated[float, Field(ge=0.0, le=60_000.0, description="ms without requests before a fidelity "
+                                                                          "probe's dense score may take a step")] = 50.0
     max_model_len: Annotated[int | None, Field(ge=2, description="cap on prompt + completion tokens")] = None
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Field(description="weights and KV dtype")] = "float32"
     linear_kernel: Annotated[Literal["auto", "packed", "plain"], Field(
@@ -164,7 +166,7 @@ class EngineSettings(YamlFileSettings):
             raise ValueError(f"invalid KV tier settings: {exc}") from exc
         return EngineConfig(kv_cache_bytes=self.kv_cache_mb * MiB, block_size=self.block_size,
                             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
-                            probe_chunk_tokens=self.probe_chunk_tokens,
+                            probe_chunk_tokens=self.probe_chunk_tokens, probe_idle_ms=self.probe_idle_ms,
                             max_model_len=self.max_model_len, dtype=self.dtype,
                             linear_kernel=self.linear_kernel, reuse=reuse, tiers=tiers,
                             adapters=self.adapter_specs())

@@ -4,10 +4,13 @@ stops the engine loop."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 import engine_ext.probes as probes_mod
+import engine_ext.scheduler as scheduler_mod
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import TierConfig
 from engine_ext.engine import LLMEngine
@@ -162,6 +165,27 @@ def test_a_probe_delays_an_arriving_request_by_one_chunk_step_and_resumes_where_
     counters = probes.counters()
     assert counters["chunks"] == -(-105 // 16) and counters["paused"] == 1 and counters["preempted"] == 0
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks  # the score left nothing behind
+
+
+def test_a_probe_waits_until_no_request_has_run_for_the_idle_grace(llama_dir, monkeypatch):
+    """In an agent chain the next request follows the last answer within milliseconds: a
+    probe chunk started in that gap would hold it, so none starts before the grace."""
+    now = [1000.0]
+    monkeypatch.setattr(scheduler_mod, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER, probe_idle_ms=50.0)
+    probes = Probes(chunk_tokens=16)
+    probes._jobs.append(_job(llm, prompt=_ids(40, 3), max_tokens=2))
+    steps = _record_steps(llm)
+    real = llm.add_request(EngineRequest("real", _ids(20, 4), GREEDY))
+    while not real.is_finished:
+        _step(llm, probes)
+    del steps[:]
+    now[0] += 0.049
+    _step(llm, probes)
+    assert steps == [[]] and probes._running.seq.num_computed_tokens == 0  # within the grace: nothing
+    now[0] += 0.002
+    _step(llm, probes)
+    assert steps[-1] == [("probe-r", 16)]
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 20, 64])
