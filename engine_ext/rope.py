@@ -17,7 +17,7 @@ import torch
 
 from engine_ext.config import ModelConfig
 from engine_ext.errors import EngineError
-from kernels.rope import rope_inv_freq
+from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 from kernels.rope_shift import shift_keys
 
 EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
@@ -53,9 +53,17 @@ class RopeShifter:
 
     def shift(self, keys: torch.Tensor, delta: int | torch.Tensor) -> torch.Tensor:
         """keys (n, kv_heads, head_dim) post-RoPE; delta an int or (n,) ints.
-        Returns the keys as if computed `delta` positions later, same dtype."""
+        Returns the keys as if computed `delta` positions later, same dtype.
+
+        One delta for every key (a segment moved as a whole, every layer of it) is one
+        angle per frequency: cos and sin are computed once, (1, rotary_dim), and broadcast,
+        the same values per token as the per-key path computes n times over."""
         if isinstance(delta, int):
             if delta == 0:
                 return keys
+            if not keys.is_cuda:
+                one = torch.tensor([delta], dtype=torch.long)
+                cos, sin = rope_cos_sin(self.inv_freq, one)  # each (1, rotary_dim)
+                return apply_rotary(keys, cos, sin)
             delta = torch.full((keys.shape[0],), delta, dtype=torch.long, device=keys.device)
         return shift_keys(keys, delta, self.inv_freq.to(keys.device))

@@ -54,7 +54,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first rotary_dim channels of x (N, heads, head_dim) by per-token angles.
 
-    cos/sin are (N, rotary_dim) in fp32; the rotation runs in fp32 and is cast back.
+    cos/sin are (N, rotary_dim), or (1, rotary_dim) for one angle set for every token,
+    in fp32; the rotation runs in fp32 and is cast back.
     """
     rotary_dim = cos.shape[-1]
     x32 = x.to(torch.float32)

@@ -38,7 +38,10 @@ class EngineSettings(YamlFileSettings):
     model: str | None = Field(None, description="HF-format model directory (default: SmolLM2-135M-Instruct, "
                                                  "prepared on first use)")
     served_model_name: str | None = Field(None, description="model id clients send (default: the directory name)")
-    kv_cache_mb: Annotated[int, Field(ge=1, description="KV cache budget in MiB (stands for GPU memory)")] = 512
+    # 2 GiB: about 45k tokens of SmolLM2's fp32 KV. 512 MiB (11k tokens) held less than one
+    # task of a five-agent team over a long document once KVCOMM keeps each reader's offsets,
+    # so the anchors were evicted before the next task could use them (docs/engine.md).
+    kv_cache_mb: Annotated[int, Field(ge=1, description="KV cache budget in MiB (stands for GPU memory)")] = 2048
     block_size: Annotated[int, Field(ge=1, le=1024, description="tokens per KV block")] = 16
     max_num_seqs: Annotated[int, Field(ge=1, description="requests running at once")] = 64
     max_num_batched_tokens: Annotated[int, Field(ge=1, description="tokens computed per engine step")] = 2048
