@@ -16,7 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
 AGENTS_VENV  ?= .venv-agents
 AGENTS_STAMP := $(AGENTS_VENV)/.kvrelay-installed
 
-.PHONY: install run test test-vllm vllm-venv agents-venv agents-capture ui-assets bench clean
+.PHONY: install run test test-vllm vllm-venv agents-venv agents-capture agents-capture-long ui-assets bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -78,6 +78,10 @@ agents-venv: $(AGENTS_STAMP)
 # the embedded engine, labelled from the capture itself (tests/data/agents/README.md).
 agents-capture: install $(AGENTS_STAMP)
 	$(BIN)/python tests/data/agents/capture/run_all.py --agents-python $(AGENTS_VENV)/bin/python
+
+# The long-context family (tests/data/agents/long), captured the same way.
+agents-capture-long: install $(AGENTS_STAMP)
+	$(BIN)/python tests/data/agents/capture/run_all.py --agents-python $(AGENTS_VENV)/bin/python --family long
 
 bench: install
 	$(BIN)/kvrelay bench engine --json bench-engine.json

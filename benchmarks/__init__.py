@@ -1,8 +1,10 @@
-"""Benchmarks, one module each, run as `kvrelay bench NAME [--quick] [--json PATH]`.
+"""Benchmarks, one module each, run as `kvrelay bench NAME [--quick] [--json PATH] [--family F]`.
 
 Each module exposes `run(quick: bool, model: str | None) -> BenchResult` and measures
 kvrelay and its baseline side by side in the same process and run, so the ratios hold
-on a noisy machine even when absolute times drift.
+on a noisy machine even when absolute times drift. A module with several workload
+families also lists them in `FAMILIES` (the first is its default) and takes
+`run(..., family=NAME)`.
 """
 
 from __future__ import annotations
@@ -31,9 +33,16 @@ BENCHMARKS: dict[str, str] = {
 }
 
 
-def run_benchmark(name: str, quick: bool, json_path: Path | None, model: str | None) -> BenchResult:
+def run_benchmark(name: str, quick: bool, json_path: Path | None, model: str | None,
+                  family: str | None = None) -> BenchResult:
+    """Run one benchmark and report it; ValueError for a family it does not have."""
     module = importlib.import_module(BENCHMARKS[name])
-    result: BenchResult = module.run(quick=quick, model=model)
+    families: tuple[str, ...] = getattr(module, "FAMILIES", ())
+    if family is not None and family not in families:
+        offered = f"families: {', '.join(families)}" if families else "it has one workload family"
+        raise ValueError(f"bench {name}: no family {family!r} ({offered})")
+    options = {"family": family} if family is not None else {}
+    result: BenchResult = module.run(quick=quick, model=model, **options)
     write_report(result, json_path)
     return result
 

@@ -389,6 +389,8 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="small sizes; finishes in under a minute")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="write the result JSON here")] = None,
     model: Annotated[Optional[str], typer.Option(help="model directory (default model if omitted)")] = None,
+    family: Annotated[Optional[str], typer.Option(help="workload family, for a benchmark that has several "
+                                                       "(agents: short, the default, or long)")] = None,
 ) -> None:
     """Run a benchmark: kvrelay and its baseline side by side; prints a table, writes JSON."""
     from benchmarks import BENCHMARKS, run_benchmark
@@ -396,7 +398,7 @@ def bench(
     if name not in BENCHMARKS:
         raise _fail(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
     try:
-        run_benchmark(name, quick=quick, json_path=json_path, model=model)
+        run_benchmark(name, quick=quick, json_path=json_path, model=model, family=family)
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from exc
 

@@ -1,6 +1,8 @@
 """`kvrelay bench agents`: real agent frameworks' captured traffic, replayed through the
-gateway with its defaults, side by side with prefix caching alone and vLLM (bench.py)."""
+gateway with its defaults, side by side with prefix caching alone and vLLM (bench.py);
+`--family long`: the long-context captures, with the opt-in methods and their guard
+(long.py)."""
 
-from benchmarks.agents.bench import run
+from benchmarks.agents.bench import FAMILIES, run
 
-__all__ = ["run"]
+__all__ = ["FAMILIES", "run"]

@@ -15,6 +15,9 @@ share the cores):
 
 The gateway's inferred structure is scored from `kvrelay`'s SQL records against the
 capture's labels (benchmarks/agents/scoring.py).
+
+This is the short family (the default); `--family long` runs the long-context one
+(benchmarks/agents/long.py), which reuses this bench's replays and cells.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Any
 
 from benchmarks.agents import scoring
 from benchmarks.agents.replay import Key, Outcome, Replay
-from benchmarks.agents.stacks import APPROXIMATE, MODEL, Running, StackName, fidelity, started
+from benchmarks.agents.stacks import (APPROXIMATE, MODEL, SHORT_GUARD_RATE, Running, StackName, fidelity, method_of,
+                                     started)
 from benchmarks.agents.workload import Quote, Run, Workload, load_all
 from benchmarks.common import BenchResult
 from engine_ext.model_store import resolve_model
@@ -38,6 +42,7 @@ from engine_ext.vllm.server import find_vllm_python
 QUICK_RUNS = {"kvcomm_team": 2, "village_sep": 2}  # the quick subset: these runs, all in flight at once
 QUICK_MAX_TOKENS = 16  # the quick subset's answers are cut shorter
 FULL_LEVELS = (8, 32)
+FAMILIES = ("short", "long")  # `kvrelay bench agents --family NAME`; short is the default
 Prompts = dict[Key, tuple[dict[str, Any], tuple[Quote, ...]]]
 
 
@@ -84,6 +89,14 @@ class Cell:
         pairs = [(o.text, reference.outcomes[k].text) for k, o in self.outcomes.items() if k in reference.outcomes]
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan")
 
+    def only(self, keys: set[Key]) -> Cell:
+        """The figures of these requests alone (one workload, the warm tasks, one agent)."""
+        return Cell({k: o for k, o in self.outcomes.items() if k in keys})
+
+    def ttft_mean_ms(self) -> float:
+        done = self.ok()
+        return statistics.fmean(o.ttft_s * 1e3 for o in done) if done else float("nan")
+
 
 def _quantile(values: list[float], q: float) -> float:
     if not values:
@@ -93,11 +106,13 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 class Bench:
+    guard_rate = SHORT_GUARD_RATE  # the guard's sample rate on kvrelay_kvcomm and kvrelay_blend
+
     def __init__(self, quick: bool, model: str | None, log_dir: Path) -> None:
         self.quick = quick
         self.model_dir = resolve_model(model)
         self.log_dir = log_dir
-        self.workloads = quick_subset(load_all(names=list(QUICK_RUNS))) if quick else load_all()
+        self.workloads = self._workloads()
         self.has_vllm = find_vllm_python() is not None
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
@@ -105,16 +120,27 @@ class Bench:
         self.peaks: dict[Key, int] = {}  # each request's prompt plus answer tokens, once measured
         self._t0 = time.monotonic()
 
+    def _workloads(self) -> list[Workload]:
+        return quick_subset(load_all(names=list(QUICK_RUNS))) if self.quick else load_all()
+
+    def _max_tokens(self) -> int | None:
+        """A cap on every answer (None: as captured)."""
+        return QUICK_MAX_TOKENS if self.quick else None
+
+    def _guard_settle_s(self, runs: list[Run]) -> float:
+        """How long the guard's probes may take to finish after a replay."""
+        return 120.0
+
     # -- running ---------------------------------------------------------------------------
     def replay(self, stack: StackName, runs: list[Run], concurrency: int, kv_tokens: int,
                fixed: Prompts | None) -> tuple[Cell, scoring.InferenceScores | None, dict[str, float]]:
         try:
-            with started(stack, self.model_dir, kv_tokens, self.log_dir) as running:
-                replay = Replay(running.url, MODEL, runs, concurrency, fixed,
-                                max_tokens=QUICK_MAX_TOKENS if self.quick else None)
+            with started(stack, self.model_dir, kv_tokens, self.log_dir, guard_rate=self.guard_rate) as running:
+                replay = Replay(running.url, MODEL, runs, concurrency, fixed, max_tokens=self._max_tokens())
                 cell = Cell(replay.run())
                 inference = self._inference(running, cell)
-                guard = fidelity(running.url, APPROXIMATE[stack]) if stack in APPROXIMATE else {}
+                method = method_of(stack)
+                guard = fidelity(running.url, method, self._guard_settle_s(runs)) if method is not None else {}
         except RuntimeError as exc:  # a stack that would not start: one line for the CLI
             raise ValueError(f"bench agents: {stack}: {exc}") from exc
         self._progress(f"{stack}: {len(cell.outcomes)} requests, {concurrency} at once, {kv_tokens} KV tokens, "
@@ -293,11 +319,17 @@ def estimate_tokens(body: dict[str, Any]) -> int:
     return chars // 3 + int(body.get("max_tokens") or body.get("max_completion_tokens") or 64) + 64
 
 
-def fifth_agent(run: Run) -> str | None:
+def agent_order(run: Run) -> list[str]:
+    """The run's agents in the order they first sent a request: agent 1, agent 2, ..."""
     agents: list[str] = []
     for request in run.requests:
         if request.agent not in agents:
             agents.append(request.agent)
+    return agents
+
+
+def fifth_agent(run: Run) -> str | None:
+    agents = agent_order(run)
     return agents[4] if len(agents) >= 5 else None
 
 
@@ -315,6 +347,11 @@ def quick_subset(workloads: list[Workload], runs: dict[str, int] = QUICK_RUNS) -
     return [Workload(w.name, w.framework, w.description, w.runs[:runs[w.name]]) for w in workloads]
 
 
-def run(quick: bool = False, model: str | None = None) -> BenchResult:
+def run(quick: bool = False, model: str | None = None, family: str = "short") -> BenchResult:
+    if family not in FAMILIES:
+        raise ValueError(f"bench agents: no family {family!r}; families: {', '.join(FAMILIES)}")
+    from benchmarks.agents.long import LongBench  # it builds on this module
+
+    bench = LongBench if family == "long" else Bench
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-agents-") as tmp:
-        return Bench(quick, model, Path(tmp)).run()
+        return bench(quick, model, Path(tmp)).run()

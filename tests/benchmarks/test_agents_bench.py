@@ -29,3 +29,35 @@ def test_quick_agents_bench_replays_captures_through_the_product_path(smollm2_di
     for name in ("placeholder_f1", "session_rand", "agent_rand", "round_acc", "next_agent_acc"):
         assert 0.0 <= metrics[f"{name}_{tag}"] <= 1.0
     assert metrics[f"session_rand_{tag}"] > 0.5
+
+
+@pytest.mark.slow
+def test_quick_long_family_defaults_are_exact_and_the_warm_task_reuses(smollm2_dir, tmp_path):
+    """`kvrelay bench agents --family long --quick`: two board_openai tasks (a warm-up and
+    a warm one; 24-token answers), one session at a time, on prefix caching, the defaults
+    and the kvcomm opt-in. The kvcomm engine is being reworked, so no speed-up is asserted:
+    what must hold is that the defaults answer token for token as prefix caching does,
+    that the warm task's prompts are served partly from cache, and that every figure the
+    family reports is there."""
+    out = tmp_path / "agents-long.json"
+    result = run_benchmark("agents", quick=True, json_path=out, model=str(smollm2_dir), family="long")
+    payload = json.loads(out.read_text())
+    metrics = result.metrics
+    assert payload["metrics"] == metrics
+    config = payload["config"]
+    assert config["family"] == "long" and config["stacks"] == ["prefix", "kvrelay", "kvrelay_kvcomm"]
+    assert config["workloads"]["board_openai"]["runs"] == 2
+    for stack in config["stacks"]:
+        assert metrics[f"errors_{stack}"] == 0
+        assert all(metrics[f"ttft_mean_ms_agent{i}_{stack}"] > 0 for i in range(1, 6))
+    # Exact reuse: the same answers as prefix caching, on the warm-up task and the warm one.
+    assert metrics["greedy_match_default"] == 1.0 and metrics["greedy_match_default_warmup"] == 1.0
+    # The warm task's agents find their personas (computed by the warm-up task) in cache.
+    assert metrics["reuse_rate_kvcomm"] > 0
+    assert metrics["reuse_rate_default"] >= metrics["reuse_rate_prefix"] > 0
+    # Long prompts: agent 5 reads the passage, its question and four answers.
+    assert metrics["prompt_tokens_agent5_mean"] > 900
+    for name in ("agent5_speedup_kvcomm", "ttft_ratio_default_vs_prefix", "greedy_match_kvcomm",
+                 "switch_offs_kvcomm", "board_openai_agent5_speedup_kvcomm", "placeholder_f1_board_openai"):
+        assert name in metrics and metrics[name] == metrics[name], name  # present, not NaN
+    assert {f"{name}_warmup" for name in ("agent5_speedup_kvcomm", "reuse_rate_kvcomm")} <= metrics.keys()

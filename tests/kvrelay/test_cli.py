@@ -22,6 +22,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("engine", "--bogus"), "No such option"),
         (("engine", "--host", "0.0.0.0"), "set KVRELAY_PLAN_SECRET"),  # beyond loopback: sealed plans only
         (("bench", "nope"), "unknown benchmark 'nope'"),
+        (("bench", "agents", "--family", "huge"), "no family 'huge' (families: short, long)"),
+        (("bench", "gateway", "--family", "long"), "no family 'long' (it has one workload family)"),
         (("engine", "--reuse-method", "magic"), "--reuse-method"),
         (("up", "--check-layers", "one"), "--check-layers"),
         (("engine", "--blend-ratio", "2"), "--blend-ratio"),

@@ -8,7 +8,7 @@ string matching, so a reader can check every label by hand; nothing here uses th
 gateway's code, which is what the labels are there to judge.
 
     python tests/data/agents/capture/label.py tests/data/agents/*.jsonl   # rewrite quotes
-    python tests/data/agents/capture/label.py --check tests/data/agents/*.jsonl
+    python tests/data/agents/capture/label.py --check tests/data/agents/*.jsonl tests/data/agents/long/*.jsonl
 
 Standard library only; deterministic (the same capture gives the same labels).
 """

@@ -1,9 +1,11 @@
 """Capture every agent app: start the embedded engine and the recorder on loopback, run
 each app (in the agents venv, where the frameworks live) against the recorder, let the
-recorder save each app's capture to tests/data/agents/<app>.jsonl, then label them.
+recorder save each app's capture to tests/data/agents/<app>.jsonl (the long family's to
+tests/data/agents/long/<app>.jsonl), then label them.
 
     make agents-venv agents-capture
     .venv/bin/python tests/data/agents/capture/run_all.py --agents-python .venv-agents/bin/python [--apps village_sep]
+    .venv/bin/python tests/data/agents/capture/run_all.py --family long   # the long-context family
 
 Standard library only (the recorder and the labeller are too); the engine runs as the
 `kvrelay engine` command next to this interpreter, unless --engine-url names one that
@@ -31,10 +33,17 @@ import label  # noqa: E402 (a sibling script, not a package)
 import recorder  # noqa: E402
 
 # Cheap apps first: a broken framework setup shows within seconds.
-APPS = ["autogen_roundrobin", "autogen_selector", "autogen_tool", "langgraph_pipeline", "langgraph_react",
-        "openai_agents", "kvcomm_team", "village_sep", "village_plain"]
+FAMILIES: dict[str, list[str]] = {
+    "short": ["autogen_roundrobin", "autogen_selector", "autogen_tool", "langgraph_pipeline", "langgraph_react",
+              "openai_agents", "kvcomm_team", "village_sep", "village_plain"],
+    # Long passages and 128-token answers, where KV reuse has something to win. A
+    # directory of their own, so the short family's files (and their loaders) stay apart.
+    "long": ["board_openai", "board_autogen", "village_long"],
+}
+FAMILY_DIRS = {"short": ".", "long": "long"}  # under --out-dir
+APPS = [app for apps in FAMILIES.values() for app in apps]
 ENGINE_START_S = 300.0  # the first start converts the model (about 20 s); a busy machine is slower
-APP_TIMEOUT_S = 1200.0
+APP_TIMEOUT_S = 3600.0  # a long-family app takes several minutes, more on a busy machine
 
 
 def free_port() -> int:
@@ -70,6 +79,12 @@ def start_engine(kvrelay: Path) -> tuple[subprocess.Popen[bytes], str]:
     return process, url
 
 
+def capture_path(out_dir: Path, app: str) -> Path:
+    """Where an app's capture goes: its family's directory under `out_dir`."""
+    family = next(family for family, apps in FAMILIES.items() if app in apps)
+    return out_dir / FAMILY_DIRS[family] / f"{app}.jsonl"
+
+
 def run_app(agents_python: Path, app: str, recorder_url: str, out: Path) -> float:
     started = time.monotonic()
     subprocess.run([str(agents_python), str(HERE / "apps" / f"{app}.py"), "--recorder", recorder_url,
@@ -83,9 +98,12 @@ def main() -> int:
     parser.add_argument("--kvrelay", type=Path, default=Path(sys.executable).parent / "kvrelay",
                         help="the kvrelay command that serves the engine")
     parser.add_argument("--engine-url", help="an engine that already runs (else one is started)")
-    parser.add_argument("--apps", nargs="+", choices=APPS, default=APPS)
+    parser.add_argument("--family", choices=list(FAMILIES), default="short",
+                        help="capture this family's apps (when --apps is not given)")
+    parser.add_argument("--apps", nargs="+", choices=APPS, help="these apps, of any family")
     parser.add_argument("--out-dir", type=Path, default=DATA)
     args = parser.parse_args()
+    apps: list[str] = args.apps or FAMILIES[args.family]
 
     engine: subprocess.Popen[bytes] | None = None
     if args.engine_url:
@@ -98,8 +116,8 @@ def main() -> int:
     thread.start()
     timings: dict[str, float] = {}
     try:
-        for app in args.apps:
-            timings[app] = run_app(args.agents_python, app, server.url, args.out_dir / f"{app}.jsonl")
+        for app in apps:
+            timings[app] = run_app(args.agents_python, app, server.url, capture_path(args.out_dir, app))
             print(f"{app}: {timings[app]:.1f} s", flush=True)
     finally:
         server.shutdown()
@@ -107,8 +125,8 @@ def main() -> int:
         if engine is not None:
             engine.terminate()
             engine.wait(timeout=60)
-    for app in args.apps:
-        path = args.out_dir / f"{app}.jsonl"
+    for app in apps:
+        path = capture_path(args.out_dir, app)
         header, records = label.read_capture(path)
         quotes, notes = label.label_capture(header, records)
         for record, q in zip(records, quotes, strict=True):

@@ -16,6 +16,6 @@ SMOLLM2_INFO = ModelInfo(vision=False, function_calling=True, json_output=False,
                          structured_output=False, multiple_system_messages=False)
 
 
-def model_client(base_url: str) -> OpenAIChatCompletionClient:
+def model_client(base_url: str, max_tokens: int = MAX_TOKENS) -> OpenAIChatCompletionClient:
     return OpenAIChatCompletionClient(model=MODEL, base_url=base_url, api_key=API_KEY, model_info=SMOLLM2_INFO,
-                                      temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
+                                      temperature=TEMPERATURE, max_tokens=max_tokens)

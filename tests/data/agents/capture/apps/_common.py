@@ -1,5 +1,5 @@
 """What every capture app shares: the recorder's control calls, tag base URLs, and the
-model settings the brief fixes (greedy, short answers).
+model settings the brief fixes (greedy; short answers, longer ones in the long family).
 
 Standard library only: the apps run in .venv-agents, which holds the frameworks and
 nothing of kvrelay. An app is run as
@@ -22,6 +22,9 @@ from typing import Any
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 48  # the brief's budget for a normal answer: short prompts stay well inside the context
+# The long family's answers (tests/data/agents/long): long enough that a later agent's
+# prompt, which quotes them, is mostly text an earlier request already computed.
+LONG_MAX_TOKENS = 128
 TEMPERATURE = 0.0
 API_KEY = "unused"  # OpenAI clients insist on one; the recorder never records it
 

@@ -58,11 +58,13 @@ def heard_order(run: str, agent: str, round_: int, names: list[str]) -> list[str
     return order
 
 
-def ask(recorder: RecorderClient, run: str, agent: str, round_: int, prompt: str) -> str:
+def ask(recorder: RecorderClient, run: str, agent: str, round_: int, prompt: str, system: str | None = None,
+        max_tokens: int = MAX_TOKENS) -> str:
+    """One villager's turn: its persona (`system`; PERSONAS' by default) and the prompt."""
     client = OpenAI(base_url=recorder.base_url(run, agent, round_), api_key=API_KEY)
     reply = client.chat.completions.create(
-        model=MODEL, temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
-        messages=[{"role": "system", "content": PERSONAS[agent]}, {"role": "user", "content": prompt}])
+        model=MODEL, temperature=TEMPERATURE, max_tokens=max_tokens,
+        messages=[{"role": "system", "content": system or PERSONAS[agent]}, {"role": "user", "content": prompt}])
     return reply.choices[0].message.content or ""
 
 

@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from openai import OpenAI
 
 from _common import API_KEY, MAX_TOKENS, MODEL, TEMPERATURE, RecorderClient, Run, parse_args
+from _kvcomm import prompt
 
 APP = "kvcomm_team"
 ROUNDS = 2
@@ -27,23 +28,7 @@ TASKS = [
     "A train leaves at 14:20 and the trip takes 95 minutes. When does it arrive?",
 ]
 RUNS = [Run("r1", TASKS[0]), Run("r2", TASKS[1], "g1"), Run("r3", TASKS[2], "g1"), Run("r4", TASKS[0])]
-
-
-def outputs_block(intro: str, answers: list[tuple[str, str]]) -> str:
-    parts = [intro, ""]
-    for agent, answer in answers:
-        number, role = agent.removeprefix("agent"), ROLES[agent][0]
-        parts.append(f"Agent {number}, role is {role}, output is:\n\n{answer}\n")
-    return "\n".join(parts)
-
-
-def prompt(task: str, this_round: list[tuple[str, str]], last_round: list[tuple[str, str]]) -> str:
-    text = f"The task is: {task}\n"
-    if this_round:
-        text += "\n" + outputs_block("At the same time, the outputs of other agents are as follows:", this_round)
-    if last_round:
-        text += "\n" + outputs_block("In the last round of dialogue, the outputs of other agents were:", last_round)
-    return text
+TITLES = {agent: title for agent, (title, _) in ROLES.items()}
 
 
 def one_run(recorder: RecorderClient, run: Run) -> None:
@@ -56,7 +41,7 @@ def one_run(recorder: RecorderClient, run: Run) -> None:
             reply = client.chat.completions.create(
                 model=MODEL, temperature=TEMPERATURE, max_tokens=MAX_TOKENS,
                 messages=[{"role": "system", "content": system},
-                          {"role": "user", "content": prompt(run.task, list(current.items()), last_round)}])
+                          {"role": "user", "content": prompt(run.task, list(current.items()), last_round, TITLES)}])
             current[agent] = reply.choices[0].message.content or ""
         previous = current
 

@@ -1,0 +1,248 @@
+"""`kvrelay bench agents --family long`: the long-context captures, where reuse has
+something to win.
+
+The short family's prompts are a few hundred tokens and its answers 48, so there is
+little to reuse. The long family (tests/data/agents/long, captured like the short one)
+gives each task a passage of about 850 tokens, every agent its own ~600-character
+persona and answers up to 128 tokens, so a board's fifth agent reads about 1,500
+tokens, most of them text an earlier request already computed behind another prefix.
+
+Per workload, one session at a time, every stack freshly started (so no workload warms
+another's caches): `prefix` first, live (it renders the prompts), then `kvrelay`
+(defaults, exact), `kvrelay_kvcomm` and `kvrelay_blend` (opted in by a gateway rule,
+the guard at its shipped sample rate), `kvrelay_kvcomm_probed` and
+`kvrelay_blend_probed` (every opted-in request probed: the guard's figures over every
+request), `kvrelay_kvcomm_unguarded` (none probed: with the probed one, the guard's
+cost), and `vllm_apc` where its venv exists, all reading `prefix`'s prompts. A
+workload's first task is its warm-up (cold caches, agents not seen yet); the headline
+figures are over the other, warm tasks, and the warm-up's carry a `_warmup` suffix.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from benchmarks.agents.bench import Bench, Cell, agent_order, quick_subset
+from benchmarks.agents.replay import Key, Outcome
+from benchmarks.agents.stacks import StackName, method_of
+from benchmarks.agents.workload import CAPTURES, Run, Workload, load_all
+from benchmarks.common import BenchResult
+from benchmarks.stack import kv_bytes_per_token
+from gateway.approximation import GuardSettings
+from kvrelay.engine_settings import EngineSettings
+
+LONG_CAPTURES = CAPTURES / "long"
+QUICK_RUNS = {"board_openai": 2}  # the quick subset: a warm-up task and one warm task
+QUICK_MAX_TOKENS = 24
+STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "kvrelay_kvcomm_probed",
+                                 "kvrelay_blend_probed", "kvrelay_kvcomm_unguarded")
+QUICK_STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm")
+OPT_IN: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm", "blend": "kvrelay_blend"}  # at the shipped guard rate
+PROBED: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm_probed", "blend": "kvrelay_blend_probed"}
+AGENTS = 5  # agents 1..5 of a run, by their first request
+HEADERS = ("measure (warm tasks)", "stack", "reference", "reference/stack")
+# (stack, reference, what): each ratio reads reference/stack, as the metric of that name does.
+COMPARISONS: tuple[tuple[str, str, str], ...] = (
+    ("kvrelay", "prefix", "kvrelay defaults vs prefix caching"),
+    ("kvrelay_kvcomm", "kvrelay", "kvcomm opt-in vs kvrelay defaults"),
+    ("kvrelay_blend", "kvrelay", "blend opt-in vs kvrelay defaults"),
+    ("kvrelay_kvcomm", "vllm_apc", "kvcomm opt-in vs vLLM APC"),
+    ("kvrelay_kvcomm_unguarded", "kvrelay_kvcomm_probed", "guard cost: kvcomm unguarded vs every request probed"),
+)
+
+
+class LongBench(Bench):
+    guard_rate = GuardSettings().sample_rate  # what a user who opts in gets
+
+    def _workloads(self) -> list[Workload]:
+        if self.quick:
+            return quick_subset(load_all(LONG_CAPTURES, names=list(QUICK_RUNS)), QUICK_RUNS)
+        return load_all(LONG_CAPTURES)
+
+    def _max_tokens(self) -> int | None:
+        return QUICK_MAX_TOKENS if self.quick else None
+
+    def _guard_settle_s(self, runs: list[Run]) -> float:
+        """Long prompts, and every request probed on the `_probed` stacks: the probes run
+        on the engine's idle time, mostly after the replay, a few seconds each."""
+        return max(120.0, 15.0 * sum(len(run.requests) for run in runs))
+
+    def stacks(self) -> list[StackName]:
+        """The stacks after `prefix`; vLLM only in the full run, where its venv exists."""
+        if self.quick:
+            return list(QUICK_STACKS)
+        stacks = list(STACKS)
+        if self.has_vllm:
+            stacks.append("vllm_apc")
+        return stacks
+
+    # -- the bench -------------------------------------------------------------------------
+    def run(self) -> BenchResult:
+        outcomes: dict[str, dict[Key, Outcome]] = defaultdict(dict)
+        guards: dict[str, list[dict[str, float]]] = defaultdict(list)
+        for workload in self.workloads:
+            self._workload(workload, outcomes, guards)
+        cells = {stack: Cell(done) for stack, done in outcomes.items()}
+        warm, warmup = self._warm_keys()
+        self._figures(cells, warm)
+        self._figures(cells, warmup, suffix="_warmup")
+        for workload in self.workloads:
+            self._figures(cells, warm & {r.key for r in workload.requests}, prefix=f"{workload.name}_")
+        self._per_stack(cells, warm)
+        self._guard(guards)
+        self._rows(cells, warm)
+        if not self.has_vllm and not self.quick:
+            self.notes.append("vLLM skipped: no vLLM venv (make vllm-venv)")
+            self._progress(self.notes[-1])
+        return BenchResult("agents", self.metrics, self._config(), self.rows, HEADERS)
+
+    def _workload(self, workload: Workload, outcomes: dict[str, dict[Key, Outcome]],
+                  guards: dict[str, list[dict[str, float]]]) -> None:
+        """Every stack on one workload's runs, one session at a time: `prefix` live first,
+        then its prompts as they are to the others."""
+        runs = list(workload.runs)
+        budget = default_budget(str(self.model_dir))
+        reference, _, _ = self.replay("prefix", runs, 1, budget, None)
+        outcomes["prefix"].update(reference.outcomes)
+        prompts = {k: (o.body, o.quotes) for k, o in reference.outcomes.items()}
+        for stack in self.stacks():
+            cell, inference, guard = self.replay(stack, runs, 1, budget, prompts)
+            outcomes[stack].update(cell.outcomes)
+            if guard:
+                guards[stack].append(guard)
+            if stack == "kvrelay" and inference is not None:
+                self.metrics.update(inference.metrics(f"_{workload.name}"))
+
+    # -- which requests ----------------------------------------------------------------------
+    def _warm_keys(self) -> tuple[set[Key], set[Key]]:
+        """(warm tasks, warm-up tasks): each workload's first run is its warm-up."""
+        warm = {r.key for w in self.workloads for run in w.runs[1:] for r in run.requests}
+        warmup = {r.key for w in self.workloads for r in w.runs[0].requests}
+        return warm, warmup
+
+    def _agent_keys(self, index: int) -> set[Key]:
+        """The requests of each run's `index`-th agent (1-based, by first request)."""
+        return {r.key for run in self._runs() for r in run.requests if agent_of(run, index) == r.agent}
+
+    def _agent_means(self, cell: Cell) -> list[float]:
+        return [cell.only(self._agent_keys(i)).ttft_mean_ms() for i in range(1, AGENTS + 1)]
+
+    # -- metrics and rows --------------------------------------------------------------------
+    def _figures(self, cells: dict[str, Cell], keys: set[Key], prefix: str = "", suffix: str = "") -> None:
+        """The headline figures over `keys` (the warm tasks, the warm-up ones, one
+        workload's warm tasks), named `{prefix}NAME{suffix}`."""
+        sub = {stack: cell.only(keys) for stack, cell in cells.items()}
+        agent5 = {stack: cell.only(self._agent_keys(5)).ttft_mean_ms() for stack, cell in sub.items()}
+        default, plain = sub["kvrelay"], sub["prefix"]
+        figures = {"ttft_ratio_default_vs_prefix": plain.ttft_ms(0.5) / default.ttft_ms(0.5),
+                   "reuse_rate_default": default.cached_fraction(), "reuse_rate_prefix": plain.cached_fraction(),
+                   "greedy_match_default": default.greedy_match(plain)}
+        for method, stack in OPT_IN.items():
+            if stack in sub:
+                figures[f"agent5_speedup_{method}"] = agent5["kvrelay"] / agent5[stack]
+                figures[f"reuse_rate_{method}"] = sub[stack].cached_fraction()
+                figures[f"greedy_match_{method}"] = sub[stack].greedy_match(plain)
+        if {"vllm_apc", "kvrelay_kvcomm"} <= sub.keys():
+            figures["agent5_speedup_vs_vllm_apc"] = agent5["vllm_apc"] / agent5["kvrelay_kvcomm"]
+        if {"kvrelay_kvcomm_probed", "kvrelay_kvcomm_unguarded"} <= sub.keys():
+            figures["guard_cost_ttft"] = (sub["kvrelay_kvcomm_probed"].ttft_ms(0.5)
+                                          / sub["kvrelay_kvcomm_unguarded"].ttft_ms(0.5))
+        self.metrics.update({f"{prefix}{name}{suffix}": value for name, value in figures.items()})
+
+    def _per_stack(self, cells: dict[str, Cell], warm: set[Key]) -> None:
+        """Each stack's TTFT (p50, per agent) over the warm tasks, its errors over all, and
+        how long agent 5's prompts are (what the family is about)."""
+        for stack, cell in cells.items():
+            mine = cell.only(warm)
+            self.metrics[f"ttft_p50_ms_{stack}"] = mine.ttft_ms(0.5)
+            for index, mean in enumerate(self._agent_means(mine), start=1):
+                self.metrics[f"ttft_mean_ms_agent{index}_{stack}"] = mean
+            self.metrics[f"errors_{stack}"] = float(cell.errors)
+        fifth = cells["prefix"].only(warm & self._agent_keys(5)).ok()
+        self.metrics["prompt_tokens_agent5_mean"] = statistics.fmean(o.prompt_tokens for o in fifth) if fifth else 0.0
+
+    def _guard(self, guards: dict[str, list[dict[str, float]]]) -> None:
+        """The guard's teacher-forced figures where it probed every request, and its
+        decisions at the shipped rate; pooled over the workloads (each its own stack)."""
+        for method, stack in PROBED.items():
+            pooled = pool(guards.get(stack, []))
+            if pooled["scores"]:
+                self.metrics[f"top1_{method}"], self.metrics[f"kl_{method}"] = pooled["top1"], pooled["kl"]
+                self.metrics[f"probe_scores_{method}"] = pooled["scores"]
+        for method, stack in OPT_IN.items():
+            if stack in guards:
+                pooled = pool(guards[stack])
+                self.metrics[f"switch_offs_{method}"] = pooled["switch_offs"]
+                self.metrics[f"guard_scores_{method}"] = pooled["scores"]
+
+    def _rows(self, cells: dict[str, Cell], warm: set[Key]) -> None:
+        sub = {stack: cell.only(warm) for stack, cell in cells.items()}
+        fifth = self._agent_keys(5)
+        for stack, reference, what in COMPARISONS:
+            if stack in sub and reference in sub:
+                self.rows += [_ratio_row(f"{what}: TTFT p50 ms", sub[stack].ttft_ms(0.5), sub[reference].ttft_ms(0.5)),
+                              _ratio_row(f"{what}: agent 5 TTFT mean ms", sub[stack].only(fifth).ttft_mean_ms(),
+                                         sub[reference].only(fifth).ttft_mean_ms())]
+        defaults = self._agent_means(sub["kvrelay"])
+        for stack, cell in sub.items():
+            if stack == "kvrelay":
+                continue  # the reference column of every row below
+            means = self._agent_means(cell)
+            self.rows += [
+                (f"{stack} vs kvrelay: TTFT mean ms, agents 1/2/3/4/5", "/".join(f"{m:.0f}" for m in means),
+                 "/".join(f"{m:.0f}" for m in defaults), ""),
+                (f"{stack} vs kvrelay: prompt share from cache", f"{cell.cached_fraction():.3f}",
+                 f"{sub['kvrelay'].cached_fraction():.3f}", ""),
+                (f"{stack} vs kvrelay: greedy match with prefix", f"{cell.greedy_match(sub['prefix']):.3f}",
+                 f"{sub['kvrelay'].greedy_match(sub['prefix']):.3f}", ""),
+            ]
+
+    def _config(self) -> dict[str, Any]:
+        return {
+            "family": "long", "quick": self.quick, "model": str(self.model_dir),
+            "workloads": {w.name: {"framework": w.framework, "runs": len(w.runs), "requests": len(w.requests),
+                                   "kv_tokens": default_budget(str(self.model_dir))} for w in self.workloads},
+            "stacks": ["prefix", *self.stacks()],
+            "max_tokens": self._max_tokens() or "as captured",
+            "guard": {stack: self._guard_setup(stack) for stack in self.stacks() if method_of(stack) is not None},
+            "warm": "every run but each workload's first; `_warmup` metrics: the first runs; guard figures "
+                    "cover every run",
+            "sessions": "one at a time, each workload on freshly started stacks",
+            "ttft": "client-side, streamed, time to the first content or tool-call delta",
+            "prompts": "rendered once by the prefix stack (live answers), then sent as they are to every stack",
+            "notes": self.notes}
+
+    def _guard_setup(self, stack: str) -> str:
+        """How the stack's guard was set, and the metrics it gives."""
+        if stack in PROBED.values():
+            return "sample rate 1.0, floors off so the method stays on (top1_*, kl_*, probe_scores_*)"
+        if stack == "kvrelay_kvcomm_unguarded":
+            return "sample rate 0 (guard_cost_ttft: probed p50 / unguarded p50)"
+        return f"shipped sample rate {self.guard_rate} and floors (switch_offs_*, guard_scores_*)"
+
+
+def agent_of(run: Run, index: int) -> str | None:
+    agents = agent_order(run)
+    return agents[index - 1] if len(agents) >= index else None
+
+
+def default_budget(model_dir: str) -> int:
+    """KV tokens of `kvrelay up`'s default `--kv-cache-mb`: what a user runs. Reuse
+    beyond the prefix keeps more than prompts (segment index entries, KVCOMM's offsets
+    per reader), so a budget cut to the prompts' working set would measure eviction,
+    not reuse; every stack gets the same."""
+    return EngineSettings().kv_cache_mb * 2**20 // kv_bytes_per_token(model_dir)
+
+
+def pool(guards: list[dict[str, float]]) -> dict[str, float]:
+    """Several stacks' guard figures as one: top-1 and KL weighted by their scores."""
+    scores = sum(g.get("scores", 0.0) for g in guards)
+    weighted = {name: sum(g.get(name, 0.0) * g.get("scores", 0.0) for g in guards) / scores if scores else 0.0
+                for name in ("top1", "kl")}
+    return {**weighted, "scores": scores, "switch_offs": sum(g.get("switch_offs", 0.0) for g in guards)}
+
+
+def _ratio_row(measure: str, stack: float, reference: float) -> tuple[str, str, str, str]:
+    return measure, f"{stack:.0f}", f"{reference:.0f}", f"{reference / stack:.3f}"
