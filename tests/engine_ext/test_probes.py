@@ -134,7 +134,7 @@ def _step(llm: LLMEngine, probes: Probes) -> None:
 
 
 def test_a_probe_delays_an_arriving_request_by_one_chunk_step_and_resumes_where_it_paused(llama_dir):
-    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER)
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER, probe_idle_ms=0.0)  # steps counted: no grace
     job = _job(llm, prompt=_ids(100, 1), max_tokens=6)
     llm.kv.pool.reset_cache()  # no prefix hit: the probe computes every token itself
     probes = Probes(chunk_tokens=16)
@@ -213,7 +213,7 @@ def test_the_chunked_score_equals_the_whole_prompt_dense_score(llama_dir, chunk_
 
 
 def test_memory_pressure_frees_the_probe_never_the_request(llama_dir):
-    llm = make_engine(llama_dir, num_blocks=8, tiers=NO_LOWER_TIER)  # 128 tokens of KV
+    llm = make_engine(llama_dir, num_blocks=8, tiers=NO_LOWER_TIER, probe_idle_ms=0.0)  # 128 tokens of KV
     job = _job(llm, prompt=_ids(80, 4), max_tokens=6)
     question = _ids(90, 5)
     alone = llm.generate(question, GREEDY).output_token_ids

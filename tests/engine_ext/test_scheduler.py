@@ -315,7 +315,7 @@ def test_block_size_does_not_change_outputs(llama_dir, reference, block_size):
 def test_background_work_runs_in_capped_chunks_only_in_steps_no_request_wants(llama_dir, reference):
     """A background sequence (a fidelity probe's score) pauses, KV kept, while a request
     waits or runs, takes no `max_num_seqs` slot, and resumes where it stopped."""
-    engine = make_engine(llama_dir, num_blocks=32, max_num_seqs=1, tiers=NO_LOWER_TIER)
+    engine = make_engine(llama_dir, num_blocks=32, max_num_seqs=1, tiers=NO_LOWER_TIER, probe_idle_ms=0.0)
     steps = record_steps(engine)
     bg_ids, a_ids = prompt(50, 7), prompt(20, 8)
     bg = engine.add_request(EngineRequest("bg", bg_ids, SamplingParams(max_tokens=2, **GREEDY), publish=False,

@@ -26,7 +26,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_defaults_make_the_exact_engine_config() -> None:
     config = EngineSettings().engine_config()
     assert config.reuse.default_method == "prefix" and config.reuse.enabled
-    assert config.kv_cache_bytes == 512 * 2**20 and config.tiers.policy == "workflow"
+    assert config.kv_cache_bytes == 2048 * 2**20 and config.tiers.policy == "workflow"
 
 
 def test_a_variable_sets_an_option_and_a_flag_beats_it(monkeypatch: pytest.MonkeyPatch) -> None:
