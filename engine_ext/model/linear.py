@@ -25,6 +25,7 @@ compare greedy tokens.
 from __future__ import annotations
 
 import time
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,19 @@ _PACK_HINT = 8
 def onednn_available() -> bool:
     """Whether this torch build can prepack weights for oneDNN."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+@cache
+def onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether this CPU has a oneDNN kernel to pack `dtype` weights for: bf16 needs
+    AVX512-BW/VL/DQ or AVX-NE-CONVERT, fp16 AVX512-FP16; an AVX2-only CPU packs fp32 only."""
+    if not onednn_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), _PACK_HINT)
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Linear):
@@ -68,15 +82,10 @@ def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> int:
     """Pack the PackedLinears of `model` when oneDNN is there and `kernel` (or, for
     "auto", the dtype or a timing on the model's own weights) says so; how many were packed."""
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    if kernel == "plain" or not layers or not onednn_available():
+    if kernel == "plain" or not layers or not onednn_packs(layers[0].weight.dtype):
         return 0
-    try:
-        for layer in layers:
-            layer.pack()
-    except RuntimeError:  # no oneDNN kernel for this dtype on this CPU (fp16 without AVX512-FP16)
-        for layer in layers:
-            layer.unpack()
-        return 0
+    for layer in layers:
+        layer.pack()
     if kernel == "auto" and layers[0].weight.dtype == torch.float32 and not _packed_is_faster(layers):
         for layer in layers:
             layer.unpack()

@@ -8,9 +8,13 @@ import pytest
 import torch
 from torch import nn
 
-from engine_ext.model.linear import PackedLinear, onednn_available, pack_linears
+from engine_ext.model import linear
+from engine_ext.model.linear import PackedLinear, onednn_available, onednn_packs, pack_linears
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
+needs_bf16 = pytest.mark.skipif(
+    not onednn_packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 kernel (AVX512-BW/VL/DQ or AVX-NE-CONVERT)"
+)
 
 
 def _layer(dtype: torch.dtype, bias: bool = False) -> PackedLinear:
@@ -20,7 +24,7 @@ def _layer(dtype: torch.dtype, bias: bool = False) -> PackedLinear:
     return layer
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_products_equal_f_linear(dtype, bias):
     layer = _layer(dtype, bias)
@@ -30,6 +34,7 @@ def test_packed_products_equal_f_linear(dtype, bias):
     torch.testing.assert_close(layer(x).float(), expected, atol=tolerance, rtol=tolerance)
 
 
+@needs_bf16
 def test_a_row_s_result_does_not_depend_on_the_batch_beyond_f_linear_s_rounding():
     """fp32: a row alone, among 8 and among 300 agrees with F.linear's own spread; bf16:
     the same bits whatever the batch (what lets bf16 decode batched equal solo)."""
@@ -81,6 +86,7 @@ def test_auto_keeps_the_kernel_a_timing_finds_faster_for_fp32(monkeypatch, slow_
     torch.testing.assert_close(model(x), plain, atol=1e-6, rtol=1e-5)
 
 
+@needs_bf16
 def test_auto_packs_bf16_without_timing_and_plain_packs_nothing(monkeypatch):
     def no_timing(layers):
         raise AssertionError("bf16 is packed for its batch-independent rows, not timed")
@@ -90,6 +96,22 @@ def test_auto_packs_bf16_without_timing_and_plain_packs_nothing(monkeypatch):
     assert pack_linears(model, "auto") == 2 and all(m.packed is not None for m in model)
 
 
+def test_a_dtype_this_cpu_cannot_pack_stays_on_f_linear(monkeypatch):
+    """Where oneDNN has no kernel for the dtype (bf16 on an AVX2-only CPU), every kernel
+    choice leaves the layers unpacked and their products are F.linear's."""
+    def no_kernel(weight, hint):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", no_kernel)
+    monkeypatch.setattr(linear, "onednn_packs", linear.onednn_packs.__wrapped__)
+    model = nn.Sequential(PackedLinear(64, 96), PackedLinear(96, 64)).to(torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    for kernel in ("auto", "packed", "plain"):
+        assert pack_linears(model, kernel) == 0 and all(m.packed is None for m in model)
+    torch.testing.assert_close(model(x), nn.functional.linear(nn.functional.linear(x, model[0].weight, model[0].bias),
+                                                             model[1].weight, model[1].bias))
+
+
+@needs_bf16
 def test_a_bf16_engine_packs_its_linears_and_decodes_a_batch_as_each_alone(llama_dir):
     from engine_ext.request import EngineRequest
     from engine_ext.sampling import SamplingParams
