@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from benchmarks.agents.workload import Quote, Request, Run, render
+from kvrelay.wire.reports import REUSE_KEY
 
 DEFAULT_MAX_TOKENS = 64  # for a captured request that set no limit
 REQUEST_ID_HEADER = "x-kvrelay-request-id"
@@ -50,6 +51,7 @@ class Outcome:
     latency_s: float
     started_s: float  # since the replay began
     ended_s: float
+    reuse: dict[str, Any] | None = None  # the engine's per-segment reuse report, where one came back
 
     @property
     def ok(self) -> bool:
@@ -136,7 +138,7 @@ class Replay:
         self.outcomes[request.key] = Outcome(
             request.key, body, quotes, stream.text, status, error, request_id, stream.prompt_tokens,
             stream.cached_tokens, stream.completion_tokens, (stream.first_token_at or ended) - started,
-            ended - started, started - self._t0, ended - self._t0)
+            ended - started, started - self._t0, ended - self._t0, stream.reuse)
 
 
 class _Stream:
@@ -147,6 +149,7 @@ class _Stream:
         self.first_token_at: float | None = None
         self.prompt_tokens = self.cached_tokens = self.completion_tokens = 0
         self.error: str | None = None
+        self.reuse: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
@@ -174,3 +177,6 @@ class _Stream:
             self.completion_tokens = usage.get("completion_tokens") or 0
             details = usage.get("prompt_tokens_details") or {}
             self.cached_tokens = details.get("cached_tokens") or 0
+        reuse = (chunk.get("kv_transfer_params") or {}).get(REUSE_KEY)
+        if isinstance(reuse, dict):
+            self.reuse = reuse

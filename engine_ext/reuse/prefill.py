@@ -27,7 +27,8 @@ from engine_ext.kv.cache import KVCache
 from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.model.attention import PrefillSpan
-from engine_ext.reuse.assembler import Assembly
+from engine_ext.kvcomm.offsets import Piece, apply_corrections
+from engine_ext.reuse.assembler import Assembly, PlacedSegment
 from engine_ext.timeline import Placement, Timeline
 from kernels.rope import rope_cos_sin
 
@@ -83,15 +84,31 @@ class ReusePrefill:
         return cos, sin, _metadata(rows, slots, context)
 
     def _place(self, assembly: Assembly, slots: torch.Tensor, timeline: Timeline | None) -> None:
+        """Copy every placed segment's KV to its slots, shifted to its position, then add
+        all KVCOMM corrections in one batched pass (offsets.apply_corrections); each
+        segment's placement time is its copy plus its token share of that pass."""
+        copies: list[tuple[PlacedSegment, float]] = []
+        pieces: list[Piece] = []
         for placed in assembly.placed:
             started = time.monotonic()
             seg = placed.segment
             dst = slots[seg.start : seg.end]
             self.index.copy_shifted(self.index.slots(placed.entry), dst, seg.start)
+            copies.append((placed, time.monotonic() - started))
             if placed.correction is not None:
-                placed.correction.apply(self.kv_cache, self.index.shifter, dst, seg.start)
-            if timeline is not None:
-                timeline.placed(placed.method, Placement(started, time.monotonic(), seg.num_tokens))
+                pieces += placed.correction.pieces(dst, seg.start)
+        started = time.monotonic()
+        apply_corrections(self.kv_cache, self.index.shifter, pieces)
+        corrected_s = time.monotonic() - started
+        corrected_tokens = sum(p.dst.numel() for p in pieces)
+        if timeline is None:
+            return
+        at = started - sum(copy_s for _, copy_s in copies)  # the spans are laid end to end
+        for placed, copy_s in copies:
+            seg = placed.segment
+            share = corrected_s * seg.num_tokens / corrected_tokens if placed.correction is not None and corrected_tokens else 0.0
+            timeline.placed(placed.method, Placement(at, at + copy_s + share, seg.num_tokens))
+            at += copy_s + share
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
         """Keep the top blend_ratio of each blend segment's tokens by key deviation.

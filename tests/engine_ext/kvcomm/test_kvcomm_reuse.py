@@ -188,7 +188,7 @@ def test_without_an_agent_the_placeholder_is_only_shifted(deep_llama):
 
 
 def test_pool_limit_prunes_and_frees_anchor_memory(deep_llama):
-    eng = engine(deep_llama, max_anchors=2, prune_window=1, gamma=0.0)
+    eng = engine(deep_llama, max_anchors=2, prune_window=1, gamma=0.0, chunk_tokens=128)  # one chunk per sample
     agent = Agent(17)
     sizes = []
     for seed in range(20, 24):
