@@ -158,9 +158,13 @@ class AsyncEngine:
             if cmd.request.probe:
                 self.probes.watch(seq)
 
+    def _commands_waiting(self) -> bool:
+        """Asked between the layers of a background step: a request (or an abort) is queued."""
+        return not self._commands.empty()
+
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self.engine.step(interrupt=self._commands_waiting)
         except Exception as exc:
             # A failed step may have half-written KV blocks: fail its requests and drop
             # every cached hash so no later request reuses possibly corrupt blocks.

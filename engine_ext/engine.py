@@ -7,6 +7,7 @@ import logging
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from engine_ext.errors import (
 from engine_ext.kv import KVCache, KVCacheManager
 from engine_ext.kv.block_pool import Block
 from engine_ext.model import load_model
+from engine_ext.model.llama import StepInterrupted
 from engine_ext.model_runner import ModelRunner
 from engine_ext.reuse.answers import Ending
 from engine_ext.reuse.lifecycle import ReuseLifecycle
@@ -94,6 +96,7 @@ class LLMEngine:
         self.segment_index, self.anchor_bank = parts.segment_index, parts.anchor_bank
         self.collector, self.diff_store = parts.collector, parts.diff_store
         self.last_step_empty = False
+        self.num_interrupted_steps = 0  # background steps a request's arrival stopped between layers
         # TTFT breakdowns price reuse against prefix caching alone: its dense prefill time,
         # and the prefix cache it would hold (engine_ext/timeline.py).
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
@@ -231,7 +234,10 @@ class LLMEngine:
         return self.scheduler.has_work or (self.tiers is not None and self.tiers.worker.num_in_flight > 0)
 
     # -- the loop body ---------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
+        """One scheduled step. `interrupt` (asked between layers, from the engine thread)
+        stops a step of background work alone when a request has arrived: the request then
+        waits one layer, not the whole chunk; the chunk is computed again later."""
         self._transfers()
         step = self.scheduler.schedule()
         # Nothing could run: a round held for its siblings, or every waiting prefix still loading.
@@ -240,7 +246,11 @@ class LLMEngine:
             self._transfers(timeout=0.005)  # wake as soon as a load lands, without spinning
             return []
         started = time.monotonic()
-        sampled = self.runner.run(step)
+        try:
+            sampled = self.runner.run(step, interrupt)
+        except StepInterrupted:
+            self.num_interrupted_steps += 1
+            return []
         computed = self.runner.last_forward_end  # the forward passes; sampling follows
         self._observe_prefill(step.chunks, computed - started)
         for seq, num_tokens in step.chunks:

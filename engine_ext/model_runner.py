@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -47,10 +48,11 @@ class ModelRunner:
         # engine's timelines split a request's prefill from its first token there.
         self.last_forward_end = 0.0
 
-    def run(self, step: SchedulerOutput) -> list[tuple[Sequence, int]]:
+    def run(self, step: SchedulerOutput, interrupt: Callable[[], bool] | None = None) -> list[tuple[Sequence, int]]:
         """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end.
         A round group's prefills run together, other prefills around placed segments one
-        by one; everything else runs as one batch."""
+        by one; everything else runs as one batch. A background step stops between layers
+        once `interrupt` says so (StepInterrupted; nothing is sampled or kept)."""
         rows: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, final hidden state (1, hidden))
         batch: list[ScheduledChunk] = []
         groups: dict[int, CollectiveGroup] = {}
@@ -67,7 +69,7 @@ class ModelRunner:
         rows = self._decode_first_tokens(rows)
         scored: list[tuple[Sequence, torch.Tensor]] = []
         if batch:
-            rows += self._run_batch(batch, scored)
+            rows += self._run_batch(batch, scored, interrupt if step.background else None)
         self.last_forward_end = time.monotonic()
         for seq, hidden in scored:  # positions before its last: their logits precede a sampled row's
             for row in self.model.compute_logits(hidden):
@@ -133,8 +135,8 @@ class ModelRunner:
             rows[i] = (seqs[j], hidden[num + j : num + j + 1])
         return rows
 
-    def _run_batch(self, chunks: list[ScheduledChunk], scored: list[tuple[Sequence, torch.Tensor]] | None = None
-                   ) -> list[tuple[Sequence, torch.Tensor]]:
+    def _run_batch(self, chunks: list[ScheduledChunk], scored: list[tuple[Sequence, torch.Tensor]] | None = None,
+                   interrupt: Callable[[], bool] | None = None) -> list[tuple[Sequence, torch.Tensor]]:
         """One forward for every plain chunk. A multi-LoRA sequence's rows get its
         adapter's updates; an ICaRus sequence about to sample adds a decoder row (its
         token again, base + adapter, reading the base K/V and writing none) after every
@@ -196,7 +198,7 @@ class ModelRunner:
                                        entries or None, prefill_decoders or None)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long), torch.cat(positions), self.kv_cache.layers, meta,
-            AdapterRows(spans) if spans else None,
+            AdapterRows(spans) if spans else None, interrupt,
         )  # (N, hidden)
         if scored is not None:
             scored += [(seq, hidden[first:end]) for seq, first, end in kept]

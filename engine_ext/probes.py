@@ -13,8 +13,9 @@ scheduler (engine_ext/scheduler.py): the prompt and the answer's tokens (but its
 form one sequence, prefilled in chunks of at most `chunk_tokens`, alone in their step,
 and only in steps no request wants; its logits are kept from the prompt's last position
 on, one per answer token, so no decode step is needed. A request arriving during a
-probe's step waits for that one short step at most, and the probe is paused, its KV
-and progress kept, until the engine is idle again. When a request could get its KV
+probe's step stops it before its next layer (the chunk is computed again later), so it
+waits one layer at most, and the probe is paused, its KV and progress kept, until the
+engine is idle again. When a request could get its KV
 blocks in no other way, the probe's go first (before any request is preempted) and it
 starts over later. Only the engine thread calls `Probes`' engine methods;
 `results_after` is read from the server's event loop, hence the lock.

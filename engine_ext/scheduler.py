@@ -21,8 +21,8 @@ waiting or running they are paused, keeping their KV and progress, and resume wh
 they stopped once the engine has been idle for `probe_idle_ms`: in an agent chain the
 next agent's request follows the last answer within milliseconds, and a chunk started
 in that gap would hold it. A background step computes one chunk of at most the
-sequence's `max_chunk_tokens`, so a request arriving during it waits for that one short
-step at most. Their KV goes first when memory is short: before a request would
+sequence's `max_chunk_tokens`, and a request arriving during it stops it between two
+layers (LLMEngine.step's `interrupt`), so the request waits one layer at most. Their KV goes first when memory is short: before a request would
 be preempted for lack of blocks, background KV is freed (the background sequence later
 starts over).
 """
@@ -51,6 +51,7 @@ class ScheduledChunk(NamedTuple):
 class SchedulerOutput(NamedTuple):
     chunks: list[ScheduledChunk]  # prefill chunks first, then single-token (decode) chunks
     num_preempted: int
+    background: bool = False  # the step is background work alone: a request arriving may interrupt it
 
     @property
     def is_empty(self) -> bool:
@@ -144,7 +145,7 @@ class Scheduler:
     def _schedule_background(self) -> SchedulerOutput:
         """No request waits or runs: the next chunk of the oldest background sequence,
         alone in its step and at most its `max_chunk_tokens`, so that a request arriving
-        meanwhile waits for this one short step at most. Newer background sequences give
+        meanwhile stops it within a layer. Newer background sequences give
         up their KV if it lacks room; with none to give, the step is empty (a transfer in
         flight may hold blocks) and it tries again next step, its progress kept."""
         if not self.background:
@@ -156,7 +157,7 @@ class Scheduler:
         chunk = self._background_chunk(seq, budget)
         if chunk is None and self._free_background(keep=seq):
             chunk = self._background_chunk(seq, budget)
-        return SchedulerOutput([chunk] if chunk is not None else [], 0)
+        return SchedulerOutput([chunk] if chunk is not None else [], 0, background=True)
 
     def _background_chunk(self, seq: Sequence, budget: int) -> ScheduledChunk | None:
         """A background sequence's next chunk with its slots reserved (admitting it first

@@ -6,6 +6,8 @@ the loader concatenates the HF weights accordingly, then packs them for oneDNN (
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -109,6 +111,11 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x), adapters)
 
 
+class StepInterrupted(Exception):
+    """A forward stopped between layers because its `interrupt` said so: its rows' KV is
+    partly written (the layers before the stop) and must be computed again."""
+
+
 class CausalLM(nn.Module):
     """Token ids and positions in, final hidden states out; logits on demand for chosen rows."""
 
@@ -132,12 +139,17 @@ class CausalLM(nn.Module):
         kv_caches: list[LayerCache],
         meta: AttentionMetadata,
         adapters: AdapterRows | None = None,
+        interrupt: Callable[[], bool] | None = None,
     ) -> torch.Tensor:
         """input_ids, positions: (N,) flat over the batch. Returns hidden states (N, hidden).
-        `adapters` adds LoRA updates to the rows it names (multi-LoRA)."""
+        `adapters` adds LoRA updates to the rows it names (multi-LoRA). `interrupt`,
+        asked before every layer but the first, stops the pass (StepInterrupted) when it
+        returns True: background work gives way to a request within one layer."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # each (N, rotary_dim)
         x = self.embed_tokens(input_ids)  # (N, hidden)
-        for layer, cache in zip(self.layers, kv_caches):
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            if i and interrupt is not None and interrupt():
+                raise StepInterrupted(f"stopped before layer {i}")
             x = layer(x, cos, sin, cache, meta, adapters)
         return self.norm(x)
 

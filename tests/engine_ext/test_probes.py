@@ -188,6 +188,40 @@ def test_a_probe_waits_until_no_request_has_run_for_the_idle_grace(llama_dir, mo
     assert steps[-1] == [("probe-r", 16)]
 
 
+def test_an_arrival_stops_a_probe_chunk_between_layers_and_the_chunk_runs_again(llama_dir):
+    """A request arriving while a probe's chunk computes waits one layer, not the chunk:
+    the step stops before its next layer, nothing advances, and the chunk is computed
+    again later; the finished score is still the dense one."""
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER, probe_idle_ms=0.0)
+    prompt = _ids(40, 5)
+    job = _job(llm, prompt=prompt, max_tokens=4)
+    dense_logits = llm.score(prompt, job.output_ids, publish=False).logits
+    llm.kv.pool.reset_cache()
+    probes = Probes(chunk_tokens=16)
+    probes._jobs.append(job)
+    probes.tick(llm)
+    dense = probes._running.seq
+    asked: list[int] = []
+
+    def arrival_after_layer_0() -> bool:  # the model asks before every layer but the first
+        asked.append(1)
+        return True
+
+    assert llm.step(interrupt=arrival_after_layer_0) == [] and len(asked) == 1
+    probes.after_step()
+    assert dense.num_computed_tokens == 0 and llm.num_interrupted_steps == 1  # nothing advanced
+    real = llm.add_request(EngineRequest("real", _ids(20, 6), GREEDY))
+    llm.step(interrupt=lambda: True)  # a request's step is never interrupted
+    assert real.num_computed_tokens == 20 and llm.num_interrupted_steps == 1
+    while not real.is_finished:
+        _step(llm, probes)
+    while probes.has_jobs:
+        _step(llm, probes)
+    (result,), _ = probes.results_after(0)
+    assert torch.allclose(torch.stack(dense.logits), dense_logits, atol=1e-4)
+    assert result.top1 == 1.0 and result.kl < 1e-4
+
+
 @pytest.mark.parametrize("chunk_tokens", [1, 20, 64])
 def test_the_chunked_score_equals_the_whole_prompt_dense_score(llama_dir, chunk_tokens):
     """Prompt and forced answer prefilled in chunks (at 1, token by token; at 20, the
