@@ -163,9 +163,9 @@ def slow_with_abort_spy(llm: LLMEngine, monkeypatch, step_s: float = 0.01) -> li
     aborted: list[str] = []
     step, abort = llm.step, llm.abort
 
-    def slow_step():
+    def slow_step(interrupt=None):
         time.sleep(step_s)
-        return step()
+        return step(interrupt)
 
     def spy_abort(request_id):
         ok = abort(request_id)

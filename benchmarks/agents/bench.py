@@ -32,8 +32,8 @@ from typing import Any
 
 from benchmarks.agents import scoring
 from benchmarks.agents.replay import Key, Outcome, Replay
-from benchmarks.agents.stacks import (APPROXIMATE, MODEL, SHORT_GUARD_RATE, Running, StackName, fidelity, method_of,
-                                     started)
+from benchmarks.agents.stacks import (APPROXIMATE, MODEL, SHORT_GUARD_RATE, Running, StackName, engine_counters,
+                                      fidelity, method_of, started)
 from benchmarks.agents.workload import Quote, Run, Workload, load_all
 from benchmarks.common import BenchResult
 from engine_ext.model_store import resolve_model
@@ -118,6 +118,7 @@ class Bench:
         self.rows: list[tuple[str, str, str, str]] = []
         self.notes: list[str] = []
         self.peaks: dict[Key, int] = {}  # each request's prompt plus answer tokens, once measured
+        self.engine_counters: dict[str, dict[str, float]] = {}  # stack -> its engine's counters after its last replay
         self._t0 = time.monotonic()
 
     def _workloads(self) -> list[Workload]:
@@ -141,6 +142,8 @@ class Bench:
                 inference = self._inference(running, cell)
                 method = method_of(stack)
                 guard = fidelity(running.url, method, self._guard_settle_s(runs)) if method is not None else {}
+                if running.engine_url is not None:
+                    self.engine_counters[stack] = engine_counters(running.engine_url)
         except RuntimeError as exc:  # a stack that would not start: one line for the CLI
             raise ValueError(f"bench agents: {stack}: {exc}") from exc
         self._progress(f"{stack}: {len(cell.outcomes)} requests, {concurrency} at once, {kv_tokens} KV tokens, "

@@ -13,7 +13,9 @@ another's caches): `prefix` first, live (it renders the prompts), then `kvrelay`
 the guard at its shipped sample rate), `kvrelay_kvcomm_probed` and
 `kvrelay_blend_probed` (every opted-in request probed: the guard's figures over every
 request), `kvrelay_kvcomm_unguarded` (none probed: with the probed one, the guard's
-cost), and `vllm_apc` where its venv exists, all reading `prefix`'s prompts. A
+cost), `kvrelay_blend_single` (blend with collective prefill off, on workloads with
+All-Gather rounds only: TokenDance's baseline), and `vllm_apc` where its venv exists,
+all reading `prefix`'s prompts. A
 workload's first task is its warm-up (cold caches, agents not seen yet); the headline
 figures are over the other, warm tasks, and the warm-up's carry a `_warmup` suffix.
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 from benchmarks.agents.bench import Bench, Cell, agent_order, quick_subset
@@ -37,7 +40,8 @@ LONG_CAPTURES = CAPTURES / "long"
 QUICK_RUNS = {"board_openai": 2}  # the quick subset: a warm-up task and one warm task
 QUICK_MAX_TOKENS = 24
 STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "kvrelay_kvcomm_probed",
-                                 "kvrelay_blend_probed", "kvrelay_kvcomm_unguarded")
+                                 "kvrelay_blend_probed", "kvrelay_kvcomm_unguarded", "kvrelay_blend_single")
+ROUND_SIZE = 10  # TokenDance's figures are over All-Gather rounds of at least this many requests
 QUICK_STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm")
 OPT_IN: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm", "blend": "kvrelay_blend"}  # at the shipped guard rate
 PROBED: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm_probed", "blend": "kvrelay_blend_probed"}
@@ -55,6 +59,10 @@ COMPARISONS: tuple[tuple[str, str, str], ...] = (
 
 class LongBench(Bench):
     guard_rate = GuardSettings().sample_rate  # what a user who opts in gets
+
+    def __init__(self, quick: bool, model: str | None, log_dir: Path) -> None:
+        super().__init__(quick, model, log_dir)
+        self.counters: dict[tuple[str, str], dict[str, float]] = {}  # (workload, stack) -> its engine's counters
 
     def _workloads(self) -> list[Workload]:
         if self.quick:
@@ -92,6 +100,7 @@ class LongBench(Bench):
             self._figures(cells, warm & {r.key for r in workload.requests}, prefix=f"{workload.name}_")
         self._per_stack(cells, warm)
         self._guard(guards)
+        self._rounds(cells)
         self._rows(cells, warm)
         if not self.has_vllm and not self.quick:
             self.notes.append("vLLM skipped: no vLLM venv (make vllm-venv)")
@@ -108,7 +117,11 @@ class LongBench(Bench):
         outcomes["prefix"].update(reference.outcomes)
         prompts = {k: (o.body, o.quotes) for k, o in reference.outcomes.items()}
         for stack in self.stacks():
+            if stack == "kvrelay_blend_single" and not big_rounds(runs[1:]):
+                continue  # collective prefill off: only a workload with All-Gather rounds tells it apart
             cell, inference, guard = self.replay(stack, runs, 1, budget, prompts)
+            if stack in self.engine_counters:
+                self.counters[workload.name, stack] = self.engine_counters[stack]
             outcomes[stack].update(cell.outcomes)
             if guard:
                 guards[stack].append(guard)
@@ -177,6 +190,35 @@ class LongBench(Bench):
                 self.metrics[f"switch_offs_{method}"] = pooled["switch_offs"]
                 self.metrics[f"guard_scores_{method}"] = pooled["scores"]
 
+    def _rounds(self, cells: dict[str, Cell]) -> None:
+        """TokenDance on plain traffic: over the warm All-Gather rounds of ROUND_SIZE or
+        more requests (ground truth from the captures), the time from a round's first
+        request sent to its last member's first token, blend placed request by request
+        (`kvrelay_blend_single`) over blend with the round prefilled collectively; and,
+        from the collective stack's engine counters (every task of those workloads), the
+        rounds it prefilled collectively and its mirrors' bytes over dense."""
+        if not {"kvrelay_blend", "kvrelay_blend_single"} <= cells.keys():
+            return
+        rounds = [keys for w in self.workloads for keys in big_rounds(w.runs[1:])]
+        if not rounds:
+            return
+        spans = {stack: statistics.fmean(round_span_ms(cells[stack], keys) for keys in rounds)
+                 for stack in ("kvrelay_blend", "kvrelay_blend_single")}
+        self.metrics["collective_speedup_round10"] = spans["kvrelay_blend_single"] / spans["kvrelay_blend"]
+        for stack, span in spans.items():
+            self.metrics[f"round_prefill_ms_{stack}"] = span
+        self.metrics["rounds_scored"] = float(len(rounds))
+        collective = [c for (w, stack), c in self.counters.items()
+                      if stack == "kvrelay_blend" and big_rounds(next(x for x in self.workloads if x.name == w).runs)]
+        self.metrics["collective_rounds"] = sum(c.get("kvrelay_engine_collective_rounds_total", 0.0) for c in collective)
+        dense = sum(c.get("kvrelay_engine_round_mirrored_dense_bytes_total", 0.0) for c in collective)
+        if dense:
+            self.metrics["mirror_fraction"] = sum(c.get("kvrelay_engine_round_mirror_bytes_total", 0.0)
+                                                  for c in collective) / dense
+        self.rows.append(_ratio_row(f"rounds of {ROUND_SIZE}+: first request sent to last first token, ms "
+                                    "(blend collective vs one by one)", spans["kvrelay_blend"],
+                                    spans["kvrelay_blend_single"]))
+
     def _rows(self, cells: dict[str, Cell], warm: set[Key]) -> None:
         sub = {stack: cell.only(warm) for stack, cell in cells.items()}
         fifth = self._agent_keys(5)
@@ -226,6 +268,22 @@ class LongBench(Bench):
 def agent_of(run: Run, index: int) -> str | None:
     agents = agent_order(run)
     return agents[index - 1] if len(agents) >= index else None
+
+
+def big_rounds(runs: list[Run]) -> list[set[Key]]:
+    """The ground-truth All-Gather rounds of at least ROUND_SIZE requests in `runs`."""
+    rounds: dict[tuple[str, str], set[Key]] = defaultdict(set)
+    for run in runs:
+        for request in run.requests:
+            if request.round is not None:
+                rounds[request.run, request.round].add(request.key)
+    return [keys for keys in rounds.values() if len(keys) >= ROUND_SIZE]
+
+
+def round_span_ms(cell: Cell, keys: set[Key]) -> float:
+    """From the round's first request sent to its last member's first token."""
+    members = cell.only(keys).ok()
+    return 1000.0 * (max(o.started_s + o.ttft_s for o in members) - min(o.started_s for o in members))
 
 
 def default_budget(model_dir: str) -> int:

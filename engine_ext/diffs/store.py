@@ -71,6 +71,11 @@ class DiffStore:
         self._stored: dict[bytes, StoredCache] = {}
         self._lengths: dict[int, Counter[int]] = {}  # region start -> prompt lengths stored (for match)
         self.last_round: StoreResult | None = None  # what the latest store_round kept
+        # Over every round stored (engine /metrics): the mirrors' bytes against what their
+        # caches would take kept densely (TokenDance's storage saving).
+        self.num_rounds = 0
+        self.mirrored_dense_bytes = 0
+        self.mirror_bytes = 0
 
     # -- storing -----------------------------------------------------------------------
     def store_round(self, images: list[CacheImage], master: int) -> StoreResult:
@@ -83,6 +88,11 @@ class DiffStore:
             mirror_bytes.append(None if mirror is None else self.num_bytes(mirror))
         self.last_round = StoreResult([self.dense_bytes(img) for img in images], master,
                                       self.num_bytes(head) if head else 0, mirror_bytes, time.perf_counter() - start)
+        self.num_rounds += 1
+        for dense, mirror in zip(self.last_round.dense_bytes, mirror_bytes):
+            if mirror is not None:
+                self.mirrored_dense_bytes += dense
+                self.mirror_bytes += mirror
         return self.last_round
 
     def store(self, image: CacheImage, like: StoredCache | None = None) -> StoredCache | None:

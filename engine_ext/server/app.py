@@ -16,6 +16,7 @@ from kvrelay.wire.otel import build_provider
 from kvrelay.wire.seal import PlanSeal
 from engine_ext.server.errors import error_response, install_error_handlers
 from engine_ext.server.plans import PlanReader
+from engine_ext.server.reuse_metrics import reuse_metrics
 from engine_ext.server.responses import RESPONSES_BODY, ResponsesAPI, ResponseStore
 from engine_ext.server.schemas import ChatCompletionRequest, CompletionRequest
 from engine_ext.server.service import CompletionService
@@ -83,7 +84,7 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(service: Service) -> Response:
-        return PlainTextResponse(service.plans.metrics())
+        return PlainTextResponse(service.plans.metrics() + reuse_metrics(service.engine.engine))
 
     @app.get("/v1/models")
     async def models(service: Service) -> dict[str, Any]:

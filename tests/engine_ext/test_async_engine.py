@@ -117,11 +117,11 @@ async def test_stop_fails_requests_in_flight(llama_dir):
     eng.start()
     step = llm.step
 
-    def slow_step():
+    def slow_step(interrupt=None):
         import time
 
         time.sleep(0.01)
-        return step()
+        return step(interrupt)
 
     llm.step = slow_step
     gen = eng.generate(EngineRequest("inflight", [5] * 10, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))

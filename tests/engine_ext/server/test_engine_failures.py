@@ -26,11 +26,11 @@ def _fail_next_steps(llm, n: int) -> list[int]:
     calls = [0]
     run = llm.runner.run
 
-    def flaky(step):
+    def flaky(step, interrupt=None):
         calls[0] += 1
         if calls[0] <= n:
             raise RuntimeError("simulated kernel failure")
-        return run(step)
+        return run(step, interrupt)
 
     llm.runner.run = flaky
     return calls
@@ -71,11 +71,11 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(srv):
     calls = [0]
     run = srv.llm.runner.run
 
-    def flaky(step):
+    def flaky(step, interrupt=None):
         calls[0] += 1
         if calls[0] == 4:  # prefill, two decodes, then the failure
             raise RuntimeError("simulated kernel failure")
-        return run(step)
+        return run(step, interrupt)
 
     srv.llm.runner.run = flaky
     lines = []

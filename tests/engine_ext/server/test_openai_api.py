@@ -303,9 +303,9 @@ def test_eight_concurrent_streams_match_solo_runs(srv, client, monkeypatch):
 
     step = srv.llm.step
 
-    def paced_step():  # keep each request alive long enough for all eight to overlap
+    def paced_step(interrupt=None):  # keep each request alive long enough for all eight to overlap
         time.sleep(0.005)
-        return step()
+        return step(interrupt)
 
     monkeypatch.setattr(srv.llm, "step", paced_step)
     monkeypatch.setattr(srv.llm.scheduler, "schedule", spy)

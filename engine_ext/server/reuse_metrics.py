@@ -1,0 +1,43 @@
+"""The engine's reuse counters in Prometheus text, for its /metrics.
+
+What each method actually did on live traffic, cumulative since start: KVCOMM's tokens
+placed from anchors and those computed densely to be measured (what learning costs),
+TokenDance's rounds prefilled collectively and the bytes their mirrors take against
+keeping each cache densely, and the background steps (fidelity probes) that a request's
+arrival stopped. The gateway's per-request records say the same per request; these are
+what a dashboard plots.
+"""
+
+from __future__ import annotations
+
+from engine_ext.engine import LLMEngine
+
+PREFIX = "kvrelay_engine_"
+
+
+def reuse_metrics(engine: LLMEngine) -> str:
+    lines: list[str] = []
+
+    def counter(name: str, help_: str, samples: list[tuple[str, int]]) -> None:
+        lines.extend([f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter"])
+        lines.extend(f"{PREFIX}{name}{labels} {value}" for labels, value in samples)
+
+    bank = engine.anchor_bank
+    if bank is not None:
+        counter("kvcomm_tokens_total", "KVCOMM placeholder tokens placed from anchors or computed to be measured",
+                [('{kind="predicted"}', bank.num_predicted_tokens), ('{kind="measured"}', bank.num_measured_tokens)])
+    collective = engine.runner.collective
+    if collective is not None:
+        counter("collective_rounds_total", "All-Gather round groups prefilled collectively",
+                [("", collective.num_rounds)])
+        counter("collective_members_total", "requests prefilled in collective round groups",
+                [("", collective.num_members)])
+    store = engine.diff_store
+    if store is not None:
+        counter("round_mirror_bytes_total", "bytes of round caches kept as diffs against their round's master",
+                [("", store.mirror_bytes)])
+        counter("round_mirrored_dense_bytes_total", "bytes those mirrored caches would take kept densely",
+                [("", store.mirrored_dense_bytes)])
+    counter("background_steps_interrupted_total", "background steps (fidelity probes) stopped by an arriving request",
+            [("", engine.num_interrupted_steps)])
+    return "\n".join(lines) + "\n"
