@@ -85,9 +85,18 @@ class Cell:
         prompt = sum(o.prompt_tokens for o in done)
         return sum(o.cached_tokens for o in done) / prompt if prompt else 0.0
 
-    def greedy_match(self, reference: Cell) -> float:
-        pairs = [(o.text, reference.outcomes[k].text) for k, o in self.outcomes.items() if k in reference.outcomes]
+    def greedy_match(self, reference: Cell, same_prompt: bool = False) -> float:
+        """The share of answers identical to the reference's; `same_prompt`: over the
+        requests whose prompt was identical too (live replays diverge once an answer does)."""
+        pairs = [(o.text, reference.outcomes[k].text) for k, o in self._pairs(reference, same_prompt)]
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else float("nan")
+
+    def num_same_prompt(self, reference: Cell) -> int:
+        return len(self._pairs(reference, same_prompt=True))
+
+    def _pairs(self, reference: Cell, same_prompt: bool) -> list[tuple[Key, Outcome]]:
+        return [(k, o) for k, o in self.outcomes.items()
+                if k in reference.outcomes and (not same_prompt or o.body == reference.outcomes[k].body)]
 
     def only(self, keys: set[Key]) -> Cell:
         """The figures of these requests alone (one workload, the warm tasks, one agent)."""

@@ -14,8 +14,12 @@ the guard at its shipped sample rate), `kvrelay_kvcomm_probed` and
 `kvrelay_blend_probed` (every opted-in request probed: the guard's figures over every
 request), `kvrelay_kvcomm_unguarded` (none probed: with the probed one, the guard's
 cost), `kvrelay_blend_single` (blend with collective prefill off, on workloads with
-All-Gather rounds only: TokenDance's baseline), and `vllm_apc` where its venv exists,
-all reading `prefix`'s prompts. A
+All-Gather rounds only: TokenDance's baseline), and `vllm_apc` where its venv exists.
+The exact stacks read `prefix`'s prompts as they are. An approximate stack's answers
+differ from the engine alone's now and then, and an app quotes the answers it got: so
+the opted-in stacks replay live, each quoting its own answers (a prompt quoting text
+the stack never relayed would be a workload no user sends). Their greedy match is over
+the requests whose prompt came out identical to `prefix`'s. A
 workload's first task is its warm-up (cold caches, agents not seen yet); the headline
 figures are over the other, warm tasks, and the warm-up's carry a `_warmup` suffix.
 """
@@ -119,7 +123,8 @@ class LongBench(Bench):
         for stack in self.stacks():
             if stack == "kvrelay_blend_single" and not big_rounds(runs[1:]):
                 continue  # collective prefill off: only a workload with All-Gather rounds tells it apart
-            cell, inference, guard = self.replay(stack, runs, 1, budget, prompts)
+            live = method_of(stack) is not None  # an approximate stack quotes its own answers
+            cell, inference, guard = self.replay(stack, runs, 1, budget, None if live else prompts)
             if stack in self.engine_counters:
                 self.counters[workload.name, stack] = self.engine_counters[stack]
             outcomes[stack].update(cell.outcomes)
@@ -156,7 +161,8 @@ class LongBench(Bench):
             if stack in sub:
                 figures[f"agent5_speedup_{method}"] = agent5["kvrelay"] / agent5[stack]
                 figures[f"reuse_rate_{method}"] = sub[stack].cached_fraction()
-                figures[f"greedy_match_{method}"] = sub[stack].greedy_match(plain)
+                figures[f"greedy_match_{method}"] = sub[stack].greedy_match(plain, same_prompt=True)
+                figures[f"greedy_compared_{method}"] = float(sub[stack].num_same_prompt(plain))
         if {"vllm_apc", "kvrelay_kvcomm"} <= sub.keys():
             figures["agent5_speedup_vs_vllm_apc"] = agent5["vllm_apc"] / agent5["kvrelay_kvcomm"]
         if {"kvrelay_kvcomm_probed", "kvrelay_kvcomm_unguarded"} <= sub.keys():

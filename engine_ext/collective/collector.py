@@ -5,9 +5,11 @@ scheduler asks the collector, when it admits a round's request, which waiting re
 of the same round may join it; once they are admitted (their segments assembled), the
 collector keeps the compatible ones as a group. Compatible means: a request of a round,
 on its first prefill, whose placed segments all use blend (the recovery collective
-reuse drives), and whose shared segments are all held by the probe, the member with the
-most placed tokens, over whose prompt the one deviation pass runs. Anything else runs
-on the single-request path.
+reuse drives). The probe, over whose prompt the deviation pass runs, is the member with
+the most placed tokens; in an All-Gather where each agent reads the others' outputs
+but not its own, the probe lacks its own output, and CollectivePrefill runs one more
+pass over a member that holds it (a few passes per round, not one per member).
+Anything else runs on the single-request path.
 
 Grouping adds no waiting by default: only requests already waiting together join.
 With `window_ms` > 0, a round's first waiting request is held (and the queue behind it)
@@ -84,9 +86,8 @@ class KVCollector:
         if not candidates:
             return None
         probe = max(candidates, key=lambda s: sum(p.segment.num_tokens for p in s.assembly.placed))
-        held = _keys(probe)
         key = group_key(probe)
-        members = [probe] + [s for s in candidates if s is not probe and group_key(s) == key and _keys(s) <= held]
+        members = [probe] + [s for s in candidates if s is not probe and group_key(s) == key]
         group = CollectiveGroup(round_id(probe) or "", members)
         for s in members:
             s.group = group
@@ -102,7 +103,3 @@ def _collectible(seq: Sequence) -> bool:
     a = seq.assembly
     return (round_id(seq) is not None and a is not None and bool(a.placed) and not a.decisions and not a.measurements
             and seq.reuse_outcomes is None and all(METHODS[p.method].blends and p.num_linked == 0 for p in a.placed))
-
-
-def _keys(seq: Sequence) -> set[bytes]:
-    return {p.entry.key for p in seq.assembly.placed}

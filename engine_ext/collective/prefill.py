@@ -7,9 +7,11 @@ all their tokens on the check layers, and for the recompute of its selection. He
 1. Place: every placed segment of every member is shifted to its position in one
    batched gather-rotate-scatter per layer (kernels.shift_copy).
 2. Select once: one deviation pass runs the probe member's prompt (the one holding
-   the most placed tokens; every other member's segments are among its) through the
-   check layers; its key deviations pick, per shared segment, the offsets every member
-   recomputes. Offsets are picked in whole blocks of `diff_block_tokens` (highest
+   the most placed tokens) through the check layers; its key deviations pick, per
+   shared segment, the offsets every member recomputes. A segment the probe lacks (in
+   an All-Gather without self, its own output) is selected by one more pass over the
+   member holding the most such segments, and so on until every segment has its
+   offsets: two passes for such a round, however many members it has. Offsets are picked in whole blocks of `diff_block_tokens` (highest
    mean deviation first, the last block trimmed to its best tokens), so the members'
    caches later differ from the master's in few blocks (DiffStore). The budget is
    blend's: ceil(blend_ratio * n) tokens per segment, summed over the segments.
@@ -95,8 +97,7 @@ class CollectivePrefill:
             selected = self._remembered(round_id, members)
             reused = selected is not None
         if selected is None:
-            selected = self._select(members[0])
-            self.place(members[:1], num_layers=self.last_check + 1)  # undo the deviation pass's writes
+            selected = self._select_covering(members)
             self.selections[round_id] = selected
             while len(self.selections) > MAX_REMEMBERED_ROUNDS:
                 self.selections.popitem(last=False)
@@ -134,6 +135,22 @@ class CollectivePrefill:
         inv_freq = self.index.shifter.inv_freq
         for k_cache, v_cache in self.kv_cache.layers[:num_layers]:
             shift_copy(k_cache, v_cache, src_all, dst_all, delta_all, inv_freq)
+
+    def _select_covering(self, members: list[GroupMember]) -> dict[bytes, torch.Tensor]:
+        """Offsets for every member's segments: the probe's pass first, then one more
+        pass over whichever member holds the most segments still without offsets (a
+        segment keeps the offsets of the first pass that scored it)."""
+        selected: dict[bytes, torch.Tensor] = {}
+        probes: list[GroupMember] = []
+        probe: GroupMember | None = members[0]
+        while probe is not None:
+            for key, offsets in self._select(probe).items():
+                selected.setdefault(key, offsets)
+            probes.append(probe)
+            probe = max((m for m in members if _num_missing(m, selected)), default=None,
+                        key=lambda m: _num_missing(m, selected))
+        self.place(probes, num_layers=self.last_check + 1)  # undo the deviation passes' writes
+        return selected
 
     def _select(self, probe: GroupMember) -> dict[bytes, torch.Tensor]:
         """The offsets each shared segment recomputes, from one deviation pass over the probe."""
@@ -212,3 +229,8 @@ class CollectivePrefill:
             member.assembly.num_selected[i] = num
         num_placed = sum(p.segment.num_tokens for p in member.assembly.placed)
         return sum(member.assembly.num_selected.values()) / max(num_placed, 1)
+
+
+def _num_missing(member: GroupMember, selected: dict[bytes, torch.Tensor]) -> int:
+    """Placed tokens of `member` in segments no pass has selected offsets for yet."""
+    return sum(p.segment.num_tokens for p in member.assembly.placed if p.entry.key not in selected)

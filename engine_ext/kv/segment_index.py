@@ -10,6 +10,13 @@ the one memory budget and the one LRU eviction. A blob's key is the hash of the
 segment's tokens under a segment root (never equal to a prefix hash); one evicted block
 invalidates the entry and later lookups miss.
 
+A text quoted inline ("klaus: The weather...") is tokenized differently at its first
+word (" The", not "The"), so the prompt's segment holds the answer's tokens from the
+second or third on (engine_ext/reuse/aligner.py trims it to whole tokens). Each entry
+is therefore also findable by its tails, its tokens less the first MAX_TAIL_DROP or
+fewer: a lookup of a tail copies those rows into an entry of their own (keys moved
+back to position 0), once, and every later reader finds that one.
+
 Every registration is a new version of its content: the same tokens evicted and
 registered again get the same key (and the same block hashes) but KV computed anew,
 perhaps behind another prefix, so anything measured against the old KV (KVCOMM's
@@ -28,6 +35,8 @@ from engine_ext.kv.block_pool import BlockPool
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root, tenant_root
 from engine_ext.rope import RopeShifter
+
+MAX_TAIL_DROP = 3  # leading tokens a tail lookup may drop: a first word's worth
 
 
 class EntryIdentity(NamedTuple):
@@ -66,6 +75,7 @@ class SegmentIndex:
         self._entries: dict[bytes, SegmentEntry] = {}
         self._versions = itertools.count(1)  # one per registration, never reused
         self._held: set[int] = set()  # versions of the entries in _entries
+        self._tails: dict[bytes, tuple[bytes, int]] = {}  # tail key -> (entry key, tokens dropped)
         self.num_hits = 0
         self.num_misses = 0
         self.num_registered = 0
@@ -77,8 +87,9 @@ class SegmentIndex:
 
     def lookup(self, token_ids: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> SegmentEntry | None:
         """The entry holding exactly these tokens for `tenant`, or None (never cached by
-        that tenant, or evicted)."""
-        entry = self._find(tuple(token_ids), tenant)
+        that tenant, or evicted), or a new entry made from the tail of one it holds."""
+        tokens = tuple(token_ids)
+        entry = self._find(tokens, tenant) or self._from_tail(tokens, tenant)
         if entry is None:
             self.num_misses += 1
         else:
@@ -94,6 +105,22 @@ class SegmentIndex:
             self._drop(key, entry)
             return None
         return entry if entry is not None and entry.token_ids == tokens else None  # tokens guard collisions
+
+    def _from_tail(self, tokens: tuple[int, ...], tenant: str) -> SegmentEntry | None:
+        """Register `tokens` from the entry they are a tail of, if one is held."""
+        ref = self._tails.get(self._key(tokens, tenant)) if tokens else None
+        if ref is None:
+            return None
+        key, dropped = ref
+        full = self._entries.get(key)
+        if full is None or full.token_ids[dropped:] != tokens or self._find(full.token_ids, tenant) is None:
+            return None
+        self.blobs.acquire(full.blob)  # allocating the copy must not evict what it copies
+        try:
+            self.register(list(tokens), self.slots(full)[dropped:], dropped, tenant)
+        finally:
+            self.blobs.release(full.blob)
+        return self._find(tokens, tenant)
 
     def peek(self, token_ids: list[int] | tuple[int, ...], tenant: str = DEFAULT_TENANT) -> SegmentEntry | None:
         """Like `lookup`, without counting a hit or miss: for checking which version the
@@ -140,6 +167,8 @@ class SegmentIndex:
             self._held.discard(replaced.version)
         self._entries[key] = entry
         self._held.add(entry.version)
+        for dropped in range(1, min(MAX_TAIL_DROP, len(tokens) - 1) + 1):
+            self._tails[self._key(tokens[dropped:], tenant)] = (key, dropped)
         self.num_registered += 1
         self._prune()
         return True
@@ -160,11 +189,12 @@ class SegmentIndex:
 
     def _prune(self) -> None:
         """Drop dead entries once they could outnumber the blocks (each live one holds one)."""
-        if len(self._entries) <= self.pool.num_blocks:
-            return
-        for key, entry in list(self._entries.items()):
-            if not self.blobs.valid(entry.blob):
-                self._drop(key, entry)
+        if len(self._entries) > self.pool.num_blocks:
+            for key, entry in list(self._entries.items()):
+                if not self.blobs.valid(entry.blob):
+                    self._drop(key, entry)
+        if len(self._tails) > MAX_TAIL_DROP * self.pool.num_blocks:
+            self._tails = {tail: ref for tail, ref in self._tails.items() if ref[0] in self._entries}
 
     # -- accounting --------------------------------------------------------------------
     @property

@@ -9,6 +9,14 @@ that ends the text before it) cannot be placed: it is computed with the rest of 
 prompt, and the note counts it. Reuse then looks a segment up by its canonical ids, so
 the same text placed in two contexts is reused only where both tokenized it alike.
 
+A segment whose edge falls inside a token (BPE merged it with its neighbour, e.g. " The"
+across the space of "klaus: The weather") is trimmed inward to the tokens wholly inside
+it (a reusable one; a private segment is computed anyway); the straddling token is
+computed with the text around it. An answer quoted inline
+after a name loses its first word this way: the index finds the rest as the tail of
+the answer it holds (SegmentIndex.lookup). A segment with no whole token inside is not
+placed, and the note counts both.
+
 Where a message's content sits in the rendered prompt is found by rendering the chat
 template a second time with sentinel strings in place of the planned contents. A
 template that drops, repeats or transforms content (e.g. strips it) defeats this; the
@@ -17,19 +25,21 @@ prompt then runs with no segments, and the note says why.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from collections import Counter
 from typing import Any, NamedTuple
 
 from engine_ext.errors import InvalidRequestError
 from kvrelay.wire.plan import Segment, SegmentPlan
-from engine_ext.reuse.segments import ReuseScope, TokenSegment
+from engine_ext.reuse.segments import REUSABLE_KINDS, ReuseScope, TokenSegment
 from engine_ext.tokenizer import Tokenizer
 
 _OUT_OF_RANGE = "no such message"
 _BEYOND_CONTENT = "char range beyond the message"
 _HASH_MISMATCH = "content differs from the plan"
 _INSIDE_TOKEN = "an edge falls inside a token"
+_TRIMMED = "trimmed to the whole tokens inside them (an edge fell inside a token)"
 
 Piece = tuple[str, int | None]  # text, and the plan index of the segment it is (None: none)
 Offsets = list[tuple[int, int]]  # each token's character span in the text
@@ -204,19 +214,38 @@ class PromptAligner:
         text = "".join(piece for piece, _ in pieces)
         token_ids, offsets = self._tok.encode_with_offsets(text)
         edges = token_edges(offsets, len(text))
+        positions = sorted(edges)
         segments: list[TokenSegment] = []
-        inside = 0
+        inside = trimmed = 0
         cursor = 0
         for piece, plan_index in pieces:
             char_start, cursor = cursor, cursor + len(piece)
             if plan_index is None or not piece:
                 continue
+            seg = plan.segments[plan_index]
             start, end = edges.get(char_start), edges.get(cursor)
-            if start is None or end is None:
+            if (start is None or end is None) and seg.kind in REUSABLE_KINDS:
+                start, end = _inward(edges, positions, char_start, cursor)
+                if end <= start:
+                    inside += 1
+                    continue
+                trimmed += 1
+            elif start is None or end is None:
                 inside += 1
                 continue
             if end > start:
-                seg = plan.segments[plan_index]
                 segments.append(TokenSegment(start, end, seg.kind, seg.name, seg.method, plan_index))
-        inside_note = f"{inside} of {len(plan.segments)} segments not placed: {_INSIDE_TOKEN}" if inside else None
-        return AlignedPrompt(token_ids, segments, _join_notes(skip_note, inside_note))
+        total = len(plan.segments)
+        inside_note = f"{inside} of {total} segments not placed: {_INSIDE_TOKEN}" if inside else None
+        trimmed_note = f"{trimmed} of {total} segments {_TRIMMED}" if trimmed else None
+        return AlignedPrompt(token_ids, segments, _join_notes(skip_note, inside_note, trimmed_note))
+
+
+def _inward(edges: dict[int, int], positions: list[int], char_start: int, char_end: int) -> tuple[int, int]:
+    """The token range wholly inside [char_start, char_end): from the first edge at or
+    after its start to the last at or before its end (empty when no token fits)."""
+    first = bisect.bisect_left(positions, char_start)
+    last = bisect.bisect_right(positions, char_end) - 1
+    if first >= len(positions) or last < 0 or positions[first] >= positions[last]:
+        return 0, 0
+    return edges[positions[first]], edges[positions[last]]

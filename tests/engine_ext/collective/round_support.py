@@ -49,10 +49,12 @@ class Round(NamedTuple):
         for out in self.outputs:
             eng.generate(out, GREEDY, segments=[TokenSegment(0, len(out), "placeholder", "x")], publish=False)
 
-    def prompt(self, agent: int, method: str | None = "blend") -> tuple[list[int], list[TokenSegment]]:
+    def prompt(self, agent: int, method: str | None = "blend",
+               without_self: bool = False) -> tuple[list[int], list[TokenSegment]]:
+        """`without_self`: the agent reads the others' outputs, not its own."""
         n = len(self.outputs)
         ids, segments = list(self.histories[agent]), []
-        for j in [(agent + k) % n for k in range(n)]:  # every agent reads the outputs in its own order
+        for j in [(agent + k) % n for k in range(1 if without_self else 0, n)]:  # each in its own order
             ids += SEPARATOR
             segments.append(TokenSegment(len(ids), len(ids) + len(self.outputs[j]), "placeholder",
                                          f"agent_{j}_current", method, j))
@@ -61,12 +63,12 @@ class Round(NamedTuple):
 
     def add(self, eng: LLMEngine, round_id: str | None = "round-1", method: str | None = "blend",
             agents: list[int] | None = None, record_logits: bool = True, publish: bool = False,
-            max_tokens: int = 1, size: int | None = None) -> list[Sequence]:
+            max_tokens: int = 1, size: int | None = None, without_self: bool = False) -> list[Sequence]:
         """Queue every agent's request of the round (not yet run)."""
         agents = list(range(len(self.outputs))) if agents is None else agents
         seqs = []
         for i in agents:
-            ids, segments = self.prompt(i, method)
+            ids, segments = self.prompt(i, method, without_self)
             info = RoundInfo(id=round_id, size=size or len(agents), index=i) if round_id else None
             sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
             seq = eng.add_request(EngineRequest(f"agent{i}-{round_id}-{len(seqs)}", ids, sampling, segments=segments,

@@ -86,6 +86,29 @@ def test_round_requests_prefill_together_and_report_it(deep_llama):
         assert seq.timeline.stages()["prefill"].holds(placed)
 
 
+def test_a_round_whose_agents_read_the_others_but_not_themselves_is_one_group(deep_llama, monkeypatch):
+    """All-Gather without self: no member holds every segment, so no one probe covers
+    the round; a second deviation pass (over a member holding the probe's own output)
+    covers the rest, and every member of the round prefills in the one group."""
+    eng = engine(deep_llama)
+    rnd = Round.make(num_agents=4)
+    rnd.cache_outputs(eng)
+    prefill = eng.runner.collective
+    passes = []
+    select = prefill._select
+    monkeypatch.setattr(prefill, "_select", lambda probe: passes.append(probe.request_id) or select(probe))
+    seqs = rnd.add(eng, without_self=True)
+    run_all(eng)
+    assert eng.collector.num_groups == 1 and eng.collector.num_grouped == 4
+    assert len(passes) == 2
+    for seq in seqs:
+        assert len(seq.reuse_outcomes) == 3
+        assert all(o.method == "blend" and o.collective["group_size"] == 4 for o in seq.reuse_outcomes)
+    selection = prefill.selections["round-1"]  # every output was scored by some pass
+    assert set(selection) == {eng.segment_index.peek(out).key for out in rnd.outputs}
+    assert sum(o.numel() for o in selection.values()) > 0
+
+
 def test_a_round_blend_would_recompute_whole_is_computed_densely(deep_llama):
     """blend_ratio 1.0 recomputes every token and runs the check layers on top: more
     than computing them, so the cost model refuses the placement, no round group forms,

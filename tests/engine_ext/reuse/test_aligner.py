@@ -107,14 +107,28 @@ def test_shared_text_gets_identical_ids_at_different_offsets(aligner, tok):
     assert a.note is None and b.note is None
 
 
-def test_a_segment_whose_edge_falls_inside_a_token_is_not_placed(aligner, tok):
+def test_a_segment_whose_edge_falls_inside_a_token_is_trimmed_to_the_tokens_inside_it(aligner, tok):
     """" the" after a space is one token: cutting there would change the prompt's ids
-    (the old segment-aligned tokenization did, and changed greedy answers)."""
+    (the old segment-aligned tokenization did, and changed greedy answers). The segment
+    keeps the whole tokens inside it; the straddling one is computed with its neighbours."""
     content = f"Now {DOC} and then more"
     messages = [{"role": "user", "content": content}]
     whole = tok.encode(content)
     assert not any(whole[i:i + len(tok.encode(DOC))] == tok.encode(DOC) for i in range(len(whole)))
     result = chat_aligned(aligner, messages, around(content, DOC, 0))
+    assert result.token_ids == tok.encode(tok.render_chat(messages))
+    (seg,) = by_kind(result, "shared_block")
+    inner = tok.decode(ids_of(result, seg))
+    assert inner and inner in DOC and len(inner) >= len(DOC) - len(DOC.split()[0]) - 1
+    assert ids_of(result, seg) == tok.encode(DOC)[len(tok.encode(DOC)) - len(ids_of(result, seg)):]  # DOC's tail
+    assert result.note is not None and "1 of 3 segments trimmed" in result.note
+
+
+def test_a_segment_with_no_whole_token_inside_is_not_placed(aligner, tok):
+    content = "Now the end"
+    messages = [{"role": "user", "content": content}]
+    plan_content = "he"  # inside the one token " the": nothing whole inside
+    result = chat_aligned(aligner, messages, around(content, plan_content, 0))
     assert result.token_ids == tok.encode(tok.render_chat(messages))
     assert by_kind(result, "shared_block") == []
     assert result.note is not None and "an edge falls inside a token" in result.note
@@ -135,16 +149,20 @@ def test_token_edges_skip_positions_inside_tokens_and_shared_characters():
        cuts=st.lists(st.integers(min_value=0, max_value=30), max_size=6))
 def test_a_plan_never_changes_the_token_ids(aligner, tok, words, cuts):
     """Any cut of any text: the ids are the whole text's, and every placed segment's ids
-    decode to exactly its text."""
+    decode to exactly its text, or (trimmed: an edge fell inside a token) to a piece of it."""
     content = "".join(words)
     edges = sorted({min(c, len(content)) for c in cuts} | {0, len(content)})
     spans: list[Span] = [(0, a, b, "shared_block", None) for a, b in zip(edges, edges[1:]) if b > a]
     messages = [{"role": "user", "content": content}]
     result = chat_aligned(aligner, messages, spans)
     assert result.token_ids == tok.encode(tok.render_chat(messages))
+    trimmed = 0
     for seg in result.segments:
         _, start, end, _, _ = spans[seg.plan_index]
-        assert tok.decode(ids_of(result, seg), skip_special_tokens=False) == content[start:end]
+        decoded = tok.decode(ids_of(result, seg), skip_special_tokens=False)
+        assert decoded in content[start:end]
+        trimmed += decoded != content[start:end]
+    assert (trimmed == 0) == (result.note is None or "trimmed" not in result.note)
 
 
 def test_tokens_decode_back_to_the_rendered_prompt(aligner, tok):
