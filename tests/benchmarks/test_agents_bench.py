@@ -61,3 +61,6 @@ def test_quick_long_family_defaults_are_exact_and_the_warm_task_reuses(smollm2_d
                  "switch_offs_kvcomm", "board_openai_agent5_speedup_kvcomm", "placeholder_f1_board_openai"):
         assert name in metrics and metrics[name] == metrics[name], name  # present, not NaN
     assert {f"{name}_warmup" for name in ("agent5_speedup_kvcomm", "reuse_rate_kvcomm")} <= metrics.keys()
+    # kvcomm replays live (its own answers quoted): its greedy match is over the prompts
+    # that came out identical to prefix's, agent 1's at least.
+    assert metrics["greedy_compared_kvcomm"] >= 1
