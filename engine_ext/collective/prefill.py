@@ -11,8 +11,8 @@ all their tokens on the check layers, and for the recompute of its selection. He
    shared segment, the offsets every member recomputes. A segment the probe lacks (in
    an All-Gather without self, its own output) is selected by one more pass over the
    member holding the most such segments, and so on until every segment has its
-   offsets: two passes for such a round, however many members it has. Offsets are picked in whole blocks of `diff_block_tokens` (highest
-   mean deviation first, the last block trimmed to its best tokens), so the members'
+   offsets: two passes for such a round, however many members it has. Offsets are
+   picked in whole blocks of `diff_block_tokens` (highest mean deviation first, the last block trimmed to its best tokens), so the members'
    caches later differ from the master's in few blocks (DiffStore). The budget is
    blend's: ceil(blend_ratio * n) tokens per segment, summed over the segments.
 3. Recover: the probe's placement is restored where the deviation pass overwrote it,
@@ -142,13 +142,12 @@ class CollectivePrefill:
         segment keeps the offsets of the first pass that scored it)."""
         selected: dict[bytes, torch.Tensor] = {}
         probes: list[GroupMember] = []
-        probe: GroupMember | None = members[0]
-        while probe is not None:
+        probe = members[0]
+        while _num_missing(probe, selected):
             for key, offsets in self._select(probe).items():
                 selected.setdefault(key, offsets)
             probes.append(probe)
-            probe = max((m for m in members if _num_missing(m, selected)), default=None,
-                        key=lambda m: _num_missing(m, selected))
+            probe = max(members, key=lambda m: _num_missing(m, selected))
         self.place(probes, num_layers=self.last_check + 1)  # undo the deviation passes' writes
         return selected
 

@@ -4,18 +4,14 @@ A plan must never change the tokens a prompt runs on: the answer to a request wi
 plan has to be the answer to the same request without one. So the rendered prompt is
 always tokenized whole, exactly as without a plan, and each planned segment is mapped
 onto those canonical ids through the tokens' character offsets. A segment whose edge
-falls inside a token (BPE merged it with its neighbour, e.g. " The" across a space
-that ends the text before it) cannot be placed: it is computed with the rest of the
-prompt, and the note counts it. Reuse then looks a segment up by its canonical ids, so
-the same text placed in two contexts is reused only where both tokenized it alike.
-
-A segment whose edge falls inside a token (BPE merged it with its neighbour, e.g. " The"
-across the space of "klaus: The weather") is trimmed inward to the tokens wholly inside
-it (a reusable one; a private segment is computed anyway); the straddling token is
-computed with the text around it. An answer quoted inline
-after a name loses its first word this way: the index finds the rest as the tail of
-the answer it holds (SegmentIndex.lookup). A segment with no whole token inside is not
-placed, and the note counts both.
+falls inside a token (BPE merged it with its neighbour, e.g. " The" across the space
+of "klaus: The weather") cannot be placed as it is: a reusable one is trimmed inward
+to the tokens wholly inside it (a private one is computed anyway), and the straddling
+token is computed with the text around it. An answer quoted inline after a name loses
+its first word this way; the index finds the rest as the tail of the answer it holds
+(SegmentIndex.lookup). A segment with no whole token inside is not placed, and the
+note counts both. Reuse then looks a segment up by its canonical ids, so the same
+text placed in two contexts is reused only where both tokenized it alike.
 
 Where a message's content sits in the rendered prompt is found by rendering the chat
 template a second time with sentinel strings in place of the planned contents. A
@@ -224,15 +220,13 @@ class PromptAligner:
                 continue
             seg = plan.segments[plan_index]
             start, end = edges.get(char_start), edges.get(cursor)
-            if (start is None or end is None) and seg.kind in REUSABLE_KINDS:
-                start, end = _inward(edges, positions, char_start, cursor)
-                if end <= start:
+            if start is None or end is None:
+                if seg.kind in REUSABLE_KINDS:  # a private segment is computed either way
+                    start, end = _inward(edges, positions, char_start, cursor)
+                if start is None or end is None or end <= start:
                     inside += 1
                     continue
                 trimmed += 1
-            elif start is None or end is None:
-                inside += 1
-                continue
             if end > start:
                 segments.append(TokenSegment(start, end, seg.kind, seg.name, seg.method, plan_index))
         total = len(plan.segments)
