@@ -199,7 +199,7 @@ class AnchorConfig:
     prune_window: int = 5
     temperature: float = 1.0
     correction: KvcommCorrection = "full"
-    chunk_tokens: int = 32
+    chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:

@@ -221,7 +221,7 @@ class Probes:
     def counters(self) -> dict[str, int]:
         return {"dropped": self.num_dropped, "failed": self.num_failed, "paused": self.num_paused,
                 "preempted": self.num_preempted, "chunks": self.num_chunks, "skipped": self.num_skipped,
-                "queued": len(self._jobs)}
+                "queued": len(self._jobs), "running": int(self._running is not None)}
 
 
 def _placed_method(seq: Sequence) -> str | None:

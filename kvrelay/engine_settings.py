@@ -76,7 +76,7 @@ class EngineSettings(YamlFileSettings):
     kvcomm_correction: Annotated[Literal["rotation", "placeholder", "full"], Field(
         description="kvcomm: what a placed placeholder gets besides its rotation (the paper's ablation)")] = "full"
     anchor_chunk_tokens: Annotated[int, Field(ge=1, description="kvcomm: placeholders are predicted in chunks of "
-                                                                "this many tokens, each from its own anchors")] = 32
+                                                                "this many tokens, each from its own anchors")] = 16
     collective: Annotated[bool, Field(description="prefill the requests of one All-Gather round together "
                                                   "(TokenDance)")] = True
     round_window_ms: Annotated[float, Field(ge=0.0, le=10_000.0, description="collective: ms a round's first "

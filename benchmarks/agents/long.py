@@ -13,7 +13,7 @@ another's caches): `prefix` first, live (it renders the prompts), then `kvrelay`
 the guard at its shipped sample rate), `kvrelay_kvcomm_probed` and
 `kvrelay_blend_probed` (every opted-in request probed: the guard's figures over every
 request), `kvrelay_kvcomm_unguarded` (none probed: with the probed one, the guard's
-cost), `kvrelay_blend_single` (blend with collective prefill off, on workloads with
+cost; those two run side by side, taking turns task by task), `kvrelay_blend_single` (blend with collective prefill off, on workloads with
 All-Gather rounds only: TokenDance's baseline), and `vllm_apc` where its venv exists.
 The exact stacks read `prefix`'s prompts as they are. An approximate stack's answers
 differ from the engine alone's now and then, and an app quotes the answers it got: so
@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from benchmarks.agents.bench import Bench, Cell, agent_order, quick_subset
-from benchmarks.agents.replay import Key, Outcome
-from benchmarks.agents.stacks import StackName, method_of
+from benchmarks.agents.replay import Key, Outcome, Replay
+from benchmarks.agents.stacks import MODEL, StackName, fidelity, method_of, started, wait_background
 from benchmarks.agents.workload import CAPTURES, Run, Workload, load_all
 from benchmarks.common import BenchResult
 from benchmarks.stack import kv_bytes_per_token
+from engine_ext.diffs.stored import MirrorRows
 from gateway.approximation import GuardSettings
 from kvrelay.engine_settings import EngineSettings
 
@@ -46,6 +48,8 @@ QUICK_MAX_TOKENS = 24
 STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm", "kvrelay_blend", "kvrelay_kvcomm_probed",
                                  "kvrelay_blend_probed", "kvrelay_kvcomm_unguarded", "kvrelay_blend_single")
 ROUND_SIZE = 10  # TokenDance's figures are over All-Gather rounds of at least this many requests
+# The guard's cost: every request probed, and none; replayed in turns (LongBench._guard_pair).
+GUARD_PAIR: tuple[StackName, StackName] = ("kvrelay_kvcomm_probed", "kvrelay_kvcomm_unguarded")
 QUICK_STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm")
 OPT_IN: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm", "blend": "kvrelay_blend"}  # at the shipped guard rate
 PROBED: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm_probed", "blend": "kvrelay_blend_probed"}
@@ -120,9 +124,14 @@ class LongBench(Bench):
         reference, _, _ = self.replay("prefix", runs, 1, budget, None)
         outcomes["prefix"].update(reference.outcomes)
         prompts = {k: (o.body, o.quotes) for k, o in reference.outcomes.items()}
-        for stack in self.stacks():
+        stacks = self.stacks()
+        if set(GUARD_PAIR) <= set(stacks):
+            self._guard_pair(runs, budget, outcomes, guards)
+        for stack in stacks:
             if stack == "kvrelay_blend_single" and not big_rounds(runs[1:]):
                 continue  # collective prefill off: only a workload with All-Gather rounds tells it apart
+            if stack in GUARD_PAIR:
+                continue
             live = method_of(stack) is not None  # an approximate stack quotes its own answers
             cell, inference, guard = self.replay(stack, runs, 1, budget, None if live else prompts)
             if stack in self.engine_counters:
@@ -132,6 +141,35 @@ class LongBench(Bench):
                 guards[stack].append(guard)
             if stack == "kvrelay" and inference is not None:
                 self.metrics.update(inference.metrics(f"_{workload.name}"))
+
+    def _guard_pair(self, runs: list[Run], budget: int, outcomes: dict[str, dict[Key, Outcome]],
+                    guards: dict[str, list[dict[str, float]]]) -> None:
+        """The guard's cost, paired: `kvrelay_kvcomm_probed` and `_unguarded` up together,
+        taking turns task by task in ABBA order, each turn starting once the other engine
+        has no probe left to run. Two stacks run one after the other differ by up to ~20%
+        in TTFT on this machine, more than the cost measured; taking turns puts that drift
+        on both alike, and no probe runs on the other stack's time. Inside a task the
+        probed stack's probes run in the chain's gaps, as in a busy app."""
+        try:
+            with ExitStack() as stack:
+                running = {name: stack.enter_context(started(name, self.model_dir, budget, self.log_dir,
+                                                              guard_rate=self.guard_rate)) for name in GUARD_PAIR}
+                for index, run in enumerate(runs):
+                    for name in GUARD_PAIR if index % 2 == 0 else GUARD_PAIR[::-1]:
+                        for other in running.values():
+                            if other.name != name and other.engine_url and not wait_background(other.engine_url):
+                                raise RuntimeError(f"{other.name}'s probes did not finish")
+                        replay = Replay(running[name].url, MODEL, [run], 1, None, max_tokens=self._max_tokens())
+                        outcomes[name].update(replay.run())
+                probed = GUARD_PAIR[0]
+                guards[probed].append(fidelity(running[probed].url, "kvcomm", self._guard_settle_s(runs)))
+        except RuntimeError as exc:  # a stack that would not start: one line for the CLI
+            raise ValueError(f"bench agents: guard pair: {exc}") from exc
+        keys = {request.key for run in runs for request in run.requests}
+        for name in GUARD_PAIR:
+            cell = Cell(outcomes[name]).only(keys)
+            self._progress(f"{name} (paired): {len(cell.outcomes)} requests, {cell.errors} errors; "
+                           f"TTFT p50 {cell.ttft_ms(0.5):.0f} ms")
 
     # -- which requests ----------------------------------------------------------------------
     def _warm_keys(self) -> tuple[set[Key], set[Key]]:
@@ -202,7 +240,9 @@ class LongBench(Bench):
         request sent to its last member's first token, blend placed request by request
         (`kvrelay_blend_single`) over blend with the round prefilled collectively; and,
         from the collective stack's engine counters (every task of those workloads), the
-        rounds it prefilled collectively and its mirrors' bytes over dense."""
+        rounds it prefilled collectively, its mirrors' bytes over dense, and the rows the
+        mirrors hold by why (`mirror_unshared_fraction`: text no master holds, the floor of
+        a lossless mirror)."""
         if not {"kvrelay_blend", "kvrelay_blend_single"} <= cells.keys():
             return
         rounds = [keys for w in self.workloads for keys in big_rounds(w.runs[1:])]
@@ -221,6 +261,10 @@ class LongBench(Bench):
         if dense:
             self.metrics["mirror_fraction"] = sum(c.get("kvrelay_engine_round_mirror_bytes_total", 0.0)
                                                   for c in collective) / dense
+        rows = sum(c.get("kvrelay_engine_round_mirrored_rows_total", 0.0) for c in collective)
+        for cause in MirrorRows._fields if rows else ():  # what the mirrors hold, over their caches' rows
+            self.metrics[f"mirror_{cause}_fraction"] = sum(
+                c.get(f'kvrelay_engine_round_mirror_rows_total{{cause="{cause}"}}', 0.0) for c in collective) / rows
         self.rows.append(_ratio_row(f"rounds of {ROUND_SIZE}+: first request sent to last first token, ms "
                                     "(blend collective vs one by one)", spans["kvrelay_blend"],
                                     spans["kvrelay_blend_single"]))
@@ -267,7 +311,8 @@ class LongBench(Bench):
         if stack in PROBED.values():
             return "sample rate 1.0, floors off so the method stays on (top1_*, kl_*, probe_scores_*)"
         if stack == "kvrelay_kvcomm_unguarded":
-            return "sample rate 0 (guard_cost_ttft: probed p50 / unguarded p50)"
+            return ("sample rate 0 (guard_cost_ttft: probed p50 / unguarded p50, the two replayed in turns, "
+                    "task by task)")
         return f"shipped sample rate {self.guard_rate} and floors (switch_offs_*, guard_scores_*)"
 
 

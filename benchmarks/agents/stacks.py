@@ -34,6 +34,7 @@ import httpx
 from benchmarks.common import free_port
 from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.vllm.server import VllmServer, find_vllm_python
+from kvrelay.wire.reports import FIDELITY_PATH
 
 MODEL = "m"
 VLLM_BLOCK = 128  # vLLM's CPU block size
@@ -153,6 +154,18 @@ def engine_counters(engine_url: str) -> dict[str, float]:
             name, _, value = line.rpartition(" ")
             counters[name] = float(value)
     return counters
+
+
+def wait_background(engine_url: str, timeout_s: float = 300.0) -> bool:
+    """Wait until the embedded engine has no fidelity probe queued or running (its only
+    background work); whether it got there within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counters = httpx.get(f"{engine_url}{FIDELITY_PATH}", params={"limit": 1}, timeout=30).json()["counters"]
+        if not counters.get("queued") and not counters.get("running"):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 def fidelity(url: str, method: str, settle_s: float = 120.0, quiet_s: float = 10.0) -> dict[str, float]:

@@ -32,6 +32,7 @@ from engine_ext.diffs.images import CacheImage
 from engine_ext.diffs.stored import (
     CacheView,
     MasterView,
+    MirrorRows,
     MirrorView,
     StoredCache,
     StoredMaster,
@@ -76,6 +77,8 @@ class DiffStore:
         self.num_rounds = 0
         self.mirrored_dense_bytes = 0
         self.mirror_bytes = 0
+        self.mirrored_rows = 0  # the region rows of those caches
+        self.mirror_rows = MirrorRows()  # the rows their diffs hold, by why
 
     # -- storing -----------------------------------------------------------------------
     def store_round(self, images: list[CacheImage], master: int) -> StoreResult:
@@ -86,6 +89,9 @@ class DiffStore:
         for i, image in enumerate(images):
             mirror = self._store_mirror(image, head) if head is not None and i != master else None
             mirror_bytes.append(None if mirror is None else self.num_bytes(mirror))
+            if mirror is not None:
+                self.mirrored_rows += image.num_region_tokens
+                self.mirror_rows = self.mirror_rows.plus(mirror.rows)
         self.last_round = StoreResult([self.dense_bytes(img) for img in images], master,
                                       self.num_bytes(head) if head else 0, mirror_bytes, time.perf_counter() - start)
         self.num_rounds += 1
@@ -148,7 +154,8 @@ class DiffStore:
             return None  # already held (as a master or a mirror)
         n, start = image.num_region_tokens, image.region_start
         base = self._align(image, master, restored)  # (n,) master row per region row, or -1
-        aligned = (base >= 0).nonzero().flatten()  # (A,) rows with a master counterpart
+        unshared = base < 0  # (n,) rows no master row may equal
+        aligned = (~unshared).nonzero().flatten()  # (A,) rows with a master counterpart
         delta = torch.zeros(n, dtype=torch.long)
         delta[aligned] = start + aligned - master.ref[base[aligned]]
         base[aligned[~self._equal(master, base[aligned], delta[aligned], image.slots[start + aligned])]] = -1
@@ -160,6 +167,9 @@ class DiffStore:
         kept = (touched.repeat_interleave(self.block_tokens) & real)  # (m,) layout positions stored verbatim
         per_block = kept.view(-1, self.block_tokens).sum(dim=1)  # (num_blocks,)
         block_diff = torch.where(touched, per_block.cumsum(0) - per_block, -1)  # offset of each touched block's rows
+        stored = layout[kept]  # (S,) region rows stored verbatim
+        num_unshared, num_missing = int(unshared[stored].sum()), int((base[stored] < 0).sum())
+        rows = MirrorRows(num_unshared, num_missing - num_unshared, stored.shape[0] - num_missing)
         diff = None
         if kept.any():
             diff = self.blobs.allocate(chain_hash(key, (1,)), int(kept.sum()))
@@ -169,7 +179,7 @@ class DiffStore:
         pad = torch.where(real, layout, 0)
         mirror = StoredMirror(key, len(image.token_ids), start, master, layout,
                               torch.where(real, base[pad], -1), torch.where(real, delta[pad], 0), block_diff, diff,
-                              self.block_tokens)
+                              self.block_tokens, rows)
         master.mirrors.append(key)
         self._add(mirror)
         return mirror

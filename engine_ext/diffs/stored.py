@@ -44,6 +44,22 @@ class StoredMaster:
     tenant: str = DEFAULT_TENANT  # its mirrors are that tenant's too
 
 
+class MirrorRows(NamedTuple):
+    """Why a mirror's rows are stored verbatim. `unshared`: no master row holds the same
+    segment at the same offset or the same token at the same position (a member's own
+    text: the floor of a lossless mirror); `differing`: a master row was a candidate but
+    its values, moved here, differ (positions the round recomputed per member, text
+    after them); `alongside`: equal to their master row, stored because a row of their
+    block is not."""
+
+    unshared: int = 0
+    differing: int = 0
+    alongside: int = 0
+
+    def plus(self, other: MirrorRows) -> MirrorRows:
+        return MirrorRows(*(a + b for a, b in zip(self, other, strict=True)))
+
+
 @dataclass
 class StoredMirror:
     key: bytes
@@ -56,6 +72,7 @@ class StoredMirror:
     block_diff: torch.Tensor  # (num_blocks,) -1: block equals the master; else its rows' offset in the diff
     diff: Blob | None  # the touched blocks' tokens, verbatim, block after block (padding left out)
     block_tokens: int
+    rows: MirrorRows = MirrorRows()  # why the rows in `diff` are there
 
     @property
     def num_touched(self) -> int:

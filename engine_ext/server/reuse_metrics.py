@@ -38,6 +38,11 @@ def reuse_metrics(engine: LLMEngine) -> str:
                 [("", store.mirror_bytes)])
         counter("round_mirrored_dense_bytes_total", "bytes those mirrored caches would take kept densely",
                 [("", store.mirrored_dense_bytes)])
+        counter("round_mirrored_rows_total", "region rows (tokens) of those mirrored caches",
+                [("", store.mirrored_rows)])
+        counter("round_mirror_rows_total", "rows their diffs hold verbatim: text no master row holds (unshared), "
+                "values unlike the master's (differing), equal ones in a touched block (alongside)",
+                [(f'{{cause="{cause}"}}', value) for cause, value in store.mirror_rows._asdict().items()])
     counter("background_steps_interrupted_total", "background steps (fidelity probes) stopped by an arriving request",
             [("", engine.num_interrupted_steps)])
     return "\n".join(lines) + "\n"

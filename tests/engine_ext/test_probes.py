@@ -153,6 +153,7 @@ def test_a_probe_delays_an_arriving_request_by_one_chunk_step_and_resumes_where_
     assert all(ids == [("real", 1)] for ids in request_steps[1:]) and len(request_steps) == GREEDY.max_tokens
     assert dense.num_computed_tokens == 32 and dense.blocks  # paused, its KV and progress kept
     assert probes.num_paused == 1 and probes.num_preempted == 0
+    assert probes.counters()["running"] == 1 and probes.counters()["queued"] == 0  # what the bench waits on
     while probes.has_jobs:
         _step(llm, probes)
     probe_steps = [chunk for step in steps[2 + len(request_steps):] for chunk in step]
@@ -164,6 +165,7 @@ def test_a_probe_delays_an_arriving_request_by_one_chunk_step_and_resumes_where_
     assert result.top1 == 1.0 and result.kl < 1e-4 and result.tokens == 6  # dense against dense
     counters = probes.counters()
     assert counters["chunks"] == -(-105 // 16) and counters["paused"] == 1 and counters["preempted"] == 0
+    assert counters["running"] == counters["queued"] == 0
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks  # the score left nothing behind
 
 

@@ -8,6 +8,7 @@ import torch
 from engine_ext.collective import GroupMember
 from engine_ext.config import CollectiveConfig
 from engine_ext.diffs import CacheImage, DiffStore, MirrorView
+from engine_ext.diffs.stored import MirrorRows
 from kvrelay.wire.plan import RoundInfo
 from engine_ext.reuse.segments import ReuseScope
 from engine_ext.sampling import SamplingParams
@@ -84,12 +85,30 @@ def test_mirrors_of_identical_caches_are_empty(deep_llama):
     twin = CacheImage((image.token_ids[0] + 1,) + image.token_ids[1:], twin_slots, image.region_start, image.runs)
     result = eng.diff_store.store_round([image, twin], master=0)
     mirror = eng.diff_store._stored[eng.diff_store._key(twin.token_ids)]
-    assert mirror.num_touched == 0 and mirror.diff is None
+    assert mirror.num_touched == 0 and mirror.diff is None and mirror.rows == MirrorRows(0, 0, 0)
     assert result.mirror_bytes == [None, mirror.metadata_bytes]
     restored_blocks, dst = _fresh_slots(eng, twin.num_region_tokens)
     eng.diff_store.read(twin.token_ids).restore(eng.kv_cache.layers, dst)
     _assert_equal(_kv(eng, dst), rc.snapshots[0])
     eng.kv.pool.release(blocks + restored_blocks)
+
+
+def test_a_row_whose_values_moved_is_stored_as_differing_with_its_block(deep_llama):
+    eng = engine(deep_llama)
+    rc = RoundCaches(eng, Round.make(num_agents=3))
+    image = rc.images[0]
+    blocks, twin_slots = _fresh_slots(eng, len(image.token_ids))
+    for k, v in eng.kv_cache.layers:
+        k.index_copy_(0, twin_slots, k.index_select(0, image.slots))
+        v.index_copy_(0, twin_slots, v.index_select(0, image.slots))
+    row = image.region_start + 3
+    eng.kv_cache.layers[1][0][twin_slots[row]] += 1.0  # one row's keys of one layer moved
+    twin = CacheImage((image.token_ids[0] + 1,) + image.token_ids[1:], twin_slots, image.region_start, image.runs)
+    eng.diff_store.store_round([image, twin], master=0)
+    mirror = eng.diff_store._stored[eng.diff_store._key(twin.token_ids)]
+    assert mirror.num_touched == 1 and mirror.rows.unshared == 0 and mirror.rows.differing == 1
+    assert sum(mirror.rows) == int(mirror.diff.num_tokens)  # the rest of its block rides along
+    eng.kv.pool.release(blocks)
 
 
 def test_memory_accounting_of_master_and_mirrors(deep_llama):
@@ -107,6 +126,9 @@ def test_memory_accounting_of_master_and_mirrors(deep_llama):
         stored_tokens = int(mirror.diff.num_tokens) if mirror.diff else 0
         assert stored_tokens < master.num_region_tokens
         assert num_bytes == -(-stored_tokens // bs) * bytes_per_block + mirror.metadata_bytes
+        assert sum(mirror.rows) == stored_tokens  # every stored row has one reason
+    assert store.mirror_rows == MirrorRows(*(sum(m.rows[i] for m in mirrors) for i in range(3)))
+    assert store.mirrored_rows == sum(img.num_region_tokens for i, img in enumerate(rc.images) if i != rc.plan.master)
     stats = store.stats()
     assert (stats["masters"], stats["mirrors"]) == (1, 2)
     assert stats["master_bytes"] + stats["mirror_bytes"] == result.num_stored_bytes < sum(result.dense_bytes)

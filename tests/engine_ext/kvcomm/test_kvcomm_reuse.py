@@ -27,6 +27,8 @@ def deep_llama(tiny_model_dir):
 
 
 def engine(model_dir, num_blocks=160, **anchors) -> LLMEngine:
+    """Samples here are at most 32 tokens: one chunk each, unless a test sets `chunk_tokens`."""
+    anchors.setdefault("chunk_tokens", 32)
     reuse = ReuseConfig(default_method="kvcomm", min_segment_tokens=4, anchors=AnchorConfig(**anchors))
     return LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(num_blocks), reuse=reuse))
 
