@@ -179,7 +179,12 @@ class AsyncEngine:
             if out.finished:
                 del self._sinks[out.request_id]
                 self.probes.finished(out.request_id)
-            _deliver(target, out)
+            if not _deliver(target, out) and not out.finished:
+                # The caller's loop closed without aborting (its generator never ran its
+                # `finally`): stop computing for nobody.
+                self._sinks.pop(out.request_id, None)
+                self.probes.forget(out.request_id)
+                self.engine.abort(out.request_id)
 
     def _fail_all(self, exc: BaseException) -> None:
         for request_id, target in list(self._sinks.items()):
@@ -192,8 +197,12 @@ class AsyncEngine:
         self.engine.kv.pool.reset_cache()
 
 
-def _deliver(target: _Add, item: RequestOutput | BaseException) -> None:
+def _deliver(target: _Add, item: RequestOutput | BaseException) -> bool:
+    """Hand `item` to the caller's event loop; False when that loop has closed (nobody
+    is listening any more)."""
     try:
         target.loop.call_soon_threadsafe(target.sink.put_nowait, item)
-    except RuntimeError:  # the caller's event loop has closed: nobody is listening
-        logger.debug("dropping output for %s: event loop closed", target.request_id)
+    except RuntimeError:
+        logger.debug("dropping output for %s: its event loop has closed", target.request.request_id)
+        return False
+    return True

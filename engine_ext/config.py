@@ -417,7 +417,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     probe_chunk_tokens: int = 64
-    probe_idle_ms: float = 50.0
+    probe_idle_ms: float = 300.0
     max_model_len: int | None = None
     dtype: Dtype = "float32"
     linear_kernel: LinearKernel = "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
 
     from engine_ext.engine import LLMEngine
     from engine_ext.tools.formats.generic import AutoPolicy
+    from gateway.settings import GatewaySettings
     from kvrelay.wire.seal import PlanSeal
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
@@ -168,14 +170,10 @@ def up(
 
     import uvicorn
 
-    from kvrelay.wire.seal import PlanSeal
-
     _setup_logging(log_level)
     llm = _build_engine(settings)
-    front = _gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url)
+    front, seal = sealed(_gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url))
     gateway_app = _build_gateway_app(front)
-    secret = front.plan_secret
-    seal = PlanSeal(secret.get_secret_value(), front.plan_max_age_s) if secret is not None else None
     engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, settings.generic_tool_auto),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
     gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
@@ -193,6 +191,23 @@ def up(
         await engine_task
 
     asyncio.run(serve_both())
+
+
+def sealed(front: GatewaySettings) -> tuple[GatewaySettings, PlanSeal]:
+    """`kvrelay up`'s gateway settings with a plan secret (the one configured, else a
+    fresh random one) and the engine's seal of it. The gateway and the engine are one
+    process here, so they can share a secret nobody else knows, and the engine follows
+    only the gateway's sealed plans: without one, any local process could send the
+    engine's port a plan naming another tenant's cache and be served from it."""
+    from pydantic import SecretStr
+
+    from kvrelay.wire.seal import PlanSeal
+
+    secret = front.plan_secret
+    if secret is None:
+        secret = SecretStr(secrets.token_urlsafe(32))
+        front = front.model_copy(update={"plan_secret": secret})
+    return front, PlanSeal(secret.get_secret_value(), front.plan_max_age_s)
 
 
 def _setup_logging(level: str) -> None:

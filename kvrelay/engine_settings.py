@@ -49,7 +49,7 @@ class EngineSettings(YamlFileSettings):
                                                                "step: the most a request arriving meanwhile waits "
                                                                "for")] = 64
     probe_idle_ms: Annotated[float, Field(ge=0.0, le=60_000.0, description="ms without requests before a fidelity "
-                                                                          "probe's dense score may take a step")] = 50.0
+                                                                          "probe's dense score may take a step")] = 300.0
     max_model_len: Annotated[int | None, Field(ge=2, description="cap on prompt + completion tokens")] = None
     dtype: Annotated[Literal["float32", "bfloat16", "float16"], Field(description="weights and KV dtype")] = "float32"
     linear_kernel: Annotated[Literal["auto", "packed", "plain"], Field(

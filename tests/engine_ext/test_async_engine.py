@@ -49,6 +49,28 @@ async def test_generate_streams_until_finished(engines, llama_dir):
     assert "".join(o.delta_text for o in outs) == ref.detokenizer.text
 
 
+def test_a_callers_loop_closing_mid_stream_aborts_its_request_and_the_engine_serves_on(engines):
+    """A caller's event loop closed while its request streams (its generator never
+    finalised, so no abort was sent): the engine thread finds the loop closed when it
+    delivers the next output, aborts the request and goes on serving."""
+    llm, eng = engines
+    ids = llm.tokenizer.encode("The quick brown fox")
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    loop = asyncio.new_event_loop()
+    stream = eng.generate(EngineRequest("orphan", ids, long))
+    first = loop.run_until_complete(stream.__anext__())
+    assert not first.finished
+    loop.close()  # the generator is left suspended: nobody will read or abort it
+    assert wait_until(lambda: "orphan" in llm.aborted, timeout=30)
+    assert eng.is_alive
+
+    async def next_request() -> list[int]:
+        return [t async for o in eng.generate(EngineRequest("next", ids, GREEDY)) for t in o.new_token_ids]
+
+    assert len(asyncio.run(next_request())) == GREEDY.max_tokens
+    assert eng.is_alive
+
+
 async def test_concurrent_generations(engines):
     llm, eng = engines
     prompts = [llm.tokenizer.encode(t) for t in ("Alice met Bob", "Water boils", "Good morning")]
