@@ -120,13 +120,16 @@ def _engine_killed_mid_stream(ledger: Ledger, gw: Service, victim: Service) -> F
     requests all succeed on the other engine."""
     ready = _wait_available(gw, 2)  # the precondition: streams can land on both engines
     bodies, headers = _bodies(32, "kill", max_tokens=256)
+    first_chunks = _streams_answered(gw)
     loop = asyncio.new_event_loop()
     task = loop.create_task(run_load(gw.url, bodies, 32, headers))
     ledger.sent += len(bodies)
+    # Mid-stream means past the first chunk: a request the victim has not answered yet is
+    # rightly retried on the other engine. 24 of 32 answered, spread by load, puts some on both.
     deadline = time.monotonic() + 60
-    while _in_flight(gw) < 24 and time.monotonic() < deadline:  # streams are mid-flight on both engines
+    while _streams_answered(gw) - first_chunks < 24 and time.monotonic() < deadline:
         loop.run_until_complete(asyncio.sleep(0.05))
-    loop.run_until_complete(asyncio.sleep(0.3))
+    answered = _streams_answered(gw) - first_chunks
     victim.kill()
     during = tally(loop.run_until_complete(task))
     loop.close()
@@ -138,7 +141,7 @@ def _engine_killed_mid_stream(ledger: Ledger, gw: Service, victim: Service) -> F
     survived = set(during) <= {"ok", "error_event"} and broken > 0 and on_victim == {"upstream_error": broken} \
         and after == {"ok": 32} and recorded >= ledger.sent
     return Fault("engine killed mid-stream", survived,
-                 f"{ready} upstreams available before; during: {dict(during)}; rows of the killed engine's "
+                 f"{ready} upstreams available before; killed with {answered:g} streams answered; during: {dict(during)}; rows of the killed engine's "
                  f"streams: {on_victim}; after: {dict(after)}; recorded {recorded}/{ledger.sent}")
 
 
@@ -155,11 +158,10 @@ def _wait_available(gw: Service, want: int, timeout: float = 20.0) -> int:
     return available
 
 
-def _in_flight(gw: Service) -> float:
-    for line in httpx.get(f"{gw.url}/metrics").text.splitlines():
-        if line.startswith("kvrelay_in_flight_requests "):
-            return float(line.split()[1])
-    return 0.0
+def _streams_answered(gw: Service) -> float:
+    """Requests whose first content chunk the gateway has relayed (its TTFT count)."""
+    return sum(float(line.split()[-1]) for line in httpx.get(f"{gw.url}/metrics").text.splitlines()
+               if line.startswith("kvrelay_ttft_seconds_count"))
 
 
 def _gateway_restarted_mid_session(ledger: Ledger, gw: Service) -> Fault:

@@ -12,7 +12,6 @@ import pytest
 
 from engine_ext.config import CollectiveConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
-from gateway.settings import Timeouts
 
 MODEL = "smollm2"
 NUM_AGENTS = 3
@@ -44,8 +43,7 @@ def _round_prompt(outputs: list[str], agent: int) -> str:
 
 
 def test_an_all_gather_round_is_prefilled_collectively(srv, start_gateway):
-    gw = start_gateway([srv.base_url], timeouts=Timeouts(first_byte_s=120.0, idle_s=120.0, total_s=300.0),
-                       approximation={"rules": [{"method": "blend"}]})  # collective reuse is blend: opted in
+    gw = start_gateway([srv.base_url], approximation={"rules": [{"method": "blend"}]})  # collective reuse is blend: opted in
     with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=300) as client:
         plans = ["buy bread at the market", "repair the old mill", "paint the school fence"]
         outputs = [_ask(client, i, f"Day starts. Your own plan: {plans[i]}.").choices[0].message.content

@@ -39,6 +39,14 @@ def _ask(http, app: str, i: int):
     return response.json()
 
 
+def _scored(srv) -> bool:
+    """The engine idle with no probe queued: the last request's score (if it was probed)
+    is ready for the guard's next poll. A finished request queues its probe just after
+    its last output, and the score waits for the engine's idle grace, so an idle engine
+    alone does not mean the score is there."""
+    return not srv.llm.has_work and not srv.async_engine.probes.has_jobs
+
+
 def _row(guard, app: str) -> dict | None:
     return next((r for r in guard.snapshot() if r["app"] == app and r["method"] == "shift"), None)
 
@@ -64,7 +72,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
         for i in range(12):
             _ask(http, "drifting", i)
             n += 1
-            assert wait_until(lambda: not srv.llm.has_work, timeout=10)
+            assert wait_until(lambda: _scored(srv), timeout=10)
             time.sleep(0.15)  # a poll or two
             row = _row(guard, "drifting")
             if row is not None:
@@ -103,7 +111,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
             _ask(http, "drifting", i)
             n += 1
             assert _plan(gw, n)["probe"] or _row(guard, "drifting")["state"] == "off"
-            assert wait_until(lambda: not srv.llm.has_work, timeout=10)
+            assert wait_until(lambda: _scored(srv), timeout=10)
             time.sleep(0.15)
             row = _row(guard, "drifting")
             decisions.append(f"after cool-down, request {i}: {row['samples']} scores, state {row['state']}")
