@@ -16,6 +16,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from kvrelay.wire.salt import TenantSalts
 from kvrelay.wire.seal import PlanSeal
 from gateway.adapters import AdapterRouter
 from gateway.fidelity_guard import FidelityGuard
@@ -74,13 +75,14 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         metrics = GatewayMetrics(pool.served)
         metrics.count_bounds(inference.bounded)
         metrics.count_records(writer)
-        seal = PlanSeal(settings.plan_secret.get_secret_value(), settings.plan_max_age_s) \
-            if settings.plan_secret is not None else None
+        secret = settings.plan_secret.get_secret_value() if settings.plan_secret is not None else None
+        seal = PlanSeal(secret, settings.plan_max_age_s) if secret is not None else None
         guard, prober, guard_loops = start_guard(settings, http, pool, metrics, seal)
         loops += guard_loops
         approximation = Approximation.from_settings(settings.approximation, guard, guard)
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
-                                         inference, store, hold, seal, approximation, guard, prober=prober)
+                                         inference, store, hold, seal, approximation, guard, prober=prober,
+                                         salts=TenantSalts(secret))
         app.state.db = db
         app.state.loops = loops if saver is None else [*loops, saver]
         try:

@@ -36,6 +36,7 @@ from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, insp
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from gateway.upstream_client import Dispatch, UpstreamClient
+from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
 from kvrelay.wire.seal import PlanSeal
 from kvrelay.wire.plan import RoundInfo
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
@@ -68,6 +69,7 @@ class GatewayState:
     fidelity: FidelityGuard | None = None  # None: the fidelity guard is off
     prober: UpstreamProber | None = None  # scores probes for upstreams that do not (vLLM); None: guard off
     responses: ResponseSessions = field(default_factory=ResponseSessions)  # previous_response_id -> session
+    salts: TenantSalts = field(default_factory=lambda: TenantSalts(None))  # each tenant's cache_salt
 
 
 class ProxiedCall:
@@ -97,6 +99,7 @@ class ProxiedCall:
         self._app_id: str | None = None
         self._round: RoundInfo | None = None
         self._probe: tuple[str, str, str] | None = None  # (tenant, app, method) of a probed request
+        self._client_salt: str | None = None  # the client's cache_salt: mixed into its tenant's, never sent
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
@@ -175,6 +178,10 @@ class ProxiedCall:
         if (misfit := first_misfit(body)) is not None:  # before anything hashes, logs or records it
             raise BadRequestError(misfit.message, param=misfit.path)
         body = without_client_plan(body)  # the engine follows only the gateway's plans
+        try:
+            self._client_salt = check_salt(body.get(SALT_FIELD))
+        except ValueError as exc:
+            raise BadRequestError(str(exc), param=SALT_FIELD) from exc
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
@@ -235,6 +242,9 @@ class ProxiedCall:
                 if plan.probe:
                     self._probe = (tenant, ident.app_id, method)
         body = with_plan(body, plan, self.state.plan_seal)
+        # The tenant's salt replaces the client's: engines share cached KV within it only.
+        namespace = plan.tenant or self.state.inference.tenants.namespace(ident.app_id)
+        body = {**body, SALT_FIELD: self.state.salts.salt(namespace, self._client_salt)}
         if self._probe is not None:
             self._probe_body = body
         return body

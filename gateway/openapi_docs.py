@@ -12,6 +12,7 @@ from typing import Any
 
 from kvrelay.wire.errors import error_responses
 from kvrelay.openai_responses import REQUEST_SCHEMA
+from kvrelay.wire.salt import SALT_FIELD, SALT_SCHEMA
 
 _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True,
             "properties": {"role": {"type": "string"}, "name": {"type": "string"},
@@ -19,7 +20,7 @@ _MESSAGE = {"type": "object", "required": ["role"], "additionalProperties": True
                                                 {"type": "null"}]}}}
 _COMMON = {"model": {"type": "string", "minLength": 1}, "stream": {"type": "boolean"},
            "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
-           "kv_transfer_params": {"type": "object"}}
+           "kv_transfer_params": {"type": "object"}, SALT_FIELD: SALT_SCHEMA}
 
 
 def _body(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, 
 
 from kvrelay.json_values import INT64_MAX, INT64_MIN, first_misfit
 from kvrelay.openai_responses_input import ResponsesRequestError, chat_messages, history_offset
+from kvrelay.wire.salt import SALT_FIELD, SALT_SCHEMA
 
 __all__ = ["REQUEST_SCHEMA", "ResponsesRequest", "ResponsesRequestError", "chat_messages", "check_supported",
            "history_offset", "parse_request", "to_chat", "translate_tool_choice", "translate_tools",
@@ -56,7 +57,7 @@ REQUEST_SCHEMA: dict[str, Any] = {
         "temperature": {"type": "number", "minimum": 0, "maximum": 2},
         "stream": {"type": "boolean"}, "store": {"type": "boolean"},
         "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
-        "kv_transfer_params": {"type": "object"},
+        "kv_transfer_params": {"type": "object"}, SALT_FIELD: SALT_SCHEMA,
     },
 }
 
@@ -130,6 +131,7 @@ class ResponsesRequest(_Open):
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_tool_calls: Annotated[int, Field(ge=0)] | None = None  # bounds built-in tools: none here
     kv_transfer_params: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's, checked with the chat body it becomes
 
 
 def parse_request(body: Any) -> ResponsesRequest:
@@ -190,7 +192,8 @@ def to_chat(req: ResponsesRequest, history: Sequence[dict[str, Any]] = (), stric
         body["response_format"] = response_format(req.text.format)
     optional = {"parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
                 "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed, "top_k": req.top_k,
-                "ignore_eos": req.ignore_eos, "stop": req.stop, "kv_transfer_params": req.kv_transfer_params}
+                "ignore_eos": req.ignore_eos, "stop": req.stop, "kv_transfer_params": req.kv_transfer_params,
+                "cache_salt": req.cache_salt}
     body.update({k: v for k, v in optional.items() if v is not None})
     return body
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, Tag,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag,
+                      WithJsonSchema, model_validator)
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
+from kvrelay.wire.salt import SALT_SCHEMA, check_salt
 from kvrelay.json_values import INT64_MAX, INT64_MIN, UNENCODABLE, encodable, first_misfit
 
 INT32_MAX = 2**31 - 1
@@ -58,6 +59,8 @@ def _shallow(schema: dict[str, Any]) -> dict[str, Any]:
 
 JsonSchema = Annotated[dict[str, Any], AfterValidator(_utf8_json), AfterValidator(_shallow)]
 Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+# vLLM's field: whom cached KV is shared with (checked by check_salt, for its message).
+CacheSalt = Annotated[StrictStr, AfterValidator(check_salt), WithJsonSchema(SALT_SCHEMA)]
 TokenCount = Annotated[int, Field(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -227,6 +230,7 @@ class _GenerationRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     kv_transfer_params: JsonObject | None = None
+    cache_salt: CacheSalt | None = None
 
     def check_supported(self) -> None:
         if self.n != 1:

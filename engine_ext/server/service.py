@@ -22,9 +22,11 @@ from opentelemetry.trace import NoOpTracer, Tracer
 from engine_ext.async_engine import AsyncEngine
 from engine_ext.engine import RequestOutput
 from engine_ext.errors import EngineError, InvalidRequestError
+from kvrelay.wire.salt import salted_tenant
 from kvrelay.wire.seal import SEAL_KEY
 from kvrelay.wire.plan import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
+from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope, report
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.plans import MessageShift, PlanReader
@@ -104,18 +106,21 @@ class CompletionService:
                 prompt = AlignedPrompt(self.tokenizer.encode(text), [])
             else:
                 prompt = self.aligner.text(text, plan)
-        return prompt._replace(scope=self._scope(plan)), plan is not None and plan.probe, shape
+        return prompt._replace(scope=self._scope(plan, req.cache_salt)), plan is not None and plan.probe, shape
 
-    def _scope(self, plan: SegmentPlan | None) -> ReuseScope | None:
+    def _scope(self, plan: SegmentPlan | None, salt: str | None) -> ReuseScope | None:
         """The plan's tenant, app and agent. Without a plan: the default tenant, except
         on an engine that follows only sealed plans, which serves such a request in a
         tenant of its own: nobody vouched for it, so it neither reads nor leaves cached
-        KV for anyone."""
+        KV for anyone. A cache_salt splits the tenant as it splits vLLM's cache."""
         if plan is not None:
             app = plan.app_id or DEFAULT_APP
-            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow, plan.tenant or app, plan.session_id)
+            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow,
+                              salted_tenant(plan.tenant or app, salt), plan.session_id)
         if self.plans.seal is not None:
             return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
+        if salt is not None:
+            return ReuseScope(DEFAULT_APP, None, tenant=salted_tenant(DEFAULT_TENANT, salt))
         return None
 
     async def _outputs(self, req: Request, request_id: str, line: Timeline, shift: MessageShift | None

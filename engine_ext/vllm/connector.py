@@ -109,7 +109,7 @@ class KvrelayConnector(KVConnectorBase_V1):
             return 0, False
         num = self._planner.num_matched_tokens(request.request_id, request.prompt_token_ids or [],
                                                request.kv_transfer_params, num_computed_tokens,
-                                               request.block_hashes)
+                                               request.block_hashes, request.cache_salt)
         return num, num > 0 and self.config.async_loads
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -245,6 +245,6 @@ def _tensor_parallel_rank() -> int:
 
 def _tokens_alone_decide_kv(request: Request) -> bool:
     """Whether a block's KV is a function of its tokens (and the model) alone: not with a
-    LoRA adapter, multimodal inputs, prompt embeddings or a cache salt."""
-    return not (request.lora_request or request.mm_features or request.cache_salt or
-                request.prompt_embeds is not None)
+    LoRA adapter, multimodal inputs or prompt embeddings. (A cache salt changes who may
+    share the KV, not the KV: the tiers key blocks by tenant and salt.)"""
+    return not (request.lora_request or request.mm_features or request.prompt_embeds is not None)

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 from pydantic import ValidationError
 
 from engine_ext.kv.hashing import DEFAULT_TENANT, block_hashes, tenant_root
+from kvrelay.wire.salt import salted_tenant
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, read_plan
 from engine_ext.tiers.policy import WorkflowPolicy
@@ -117,16 +118,18 @@ class ConnectorPlanner:
         self._recent_claims: deque[dict[int, ReuseJob]] = deque(maxlen=4)  # block id -> its job, per step
 
     def num_matched_tokens(self, request_id: str, token_ids: Sequence[int], params: dict[str, Any] | None,
-                           num_computed_tokens: int, device_hashes: Sequence[Hashable] = ()) -> int:
+                           num_computed_tokens: int, device_hashes: Sequence[Hashable] = (),
+                           salt: str | None = None) -> int:
         """Prompt tokens past `num_computed_tokens` (vLLM's own hits, block-aligned) whose
         KV the tiers hold, in whole blocks, never the last prompt token. `device_hashes`:
-        vLLM's own hashes of the prompt's full blocks (for DeviceOrder)."""
+        vLLM's own hashes of the prompt's full blocks (for DeviceOrder); `salt`: the
+        request's cache_salt, which splits its tenant's blocks as it splits vLLM's."""
         if self._reorder_due and self.config.device_order:  # before vLLM allocates for this step
             self._reorder_due = False
             self.device.reorder()
         state = self._requests.get(request_id)
         if state is None:
-            state = self._admit(request_id, list(token_ids), params, device_hashes)
+            state = self._admit(request_id, list(token_ids), params, device_hashes, salt)
         if state is None or state.failed:
             return 0
         num_hits = num_computed_tokens // self.block_size  # vLLM holds these itself
@@ -238,11 +241,12 @@ class ConnectorPlanner:
                         self._pending += self.index.drop(block_hash)
 
     def _admit(self, request_id: str, token_ids: list[int], params: dict[str, Any] | None,
-               device_hashes: Sequence[Hashable]) -> PlannedRequest | None:
+               device_hashes: Sequence[Hashable], salt: str | None) -> PlannedRequest | None:
         plan = _read_plan(request_id, params, self.seal)
         if plan is None:
             return None
-        tenant = plan.tenant or plan.app_id or DEFAULT_TENANT  # the tiers keep each tenant's blocks apart
+        # The tiers keep each tenant's blocks apart, and each salt's within a tenant.
+        tenant = salted_tenant(plan.tenant or plan.app_id or DEFAULT_TENANT, salt)
         hashes = block_hashes(tenant_root(self.root, tenant), token_ids[:-1], self.block_size)
         fixed = next((s for s in plan.segments if s.kind == "fixed_prefix"), None)
         num_prefix = self.locator.num_prefix_blocks(token_ids, fixed, self.block_size) if fixed is not None else 0

@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from kvrelay.wire.salt import TenantSalts
 from gateway.settings import Timeouts
 from tests.gateway.support import USAGE, free_port, sse, wait_until
 
@@ -59,8 +60,10 @@ def test_with_reuse_off_the_body_reaches_the_upstream_with_a_tenant_only_plan(fa
         assert http.post("/v1/chat/completions", json=CHAT, headers={"X-Kvrelay-Reuse": "off"}).status_code == 200
     received = dict(fake.received[-1].body)
     plan = received.pop("kv_transfer_params")["kvrelay"]
-    assert received == CHAT  # the client's body, untouched
+    salt = received.pop("cache_salt")
+    assert received == CHAT  # the client's body, untouched but for the plan and the tenant's salt
     assert plan["segments"] == [] and plan["round"] is None and plan["tenant"] == "app:default"
+    assert salt == TenantSalts(None).salt("app:default")
     assert gw.rows(1)[0].plan is not None  # still inferred and recorded
 
 
@@ -79,6 +82,7 @@ def test_unary_chat_passes_through_and_is_recorded(fake_upstream, start_gateway)
     (got,) = fake.received
     assert got.path == "/v1/chat/completions"
     plan = got.body.pop("kv_transfer_params")["kvrelay"]
+    assert got.body.pop("cache_salt") == TenantSalts(None).salt("app:default")
     assert got.body == CHAT  # nothing else added to a non-streaming request
     assert (plan["session_id"], plan["agent_id"]) == ("s1", "a1")
     assert got.headers["content-type"] == "application/json"
@@ -148,7 +152,7 @@ def test_stream_without_usage_request_gets_no_usage_chunk_but_is_recorded(fake_u
     # the upstream was asked for usage all the same
     (got,) = fake.received
     assert got.body["stream_options"] == {"include_usage": True}
-    added = ("stream_options", "kv_transfer_params")
+    added = ("stream_options", "kv_transfer_params", "cache_salt")
     assert {k: v for k, v in got.body.items() if k not in added} == {**CHAT, "stream": True}
     # byte for byte what the upstream sent, minus the usage event
     usage_event = sse({"id": "cmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",

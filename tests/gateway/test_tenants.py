@@ -86,3 +86,37 @@ def test_a_client_plan_is_dropped_and_the_gateway_seals_its_own(fake_upstream, s
     assert off["kvrelay"]["tenant"] == "app:default" and PlanSeal(SECRET).check(off["kvrelay"], off["kvrelay_seal"]).accepted
     assert on["other"] == 1 and on["kvrelay"]["tenant"] == "app:default" and on["kvrelay"]["session_id"] != "x"
     assert PlanSeal(SECRET).check(on["kvrelay"], on["kvrelay_seal"]).accepted
+
+
+def test_every_request_carries_its_tenant_s_salt_never_the_client_s(fake_upstream, start_gateway):
+    up = fake_upstream()
+    gw = start_gateway([up.url], plan_secret=SECRET, inference={"shared_caches": [["team-a", "team-c"]]})
+
+    def send(app: str, **fields) -> None:
+        body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], **fields}
+        with gw.client() as c:
+            assert c.post("/v1/chat/completions", json=body, headers={"x-kvrelay-app": app}).status_code == 200
+
+    send("team-a")
+    send("team-a", stream=True)
+    send("team-c")  # shares team-a's namespace
+    send("team-b")
+    send("team-a", cache_salt="user-1")
+    send("team-b", cache_salt="user-1")
+    salts = [r.body["cache_salt"] for r in up.received]
+    assert salts[0] == salts[1] == salts[2] != salts[3]
+    assert len({salts[0], salts[3], salts[4], salts[5], "user-1"}) == 5  # the client's splits, never joins
+    with gw.client() as c:
+        reply = c.post("/v1/responses", json={"model": "fake", "input": "hi"}, headers={"x-kvrelay-app": "team-a"})
+    assert reply.status_code == 200 and up.received[-1].body["cache_salt"] == salts[0]
+
+
+@pytest.mark.parametrize("salt", ["", 7, "a/b", "x" * 129])
+def test_a_bad_client_salt_is_a_400_naming_the_field(fake_upstream, start_gateway, salt):
+    up = fake_upstream()
+    gw = start_gateway([up.url])
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi"}], "cache_salt": salt}
+    with gw.client() as c:
+        reply = c.post("/v1/chat/completions", json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "cache_salt", reply.text
+    assert up.received == [] and gw.rows(1)[0].status == "client_error"

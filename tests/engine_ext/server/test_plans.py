@@ -116,3 +116,32 @@ def test_the_engine_never_echoes_a_plan_or_seal(srv):
     seal = PlanSeal(SECRET)
     reply = _ask(srv, "Echo: ", _params("Echo: ", seal))
     assert PLAN_KEY not in reply["kv_transfer_params"] and SEAL_KEY not in reply["kv_transfer_params"]
+
+
+def _salted(srv, prompt: str, salt: str | None) -> int:
+    """Cached tokens of a sealed request of team-a that reads prefix caches only."""
+    plan = SegmentPlan(session_id="s", agent_id="a", request_id="salted", segments=[], app_id="app",
+                       tenant="team-a").model_dump(mode="json")
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {PLAN_KEY: plan, SEAL_KEY: PlanSeal(SECRET).seal(plan)}}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{srv.v1}/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_cache_salt_splits_a_tenant_s_cache_as_it_splits_vllm_s(srv):
+    prompt = "The salt cellar of the guild keeps its own ledger of every barrel and sack. " * 4
+    assert _salted(srv, prompt, "s1") == 0
+    assert _salted(srv, prompt, "s1") >= 48  # the control: the same tenant and salt hit (whole blocks)
+    assert _salted(srv, prompt, "s2") == 0  # the same tenant, another salt: nothing
+    assert _salted(srv, prompt, None) == 0  # and the tenant without a salt: nothing either
+
+
+@pytest.mark.parametrize("salt", ["", 5, "a@b", "x" * 129])
+def test_a_bad_cache_salt_is_a_400_naming_it(srv, salt):
+    for path, body in (("completions", {"prompt": "Hi"}), ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("responses", {"input": "Hi"})):
+        r = httpx.post(f"{srv.v1}/{path}", json={"model": MODEL, "max_tokens": 1, **body, "cache_salt": salt}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", (path, r.text)

@@ -187,6 +187,22 @@ def test_the_tiers_keep_each_tenants_blocks_apart(tokenizer):
     assert p.num_matched_tokens("a", ids2, _as_tenant(params2, "team-a"), BLOCK) > 0  # the control
 
 
+def test_a_cache_salt_keeps_blocks_apart_within_a_tenant(tokenizer):
+    p = planner(tokenizer)
+    ids, params = request(tokenizer, "archivist", "Where is the salt ledger?")
+    params = _as_tenant(params, "team-a")
+    p.num_matched_tokens("r1", ids, params, 0, salt="user-1")
+    block_ids = list(range(len(ids) // BLOCK + 1))
+    p.allocated("r1", block_ids, 0)
+    assert p.step([ScheduledBlocks("r1", block_ids, True, 0, len(ids))]).ops  # its prefix is saved
+    p.finished("r1")
+    ids2, params2 = request(tokenizer, "archivist", "And the iron ledger?")
+    params2 = _as_tenant(params2, "team-a")
+    assert p.num_matched_tokens("other-salt", ids2, params2, BLOCK, salt="user-2") == 0
+    assert p.num_matched_tokens("no-salt", ids2, params2, BLOCK) == 0
+    assert p.num_matched_tokens("same-salt", ids2, params2, BLOCK, salt="user-1") > 0  # the control
+
+
 def test_with_a_seal_only_the_gateways_plans_are_followed(tokenizer):
     from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 

@@ -167,3 +167,27 @@ def test_the_agent_due_next_keeps_its_prefix_in_vllm_s_own_cache(client, replica
             assert _cached(again) >= 3 * VLLM_BLOCK and from_device >= 3 * VLLM_BLOCK
         else:
             assert from_device == 0  # vLLM alone evicted the prefix
+
+
+def test_tenants_share_no_cached_kv_on_vllm_and_the_tiers_serve_salted_requests(replica, start_gateway):
+    """The gateway salts each tenant's requests: on one replica, tenant B gets nothing of
+    A's prompt from vLLM's own cache, and the connector still keeps and loads A's prefix."""
+    gw = start_gateway([replica.url])  # one replica: both tenants' requests meet on it
+    system = SYSTEM.replace("archivist", "notary")
+
+    def ask(app: str, question: str):
+        with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120,
+                           default_headers={"x-kvrelay-app": app, "x-kvrelay-session-id": f"{app}-deeds"}) as c:
+            return c.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": system},
+                                                                    {"role": "user", "content": question}], **GEN)
+
+    before = _block_files(replica.host_dir)
+    a = [ask("tenant-a", q) for q in ("First deed?", "Second deed?", "Third deed?")]  # the gateway learns the prefix
+    assert _cached(a[0]) == 0 and _cached(a[1]) >= 3 * VLLM_BLOCK  # the control: a tenant hits its own prompt
+    b = ask("tenant-b", "First deed?")  # A's first prompt, token for token
+    assert _cached(b) == 0
+    assert len(_wait_for_new_files(replica.host_dir, before, 3)) >= 3  # A's salted prefix is kept in the tiers
+    with openai.OpenAI(base_url=f"{replica.url}/v1", api_key="unused", max_retries=0, timeout=120) as direct:
+        _push_out(direct, "salt")
+    assert _cached(ask("tenant-a", "Fourth deed?")) >= 3 * VLLM_BLOCK  # loaded by the connector: vLLM lost it
+    assert _cached(ask("tenant-b", "Second deed?")) == 0
