@@ -33,6 +33,7 @@ import aiohttp
 from gateway.fidelity_guard import FidelityGuard, Score
 from gateway.upstreams import UpstreamPool
 from kvrelay.wire.plan import PLAN_KEY
+from kvrelay.wire.salt import SALT_FIELD
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,8 @@ class UpstreamProber:
             raise ProbeFailed("no token ids in the dense answer (not vLLM?)")
         scoring = {"model": probe.body.get("model"), "prompt": list(prompt_ids) + list(answer_ids), "max_tokens": 1,
                    "temperature": 0, "prompt_logprobs": self.top_k}
+        if SALT_FIELD in probe.body:  # the tenant's: its text stays in its cache, its placements are found
+            scoring[SALT_FIELD] = probe.body[SALT_FIELD]
         dense = _positions(await self._post(probe.url + "/v1/completions", scoring), len(prompt_ids))
         approx_plan = {**plan, "probe": False}
         params: dict[str, Any] = {PLAN_KEY: approx_plan}

@@ -75,7 +75,8 @@ async def vllm():
 def probe(url: str, endpoint: str = "/v1/chat/completions") -> Probe:
     plan = {"session_id": "s", "agent_id": "a", "request_id": "r", "segments": [], "probe": True}
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "stream": True,
-            "stream_options": {"include_usage": True}, "kv_transfer_params": {PLAN_KEY: plan, "other": 1}}
+            "stream_options": {"include_usage": True}, "kv_transfer_params": {PLAN_KEY: plan, "other": 1},
+            "cache_salt": "tenant-t-salt"}
     return Probe(url, endpoint, body, "t", "app", "blend")
 
 
@@ -96,6 +97,8 @@ async def test_a_probe_on_an_upstream_without_scoring_is_scored_and_reaches_the_
     assert forced["prompt"] == PROMPT + ANSWER and "kv_transfer_params" not in forced
     params = approx["kv_transfer_params"]
     assert params[PLAN_KEY]["probe"] is False and seal.check(params[PLAN_KEY], params[SEAL_KEY]).accepted
+    # Every call in the tenant's cache: its text stays there, and the plan's placements are found.
+    assert [call["cache_salt"] for call in seen] == ["tenant-t-salt"] * 3
 
 
 async def test_nothing_is_scored_where_it_should_not_be(vllm):
