@@ -65,12 +65,13 @@ class CappedLogits(list[torch.Tensor]):
 
 class ProbeJob(NamedTuple):
     request_id: str
-    tenant: str
+    tenant: str  # whose caches the dense score runs in
     app: str
     method: str
     prompt_ids: list[int]
     output_ids: list[int]  # the tokens the approximate request produced (first `cap` of them)
     logits: torch.Tensor  # (len(output_ids), vocab): the approximate logits that chose them
+    named_tenant: str | None = None  # the plan's tenant, unsalted: what the score is reported under
 
 
 @dataclass
@@ -137,13 +138,19 @@ class Probes:
             self.num_dropped += 1
         self._jobs.append(ProbeJob(seq.request_id, seq.tenant, scope.app_id if scope is not None else DEFAULT_APP,
                                    method, list(seq.prompt_token_ids), seq.output_token_ids[:len(logits)],
-                                   torch.stack(list(logits))))
+                                   torch.stack(list(logits)), scope.named_tenant if scope is not None else None))
 
     # -- the dense scores, on spare capacity ----------------------------------------------
     @property
     def has_jobs(self) -> bool:
         """Cheap: whether the engine thread has probe work (queued or running)."""
         return bool(self._jobs) or self._running is not None
+
+    @property
+    def has_pending(self) -> bool:
+        """Whether a score may still come: a probed request not finished yet (its answer
+        reaches the client just before its job is queued), or a job queued or running."""
+        return bool(self._watched) or self.has_jobs
 
     def tick(self, engine: LLMEngine) -> None:
         """Before a loop iteration's step: with no score running, the next job's starts.
@@ -174,7 +181,7 @@ class Probes:
             if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):
                 raise RuntimeError(f"the dense score ended early ({dense.finish_reason})")
             top1, kl = compare_logits(torch.stack(dense.logits), job.logits)
-            score = FidelityScore(request_id=job.request_id, tenant=job.tenant, app=job.app, method=job.method,
+            score = FidelityScore(request_id=job.request_id, tenant=job.named_tenant or job.tenant, app=job.app, method=job.method,
                                   top1=top1, kl=kl, tokens=len(job.output_ids))
         except Exception:
             logger.exception("fidelity probe of request %s failed; dropped", job.request_id)

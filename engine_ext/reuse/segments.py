@@ -55,6 +55,9 @@ class ReuseScope(NamedTuple):
     workflow: WorkflowInfo | None = None
     tenant: str = DEFAULT_TENANT  # whose caches it may read and fill (engine_ext/kv/hashing.py)
     session_id: str | None = None  # the plan's session; None: the app's one unnamed session
+    # The tenant the plan names, before a cache_salt split it into `tenant`: what a fidelity
+    # score is reported under (the gateway's guard keys its figures and switches by it).
+    named_tenant: str | None = None
 
 
 class SegmentOutcome(NamedTuple):

@@ -115,8 +115,9 @@ class CompletionService:
         KV for anyone. A cache_salt splits the tenant as it splits vLLM's cache."""
         if plan is not None:
             app = plan.app_id or DEFAULT_APP
-            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow,
-                              salted_tenant(plan.tenant or app, salt), plan.session_id)
+            tenant = plan.tenant or app
+            return ReuseScope(app, plan.agent_id, plan.round, plan.workflow, salted_tenant(tenant, salt),
+                              plan.session_id, named_tenant=tenant)
         if self.plans.seal is not None:
             return ReuseScope(DEFAULT_APP, None, tenant=f"unvouched:{uuid.uuid4().hex}")
         if salt is not None:

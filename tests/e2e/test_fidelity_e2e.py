@@ -39,12 +39,16 @@ def _ask(http, app: str, i: int):
     return response.json()
 
 
-def _scored(srv) -> bool:
-    """The engine idle with no probe queued: the last request's score (if it was probed)
-    is ready for the guard's next poll. A finished request queues its probe just after
-    its last output, and the score waits for the engine's idle grace, so an idle engine
-    alone does not mean the score is there."""
-    return not srv.llm.has_work and not srv.async_engine.probes.has_jobs
+def _settled(srv, polled: list) -> bool:
+    """The last request's probe, if it made one, is scored and the gateway has read the
+    score: the engine has no request and no probe pending (a probed request's answer
+    reaches the client just before its job is queued), and the guard has recorded as
+    many polled scores as the engine has produced."""
+    probes = srv.async_engine.probes
+    if srv.llm.has_work or probes.has_pending:
+        return False
+    _, produced = probes.results_after(1 << 62)  # the engine's last result's sequence number
+    return len(polled) == produced
 
 
 def _row(guard, app: str) -> dict | None:
@@ -60,6 +64,9 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
                        approximation={"rules": [{"method": "shift", "app": "drifting"}], "guard": GUARD})
     guard = gw.state.fidelity
     guard._rng.random = lambda: 0.0  # sample every approximate request: the test is about decisions, not sampling
+    polled: list[Score] = []  # what the gateway's poller recorded (the test records some itself, below)
+    record = guard.record
+    guard.record = lambda score: (polled.append(score), record(score))[-1]
     auth = {"authorization": f"Bearer {ADMIN}"}
     decisions: list[str] = []
     n = 0
@@ -72,8 +79,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
         for i in range(12):
             _ask(http, "drifting", i)
             n += 1
-            assert wait_until(lambda: _scored(srv), timeout=10)
-            time.sleep(0.15)  # a poll or two
+            assert wait_until(lambda: _settled(srv, polled), timeout=30)
             row = _row(guard, "drifting")
             if row is not None:
                 decisions.append(f"request {i}: {row['samples']} scores, top-1 {row['top1']:.3f}, "
@@ -103,7 +109,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
 
         guard.settings = guard.settings.model_copy(update={"sample_rate": 0.0})  # probation alone probes now
         for figures in ((0.5, 0.5),) * 3:  # switched off again (as probes would), to test the cool-down
-            guard.record(Score(row["tenant"], "drifting", "shift", *figures))
+            record(Score(row["tenant"], "drifting", "shift", *figures))
         assert _row(guard, "drifting")["state"] == "off"
         decisions.append("switched off again; waiting out the cool-down")
         time.sleep(GUARD["cooldown_s"] + 0.1)
@@ -111,8 +117,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
             _ask(http, "drifting", i)
             n += 1
             assert _plan(gw, n)["probe"] or _row(guard, "drifting")["state"] == "off"
-            assert wait_until(lambda: _scored(srv), timeout=10)
-            time.sleep(0.15)
+            assert wait_until(lambda: _settled(srv, polled), timeout=30)
             row = _row(guard, "drifting")
             decisions.append(f"after cool-down, request {i}: {row['samples']} scores, state {row['state']}")
             if row["state"] == "off":
