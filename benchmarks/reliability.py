@@ -141,8 +141,9 @@ def _engine_killed_mid_stream(ledger: Ledger, gw: Service, victim: Service) -> F
     survived = set(during) <= {"ok", "error_event"} and broken > 0 and on_victim == {"upstream_error": broken} \
         and after == {"ok": 32} and recorded >= ledger.sent
     return Fault("engine killed mid-stream", survived,
-                 f"{ready} upstreams available before; killed with {answered:g} streams answered; during: {dict(during)}; rows of the killed engine's "
-                 f"streams: {on_victim}; after: {dict(after)}; recorded {recorded}/{ledger.sent}")
+                 f"{ready} upstreams available before; killed with {answered:g} streams answered; "
+                 f"during: {dict(during)}; rows of the killed engine's streams: {on_victim}; "
+                 f"after: {dict(after)}; recorded {recorded}/{ledger.sent}")
 
 
 def _wait_available(gw: Service, want: int, timeout: float = 20.0) -> int:

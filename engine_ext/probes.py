@@ -181,8 +181,8 @@ class Probes:
             if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):
                 raise RuntimeError(f"the dense score ended early ({dense.finish_reason})")
             top1, kl = compare_logits(torch.stack(dense.logits), job.logits)
-            score = FidelityScore(request_id=job.request_id, tenant=job.named_tenant or job.tenant, app=job.app, method=job.method,
-                                  top1=top1, kl=kl, tokens=len(job.output_ids))
+            score = FidelityScore(request_id=job.request_id, tenant=job.named_tenant or job.tenant, app=job.app,
+                                  method=job.method, top1=top1, kl=kl, tokens=len(job.output_ids))
         except Exception:
             logger.exception("fidelity probe of request %s failed; dropped", job.request_id)
             self.num_failed += 1  # after the log: a reader of the count finds the line

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag,
-                      WithJsonSchema, model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
+                      StrictStr, Tag, WithJsonSchema, model_validator)
 
 from engine_ext.errors import InvalidRequestError
 from engine_ext.sampling import SamplingParams
