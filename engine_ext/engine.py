@@ -62,6 +62,7 @@ class RequestOutput:
     num_output_tokens: int
     reuse_outcomes: list[SegmentOutcome] | None = None  # per plan segment, once the prompt is computed
     timeline: Timeline | None = None  # when the request passed each stage; on its last output only
+    prompt_blocks: list[bytes] | None = None  # the prompt's full-block hashes; on its last output only
 
 
 class ScoreResult(NamedTuple):
@@ -133,6 +134,17 @@ class LLMEngine:
             return store, None
         return store, Prefetcher(self.workflows, store, self.kv.pool.policy, settings.load_ahead,
                                  settings.max_prefetches, lambda: self.scheduler.num_blocks_to_finish())
+
+    def resident_blocks(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes of the blocks held on the device, and of those only in a lower tier:
+        what a router needs to send a prompt where its prefix is (kvrelay/wire/cache_report.py).
+        Read from outside the engine thread; each list is a consistent copy."""
+        device = self.kv.pool.cached_hashes()
+        if self.tiers is None:
+            return device, []
+        on_device = set(device)
+        lower = {h for tier in self.tiers.tiers for h in tier.ready_hashes() if h not in on_device}
+        return device, list(lower)
 
     def close(self) -> None:
         """Stop the KV transfer worker (the engine serves nothing afterwards)."""
@@ -344,6 +356,7 @@ class LLMEngine:
             num_output_tokens=len(seq.output_token_ids),
             reuse_outcomes=seq.reuse_outcomes,
             timeline=seq.timeline if reason is not None else None,
+            prompt_blocks=self.kv.prefix_hashes(seq, seq.num_prompt_tokens) if reason is not None else None,
         )
 
     # -- convenience for tests and benchmarks ----------------------------------------

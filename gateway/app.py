@@ -38,6 +38,7 @@ from gateway.supervisor import SupervisedTask
 from gateway.tracing import build_tracer_provider, tracer_from
 from gateway.upstream_client import UpstreamClient, build_http_client
 from gateway.upstreams import UpstreamPool
+from gateway.routing.cache_poll import CachePoller
 from kvrelay.wire.errors import error_response, error_responses, install_request_error_handlers
 
 logger = logging.getLogger(__name__)
@@ -59,11 +60,14 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         writer.start()
         access = await build_access(settings, db)
         http = build_http_client(settings)
-        pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor)
+        pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor, settings.routing)
         upstreams = UpstreamClient(http, pool, settings)
         await upstreams.check_health()
         loops = [SupervisedTask("kvrelay-key-refresh", access.refresh_loop),
                  SupervisedTask("kvrelay-health", upstreams.health_loop)]
+        if settings.routing.policy == "cache_aware":
+            poller = CachePoller(http, pool, pool.cache, settings.routing.cache_poll_interval_s)
+            loops.append(SupervisedTask("kvrelay-cache-poll", poller.run))
         for loop in loops:
             loop.start()
         router = AdapterRouter.from_settings(settings.adapters)

@@ -35,10 +35,12 @@ from gateway.responses_view import ResponseSessions, answer_facts, chat_view, er
 from gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done, tool_call_ids
 from gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
+from gateway.routing.policies import Route
 from gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
 from kvrelay.wire.seal import PlanSeal
 from kvrelay.wire.plan import RoundInfo
+from kvrelay.wire.cache_report import read_prompt_blocks
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
@@ -101,6 +103,7 @@ class ProxiedCall:
         self._probe: tuple[str, str, str] | None = None  # (tenant, app, method) of a probed request
         self._client_salt: str | None = None  # the client's cache_salt: mixed into its tenant's, never sent
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
+        self._route: Route | None = None  # what the routing policy knows of the prompt
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -127,13 +130,14 @@ class ProxiedCall:
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
             body = self._infer(body, ident)
+            self._route = self.state.upstreams.pool.route(self.view, body.get(SALT_FIELD))
             payload = self._prepare(body)
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
             if self._round is not None and self.state.round_hold is not None:
                 await self.state.round_hold.wait(self._round)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
                 self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id,
-                hold=self._round is not None))
+                hold=self._round is not None, route=self._route))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
@@ -405,10 +409,14 @@ class ProxiedCall:
         self.state.metrics.ttft.labels(self.state.metrics.model_label(self.record.model)).observe(elapsed)
 
     def _take_engine_reports(self, params: Any) -> None:
-        """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the record."""
+        """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the
+        record, and give the routing policy the prompt's blocks the engine reported."""
         report = TtftBreakdown.read(params.get(TTFT_KEY) if isinstance(params, dict) else None)
         if report is not None:
             self.record.ttft_breakdown = json.dumps(report.to_json())
+        if self._route is not None and self.record.upstream is not None and \
+                (blocks := read_prompt_blocks(params)) is not None:
+            self.state.upstreams.pool.learn(self._route, self.record.upstream, blocks)
 
     def _take_usage(self, usage: Any) -> None:
         if not isinstance(usage, dict):

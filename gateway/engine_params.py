@@ -15,6 +15,7 @@ from typing import Any
 
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, attach_plan
+from kvrelay.wire.cache_report import BLOCKS_KEY
 from kvrelay.wire.reports import TTFT_KEY
 
 PRIVATE_KEYS = (PLAN_KEY, SEAL_KEY)  # never from a client, never back to one
@@ -37,7 +38,9 @@ def with_plan(body: dict[str, Any], plan: SegmentPlan, seal: PlanSeal | None) ->
 
 
 def hidden_from_client(shows_ttft: bool) -> tuple[str, ...]:
-    return PRIVATE_KEYS if shows_ttft else (*PRIVATE_KEYS, TTFT_KEY)
+    """What the engine echoes that the client does not see: the plan and seal, the
+    prompt's block digests (for routing), and the TTFT breakdown unless it asked."""
+    return (*PRIVATE_KEYS, BLOCKS_KEY) if shows_ttft else (*PRIVATE_KEYS, BLOCKS_KEY, TTFT_KEY)
 
 
 def without_params(body: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:

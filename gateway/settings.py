@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, SecretStr, field_validator,
                       model_validator)
@@ -35,6 +35,27 @@ class Timeouts(BaseModel):
 class Breaker(BaseModel):
     failure_threshold: Annotated[int, Field(ge=1)] = 3  # consecutive failures that open it
     cooldown_s: PositiveFloat = 10.0  # open for this long, then one trial request
+
+
+RoutingPolicyName = Literal["session", "round_robin", "least_loaded", "prefix_hash", "cache_aware"]
+
+
+class RoutingSettings(BaseModel):
+    """Which upstream a request goes to (gateway/routing/policies.py). `cache_aware` weighs
+    the prompt tokens a replica would compute (the blocks it reports it holds are not
+    computed) against `load_weight` x the work in flight there, counting `decode_tokens`
+    per request in flight; a lower-tier block counts `lower_tier_weight` of a device one.
+    Engines' reports are polled every `cache_poll_interval_s`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: RoutingPolicyName = "session"
+    load_weight: Annotated[float, Field(ge=0, le=1000)] = 1.0
+    decode_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 256
+    lower_tier_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
+    cache_poll_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
+    max_prompts: Annotated[int, Field(ge=1, le=10_000_000)] = 200_000  # prefix keys remembered
+    max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000  # per upstream that reports nothing
 
 
 class InferenceSettings(BaseModel):
@@ -175,6 +196,7 @@ class GatewaySettings(YamlFileSettings):
     approximation: ApproximationSettings = ApproximationSettings()  # opt-in approximate reuse and its guard
     health_interval_s: PositiveFloat = 5.0
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
+    routing: RoutingSettings = RoutingSettings()
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000
     record_batch_size: Annotated[int, Field(ge=1)] = 256
     # access: client keys are created with `kvrelay keys create` or POST /admin/keys

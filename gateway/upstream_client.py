@@ -26,6 +26,7 @@ from gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedE
                             UpstreamUnreachableError)
 from gateway.idle_watch import IdleTimeout, IdleWatch
 from gateway.settings import GatewaySettings
+from gateway.routing.policies import Route
 from gateway.upstreams import Upstream, UpstreamPool
 from kvrelay.json_values import encodable
 
@@ -106,9 +107,10 @@ class UpstreamClient:
 
     @asynccontextmanager
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], model: str,
-                       session_id: str | None, hold: bool = False) -> AsyncIterator[Dispatch]:
+                       session_id: str | None, hold: bool = False, route: Route | None = None
+                       ) -> AsyncIterator[Dispatch]:
         """Open the response of the first upstream that accepts the request."""
-        candidates = self.pool.candidates(model, session_id, hold)
+        candidates = self.pool.candidates(model, session_id, hold, route)
         if not candidates:
             if self.pool.knows_no(model):
                 raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
@@ -116,20 +118,21 @@ class UpstreamClient:
         last_error = "no attempt"
         for attempt in range(self.settings.retries + 1):
             upstream = candidates[attempt % len(candidates)]
-            upstream.in_flight += 1
+            work = self.pool.expected_work(route, upstream)
+            _occupy(upstream, work)
             try:
                 response = await self._send(upstream, path, body, headers)
             except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
-                upstream.in_flight -= 1
+                _release(upstream, work)
                 last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
                 _failed(upstream, last_error)
                 continue
             except BaseException:
-                upstream.in_flight -= 1
+                _release(upstream, work)
                 raise
             if response.status in _RETRYABLE_STATUS:
                 response.close()
-                upstream.in_flight -= 1
+                _release(upstream, work)
                 last_error = f"{upstream.url}: HTTP {response.status}"
                 _failed(upstream, last_error)
                 continue
@@ -137,10 +140,11 @@ class UpstreamClient:
                 upstream.record_failure(time.monotonic())
             else:
                 upstream.record_success()
+            self.pool.routed(route, upstream)
             try:
                 yield Dispatch(upstream, response, time.perf_counter())
             finally:
-                upstream.in_flight -= 1
+                _release(upstream, work)
                 response.close()
             return
         raise UpstreamUnreachableError(f"no upstream accepted the request ({last_error})")
@@ -194,3 +198,13 @@ def _failed(upstream: Upstream, why: str) -> None:
     if upstream.record_failure(time.monotonic()):
         logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
                        upstream.url, upstream.consecutive_failures, why)
+
+
+def _occupy(upstream: Upstream, work: int) -> None:
+    upstream.in_flight += 1
+    upstream.in_flight_tokens += work
+
+
+def _release(upstream: Upstream, work: int) -> None:
+    upstream.in_flight -= 1
+    upstream.in_flight_tokens -= work

@@ -1,23 +1,26 @@
-"""Upstream engines: health, circuit breakers, load, and session-affine choice.
+"""Upstream engines: health, circuit breakers, load, and the choice among them.
 
-A session keeps going to the upstream it first landed on, because that upstream holds
-its KV cache; it moves only when that upstream is unhealthy or carries more than
-`load_guard_factor` times the mean load (one hot session must not pin a replica).
-A new session goes to the least loaded upstream, and among equally loaded ones to the
-one that is home to the fewest sessions: sessions that start together spread even when
-none of their requests is in flight yet.
+Which usable upstream a request tries first is the routing policy's
+(gateway/routing/policies.py): by default a session keeps going to the upstream it first
+landed on, because that upstream holds its KV cache; it moves only when that upstream is
+unhealthy or carries more than `load_guard_factor` times the mean load (one hot session
+must not pin a replica). A new session goes to the least loaded upstream, and among
+equally loaded ones to the one that is home to the fewest sessions: sessions that start
+together spread even when none of their requests is in flight yet.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
-from gateway.settings import Breaker
+from gateway.routing.cache_map import CacheMap
+from gateway.routing.policies import Route, SessionHomes, build_policy
+from gateway.routing.prefix_keys import prefix_keys
+from gateway.settings import Breaker, RoutingSettings
 
-_MAX_SESSIONS = 100_000
-_MIN_GUARDED_LOAD = 4  # below this many in-flight requests a session never leaves its upstream
+CHARS_PER_TOKEN = 4  # a prompt's size in tokens, estimated without a tokenizer
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Upstream:
     breaker: Breaker
     healthy: bool = True
     in_flight: int = 0
+    in_flight_tokens: int = 0  # prompt tokens the requests in flight compute here (estimated)
     consecutive_failures: int = 0
     open_until: float = 0.0  # circuit open (no traffic) until this monotonic time
     models: frozenset[str] = field(default_factory=frozenset)
@@ -53,46 +57,56 @@ class Upstream:
 
 
 class UpstreamPool:
-    def __init__(self, urls: list[str], breaker: Breaker, load_guard_factor: float) -> None:
+    def __init__(self, urls: list[str], breaker: Breaker, load_guard_factor: float,
+                 routing: RoutingSettings | None = None) -> None:
+        routing = routing or RoutingSettings()
         self.upstreams = [Upstream(url, breaker) for url in urls]
-        self.load_guard_factor = load_guard_factor
-        # session -> upstream, least recently used first; bounded so idle sessions age out.
-        self._affinity: OrderedDict[str, Upstream] = OrderedDict()
-        self._homes: Counter[str] = Counter()  # upstream url -> sessions living there
+        self.homes = SessionHomes()
+        self.cache = CacheMap(routing.max_prompts, routing.max_blocks, routing.lower_tier_weight)
+        self.policy = build_policy(routing, self.homes, load_guard_factor, self.cache)
 
-    def candidates(self, model: str, session_id: str | None, hold: bool = False) -> list[Upstream]:
-        """Upstreams to try in order: the session's own first (unless overloaded), then
-        the rest by load. Empty when none is available for the model. `hold` keeps the
-        session home even when overloaded: the requests of an All-Gather round share
-        their KV only if they land on the same upstream."""
+    def candidates(self, model: str, session_id: str | None, hold: bool = False,
+                   route: Route | None = None) -> list[Upstream]:
+        """Upstreams to try in order, as the routing policy ranks them (gateway/routing).
+        Empty when none is available for the model. `hold` keeps the session home even
+        when overloaded: the requests of an All-Gather round share their KV only if they
+        land on the same upstream."""
         now = time.monotonic()
         usable = [u for u in self.upstreams if u.available(now) and u.serves(model)]
-        by_load = sorted(usable, key=lambda u: u.in_flight)
-        if session_id is None or not by_load:
-            return by_load
-        home = self._affinity.get(session_id)
-        if home is None or home not in usable or (not hold and self._overloaded(home, usable)):
-            home = min(by_load, key=lambda u: (u.in_flight, self._homes[u.url]))
-            self._settle(session_id, home)
-        self._affinity.move_to_end(session_id)
-        return [home] + [u for u in by_load if u is not home]
+        if not usable:
+            return []
+        route = (route or Route(session_id))._replace(session_id=session_id, hold=hold)
+        return self.policy.order(route, usable)
 
-    def _settle(self, session_id: str, home: Upstream) -> None:
-        self.forget_session(session_id)
-        self._affinity[session_id] = home
-        self._homes[home.url] += 1
-        if len(self._affinity) > _MAX_SESSIONS:
-            _, oldest = self._affinity.popitem(last=False)
-            self._homes[oldest.url] -= 1
+    def route(self, view: dict[str, Any], cache_salt: str | None) -> Route | None:
+        """What the policy needs to know of a request's prompt (its prefix keys, the blocks
+        it is predicted to start with, its size); None for a policy that reads none."""
+        if not self.policy.reads_prompt:
+            return None
+        keys = tuple(prefix_keys(view, cache_salt))
+        predicted = tuple(self.cache.predict(keys))
+        chars = keys[-1].chars if keys else 0
+        tokens = max(chars // CHARS_PER_TOKEN, len(predicted) * self.cache.block_size)
+        return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
 
-    def _overloaded(self, upstream: Upstream, usable: list[Upstream]) -> bool:
-        """More than load_guard_factor x the mean load of the *other* upstreams (the home
-        one must not dilute its own mean), and busy enough that moving is worth a cache miss."""
-        others = [u for u in usable if u is not upstream]
-        if not others or upstream.in_flight < _MIN_GUARDED_LOAD:
-            return False
-        mean_others = sum(u.in_flight for u in others) / len(others)
-        return upstream.in_flight > self.load_guard_factor * mean_others
+    def routed(self, route: Route | None, upstream: Upstream) -> None:
+        """The request went to `upstream`: its predicted blocks will be there."""
+        if route is not None and route.predicted:
+            self.cache.replica(upstream.url).add(route.predicted)
+
+    def learn(self, route: Route | None, url: str, digests: list[str]) -> None:
+        """The engine at `url` reported the prompt's blocks: it holds them now, and a later
+        prompt that starts like this one will start with them."""
+        if route is not None:
+            self.cache.learn(route.keys, digests)
+            self.cache.replica(url).add(digests)
+
+    def expected_work(self, route: Route | None, upstream: Upstream) -> int:
+        """Prompt tokens the request would compute on this upstream (the part of its
+        predicted start the replica does not hold)."""
+        if route is None:
+            return 0
+        return max(route.prompt_tokens - int(self.cache.replica(upstream.url).hit_tokens(route.predicted)), 0)
 
     def knows_no(self, model: str) -> bool:
         """True when every upstream has listed its models and none lists this one."""
@@ -107,6 +121,4 @@ class UpstreamPool:
         return sum(1 for u in self.upstreams if u.available(now))
 
     def forget_session(self, session_id: str) -> None:
-        home = self._affinity.pop(session_id, None)
-        if home is not None:
-            self._homes[home.url] -= 1
+        self.homes.forget(session_id)

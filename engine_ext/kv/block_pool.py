@@ -46,6 +46,11 @@ class BlockPool:
     def num_cached(self) -> int:
         return len(self._cached)
 
+    def cached_hashes(self) -> list[bytes]:
+        """Hashes of every block that can serve a prefix hit now, in use or evictable.
+        Safe from another thread: copying a dict of bytes keys runs under the GIL."""
+        return list(self._cached)
+
     def lookup(self, block_hash: bytes) -> Block | None:
         block_id = self._cached.get(block_hash)
         return None if block_id is None else self.blocks[block_id]

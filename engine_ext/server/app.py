@@ -23,6 +23,7 @@ from engine_ext.server.service import CompletionService
 from engine_ext.server.tracing import engine_tracer
 from engine_ext.tools.formats.generic import AutoPolicy
 from kvrelay.wire.errors import error_responses
+from kvrelay.wire.cache_report import CACHE_PATH, CacheReport, digests
 from kvrelay.wire.reports import FIDELITY_PATH, FidelityPage
 
 _DISCONNECT_POLL_S = 0.2
@@ -98,6 +99,15 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
         probes = service.engine.probes
         results, next_seq = probes.results_after(after, limit)
         return FidelityPage(results=results, next=next_seq, counters=probes.counters())
+
+    @app.get(CACHE_PATH)
+    async def cache(service: Service) -> CacheReport:
+        """The blocks this engine holds (their digests), for the gateway's cache-aware
+        routing: what a client could learn here it could learn from its own hits' timing
+        too, and every digest is keyed by its tenant's salted root."""
+        engine = service.engine.engine
+        device, lower = engine.resident_blocks()
+        return CacheReport(block_size=engine.config.block_size, device=digests(device), lower=digests(lower))
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:

@@ -39,6 +39,7 @@ from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
 from engine_ext.timeline import Timeline, breakdown
 from engine_ext.request import EngineRequest
+from kvrelay.wire.cache_report import BLOCKS_KEY, digests
 from kvrelay.wire.reports import REUSE_KEY, TTFT_KEY, wants_breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -315,6 +316,9 @@ class CompletionService:
             # Priced in the engine thread at the prompt's first step (its timeline's baseline).
             if (ttft := breakdown(last.timeline, last.num_prompt_tokens)) is not None:
                 params[TTFT_KEY] = ttft.to_json()
+        if wants_breakdown(headers) and last.prompt_blocks:
+            params = params if params is not None else {}
+            params[BLOCKS_KEY] = digests(last.prompt_blocks)  # for the gateway's cache-aware routing
         return params
 
     def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:

@@ -41,6 +41,11 @@ class BlockTier:
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self._ready or block_hash in self._pending
 
+    def ready_hashes(self) -> list[bytes]:
+        """Hashes of the blocks ready to be read back (safe from another thread, as
+        BlockPool.cached_hashes)."""
+        return list(self._ready)
+
     def lookup(self, block_hash: bytes) -> int | None:
         """The slot of a ready block, or None."""
         return self._ready.get(block_hash)

@@ -212,8 +212,7 @@ def test_all_requests_of_a_round_go_to_the_same_upstream_even_under_load(fake_up
     home = gw.pool.upstreams[0]
     home.in_flight = 50  # looks overloaded: a plain session request would move off it
     try:
-        gw.pool.candidates("fake", "town")  # make it the session's home
-        gw.pool._affinity["town"] = home
+        gw.pool.homes.settle("town", home)  # make it the session's home
         assert gw.pool.candidates("fake", "town", hold=True)[0] is home
         assert gw.pool.candidates("fake", "town")[0] is not home
     finally:

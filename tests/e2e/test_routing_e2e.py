@@ -1,0 +1,93 @@
+"""Cache-aware routing end to end: gateway -> two embedded engines (tiny random Llama).
+
+Each engine reports the blocks it holds (GET /v1/kvrelay/cache) and each prompt's blocks
+(in its response); the gateway polls the one and learns from the other. A second
+session whose prompt starts like the first one's goes where those blocks are and hits
+them, where session affinity alone sends it to the idle replica to compute them again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.wire.cache_report import BLOCKS_KEY, CACHE_PATH, CacheReport
+from tests.gateway.support import wait_until
+from tests.helpers import make_engine
+
+MODEL = "tiny-llama"
+SYSTEM = "You are one reviewer of a long shared document. " * 12
+
+
+@pytest.fixture(scope="module")
+def replicas(llama_dir, run_server):
+    with run_server(make_engine(llama_dir, num_blocks=128, name=MODEL), MODEL) as a, \
+            run_server(make_engine(llama_dir, num_blocks=128, name=MODEL), MODEL) as b:
+        yield a, b
+
+
+def _ask(http, session: str, question: str) -> dict:
+    body = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}
+    response = http.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _reset(replicas) -> None:
+    for srv in replicas:
+        srv.llm.kv.pool.reset_cache()
+
+
+def _reported(gw, urls) -> bool:
+    return all(len(gw.pool.cache.replica(u)) > 0 for u in urls)
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "session"])
+def test_a_second_session_goes_where_its_prefix_is_only_under_cache_aware_routing(replicas, start_gateway,
+                                                                                  policy):
+    _reset(replicas)
+    urls = [srv.base_url for srv in replicas]
+    gw = start_gateway(urls, routing={"policy": policy, "cache_poll_interval_s": 0.05})
+    with gw.client(timeout=60) as http:
+        first = _ask(http, "s1", "Is the first section sound?")
+        assert BLOCKS_KEY not in (first.get("kv_transfer_params") or {})  # the client never sees them
+        home = gw.rows(1)[-1].upstream
+        if policy == "cache_aware":
+            assert wait_until(lambda: _reported(gw, [home]), timeout=10)
+        second = _ask(http, "s2", "And the second one?")
+        there = gw.rows(2)[-1].upstream
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    if policy == "cache_aware":
+        assert there == home and cached >= 96, (there, home, cached)
+    else:
+        assert there != home and cached == 0  # a new session goes to the idle replica
+
+
+def test_an_engine_reports_the_blocks_it_holds_and_each_prompts_blocks(replicas, start_gateway):
+    srv = replicas[0]
+    _reset(replicas)
+    import httpx
+
+    with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        assert CacheReport.read(http.get(CACHE_PATH).json()).device == []
+        body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": SYSTEM}]}
+        answer = http.post("/v1/chat/completions", json=body, headers={"x-kvrelay-ttft": "1"}).json()
+        blocks = answer["kv_transfer_params"][BLOCKS_KEY]
+        assert len(blocks) == answer["usage"]["prompt_tokens"] // 16
+        report = CacheReport.read(http.get(CACHE_PATH).json())
+        assert report.block_size == 16 and set(blocks) <= set(report.device)
+        plain = http.post("/v1/chat/completions", json=body).json()  # a plain client gets no digests
+        assert BLOCKS_KEY not in (plain.get("kv_transfer_params") or {})
+
+
+def test_an_upstream_without_reports_is_routed_by_what_the_gateway_sent_it(replicas, fake_upstream,
+                                                                            start_gateway):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url, replicas[0].base_url], routing={"policy": "cache_aware",
+                                                                 "cache_poll_interval_s": 0.05})
+    with gw.client(timeout=60) as http:
+        for i in range(3):
+            response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+                {"role": "user", "content": f"hello {i}"}]}, headers={"x-session-id": f"s{i}"})
+            assert response.status_code == 200, response.text
+        assert http.get("/ready").status_code == 200  # the poll loop is alive, 404s and all

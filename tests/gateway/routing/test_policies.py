@@ -1,0 +1,115 @@
+"""Routing policies over the same upstreams: what each puts first, and why."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from gateway.routing.policies import POLICIES, Route
+from gateway.routing.prefix_keys import PrefixKey
+from gateway.settings import Breaker, RoutingPolicyName, RoutingSettings
+from gateway.upstreams import UpstreamPool
+from kvrelay.wire.cache_report import CacheReport
+
+URLS = ["http://a", "http://b", "http://c"]
+BLOCKS = tuple(f"{i:016x}" for i in range(40))
+
+
+def pool(policy: str, n: int = 3, **routing) -> UpstreamPool:
+    return UpstreamPool(URLS[:n], Breaker(), 2.0, RoutingSettings(policy=policy, **routing))
+
+
+def first(p: UpstreamPool, route: Route | None = None, session: str | None = None, hold: bool = False) -> str:
+    return p.candidates("m", session, hold, route)[0].url
+
+
+def test_every_policy_name_is_registered():
+    assert set(POLICIES) == set(typing.get_args(RoutingPolicyName))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_policy_orders_every_usable_upstream_once(policy):
+    p = pool(policy)
+    p.upstreams[1].healthy = False
+    route = Route(None, keys=(PrefixKey(b"k" * 16, 10),), prompt_tokens=10)
+    order = p.candidates("m", "s", False, route)
+    assert sorted(u.url for u in order) == ["http://a", "http://c"]
+
+
+def test_round_robin_takes_turns_whatever_the_load():
+    p = pool("round_robin")
+    p.upstreams[0].in_flight = 9
+    assert [first(p) for _ in range(4)] == ["http://a", "http://b", "http://c", "http://a"]
+
+
+def test_least_loaded_ignores_sessions():
+    p = pool("least_loaded")
+    p.upstreams[0].in_flight, p.upstreams[1].in_flight = 3, 1
+    assert first(p, session="s") == "http://c"
+    p.upstreams[2].in_flight = 5
+    assert first(p, session="s") == "http://b"
+
+
+def test_prefix_hash_sends_a_prompt_head_to_one_upstream_and_moves_only_that_head_when_it_leaves():
+    p = pool("prefix_hash")
+    heads = [Route(None, keys=(PrefixKey(bytes([i]) * 16, 2000),)) for i in range(30)]
+    placed = {i: first(p, r) for i, r in enumerate(heads)}
+    assert len(set(placed.values())) == 3  # thirty heads spread over all three
+    assert {first(p, r) for r in heads} == set(placed.values()) and all(first(p, heads[i]) == u
+                                                                       for i, u in placed.items())
+    p.upstreams[1].healthy = False
+    moved = [i for i, r in enumerate(heads) if first(p, r) != placed[i]]
+    assert moved and all(placed[i] == "http://b" for i in moved)
+
+
+def test_cache_aware_sends_a_prompt_where_its_blocks_are():
+    p = pool("cache_aware")
+    p.cache.replace("http://c", CacheReport(block_size=16, device=list(BLOCKS[:30])))
+    route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16)
+    assert first(p, route, session="s1") == "http://c"
+    assert p.homes.get("s1").url == "http://c"  # and the session lives there now
+
+
+def test_cache_aware_leaves_a_replica_whose_queue_costs_more_than_its_cache_saves():
+    p = pool("cache_aware")
+    p.cache.replace("http://c", CacheReport(block_size=16, device=list(BLOCKS[:30])))
+    route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16)
+    c = p.upstreams[2]
+    c.in_flight, c.in_flight_tokens = 1, 100  # 256 decode + 100: less than the 480 tokens it saves
+    assert first(p, route) == "http://c"
+    c.in_flight, c.in_flight_tokens = 4, 400
+    assert first(p, route) != "http://c"
+
+
+def test_cache_aware_without_a_hit_keeps_the_session_home_and_spreads_new_sessions():
+    p = pool("cache_aware", n=2)
+    route = Route(None, predicted=(), prompt_tokens=300)
+    assert first(p, route, session="s1") == "http://a"
+    assert first(p, route, session="s2") == "http://b"  # equal load: the upstream home to fewer sessions
+    p.upstreams[0].in_flight = 1
+    assert first(p, route, session="s1") == "http://a"  # a miss everywhere: stay where its KV is
+
+
+def test_cache_aware_keeps_a_round_home_even_where_another_replica_holds_more():
+    p = pool("cache_aware", n=2)
+    p.homes.settle("town", p.upstreams[0])
+    p.cache.replace("http://b", CacheReport(block_size=16, device=list(BLOCKS)))
+    route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16)
+    assert first(p, route, session="town", hold=True) == "http://a"
+    assert first(p, route, session="town") == "http://b"
+
+
+def test_the_pool_routes_learns_and_counts_work_through_the_policy():
+    p = pool("cache_aware", n=2)
+    view = {"model": "m", "messages": [{"role": "system", "content": "S" * 400}, {"role": "user", "content": "q"}]}
+    route = p.route(view, "salt")
+    assert route is not None and route.predicted == () and route.prompt_tokens > 100
+    p.learn(route, "http://b", list(BLOCKS[:8]))
+    later = p.route({**view, "messages": view["messages"] + [{"role": "user", "content": "more"}]}, "salt")
+    assert later.predicted == BLOCKS[:8]
+    assert first(p, later) == "http://b"
+    assert p.expected_work(later, p.upstreams[1]) == max(later.prompt_tokens - 8 * 16, 0)
+    assert p.expected_work(later, p.upstreams[0]) == later.prompt_tokens
+    assert p.route(view, "another tenant").predicted == ()
+    assert pool("session").route(view, None) is None  # the default policy reads no prompt
