@@ -17,6 +17,7 @@ from benchmarks.common import report as write_report  # not `report`: that name 
 
 BENCHMARKS: dict[str, str] = {
     "agents": "benchmarks.agents",
+    "cluster": "benchmarks.cluster",
     "collective": "benchmarks.collective",
     "dtype": "benchmarks.dtype",
     "engine": "benchmarks.engine",

@@ -20,8 +20,10 @@ CLI = [sys.executable, "-c", "import sys; from kvrelay.cli import main; sys.argv
 class Service:
     """One CLI process (engine or gateway) on a loopback port."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.wrapper = wrapper  # a command the CLI runs under (`taskset -c 0`)
         self.port = free_port()
         self.args = [*args, "--port", str(self.port)]
         self.env = {**os.environ, **env}
@@ -34,7 +36,7 @@ class Service:
 
     def start(self, timeout: float = 120.0) -> Service:
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen([*CLI, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen([*self.wrapper, *CLI, *self.args], env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         deadline = time.monotonic() + timeout
         while True:

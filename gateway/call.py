@@ -348,6 +348,7 @@ class ProxiedCall:
                     info = inspect(event)
                     if info.has_content and self.record.first_token_at is None:
                         self._mark_first_token()
+                        dispatch.occupancy.prefilled()
                     if info.text:
                         self._completion.append(info.text)
                     self._tool_call_ids += info.tool_call_ids

@@ -82,10 +82,31 @@ class UpstreamResponse:
             self._raw.close()
 
 
+class Occupancy:
+    """A request's share of an upstream's load: counted in `in_flight`, and its prompt
+    tokens to compute (`prefill_tokens`) in `in_flight_tokens` until its first token,
+    when the prefill is done and only decoding is left (what cache-aware routing weighs)."""
+
+    def __init__(self, upstream: Upstream, prefill_tokens: int) -> None:
+        self.upstream = upstream
+        self.prefill_tokens = prefill_tokens
+        upstream.in_flight += 1
+        upstream.in_flight_tokens += prefill_tokens
+
+    def prefilled(self) -> None:
+        self.upstream.in_flight_tokens -= self.prefill_tokens
+        self.prefill_tokens = 0
+
+    def release(self) -> None:
+        self.prefilled()
+        self.upstream.in_flight -= 1
+
+
 class Dispatch(NamedTuple):
     upstream: Upstream
     response: UpstreamResponse
     sent_at: float  # perf_counter when the request went out
+    occupancy: Occupancy
 
 
 def build_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
@@ -118,21 +139,20 @@ class UpstreamClient:
         last_error = "no attempt"
         for attempt in range(self.settings.retries + 1):
             upstream = candidates[attempt % len(candidates)]
-            work = self.pool.expected_work(route, upstream)
-            _occupy(upstream, work)
+            occupancy = Occupancy(upstream, self.pool.expected_work(route, upstream))
             try:
                 response = await self._send(upstream, path, body, headers)
             except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
-                _release(upstream, work)
+                occupancy.release()
                 last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
                 _failed(upstream, last_error)
                 continue
             except BaseException:
-                _release(upstream, work)
+                occupancy.release()
                 raise
             if response.status in _RETRYABLE_STATUS:
                 response.close()
-                _release(upstream, work)
+                occupancy.release()
                 last_error = f"{upstream.url}: HTTP {response.status}"
                 _failed(upstream, last_error)
                 continue
@@ -142,9 +162,9 @@ class UpstreamClient:
                 upstream.record_success()
             self.pool.routed(route, upstream)
             try:
-                yield Dispatch(upstream, response, time.perf_counter())
+                yield Dispatch(upstream, response, time.perf_counter(), occupancy)
             finally:
-                _release(upstream, work)
+                occupancy.release()
                 response.close()
             return
         raise UpstreamUnreachableError(f"no upstream accepted the request ({last_error})")
@@ -198,13 +218,3 @@ def _failed(upstream: Upstream, why: str) -> None:
     if upstream.record_failure(time.monotonic()):
         logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
                        upstream.url, upstream.consecutive_failures, why)
-
-
-def _occupy(upstream: Upstream, work: int) -> None:
-    upstream.in_flight += 1
-    upstream.in_flight_tokens += work
-
-
-def _release(upstream: Upstream, work: int) -> None:
-    upstream.in_flight -= 1
-    upstream.in_flight_tokens -= work

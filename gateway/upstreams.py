@@ -29,7 +29,7 @@ class Upstream:
     breaker: Breaker
     healthy: bool = True
     in_flight: int = 0
-    in_flight_tokens: int = 0  # prompt tokens the requests in flight compute here (estimated)
+    in_flight_tokens: int = 0  # prompt tokens the requests in flight still compute here (estimated)
     consecutive_failures: int = 0
     open_until: float = 0.0  # circuit open (no traffic) until this monotonic time
     models: frozenset[str] = field(default_factory=frozenset)

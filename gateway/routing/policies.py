@@ -15,9 +15,12 @@ size). Registered by name in `POLICIES`; `routing.policy` picks one.
   consistent hashing): prompts that start alike land together, regardless of load.
 - `cache_aware`: kvrelay's. The cost of sending a request to an upstream is the prompt
   tokens it would compute there (those not among the blocks the replica holds) plus
-  `load_weight` x the work already in flight there (its requests' computed prompt tokens
-  and `decode_tokens` for each). The cheapest wins; a request that would hit nowhere
-  goes to its session's home, as `session` would send it. Requests of a round go home.
+  `load_weight` x the work already in flight there (the prompt tokens its requests have
+  still to compute, and `decode_tokens` for each; gateway/settings.py says why). The
+  cheapest wins; a request that would hit nowhere goes to its session's home, as
+  `session` would send it, and so does one whose hits cover less than `min_hit_share`
+  of its prompt anywhere (SGLang's cache-aware router has the same threshold). Requests
+  of a round go home.
 """
 
 from __future__ import annotations
@@ -161,28 +164,36 @@ class CacheAware(RoutingPolicy):
     reads_prompt = True
 
     def __init__(self, homes: SessionHomes, load_guard_factor: float, cache: CacheMap, load_weight: float = 1.0,
-                 decode_tokens: int = 256) -> None:
+                 decode_tokens: int = 8, min_hit_share: float = 0.5) -> None:
         super().__init__(homes, load_guard_factor)
         self.cache = cache
         self.load_weight = load_weight
         self.decode_tokens = decode_tokens
+        self.min_hit_share = min_hit_share
 
     def order(self, route: Route, usable: list[Upstream]) -> list[Upstream]:
         home = self._session_home(route, usable)
         if route.hold and home is not None:
             return self._first(home, usable)
         hits = {u.url: self.cache.replica(u.url).hit_tokens(route.predicted) for u in usable}
-        if home is not None and not any(hits.values()):
-            return self._first(home, usable)
-        costs = {u.url: self.cost(u, route.prompt_tokens, hits[u.url]) for u in usable}
+        # Only a hit covering much of the prompt is worth following: a small one (an app's
+        # short persona) would gather the sessions of one app on one replica, whatever
+        # their size, where spreading sessions keeps the replicas' work even.
+        floor = self.min_hit_share * route.prompt_tokens
+        worth = [u for u in usable if hits[u.url] > 0 and hits[u.url] >= floor]
+        fallback = home if home is not None else min(usable, key=lambda u: u.in_flight)  # where `session` sends it
+        if not worth:
+            return self._first(fallback, usable)
+        contenders = worth if fallback in worth else [*worth, fallback]
+        costs = {u.url: self.cost(u, route.prompt_tokens, hits[u.url]) for u in contenders}
         # Ties go home, then to the upstream home to fewer sessions.
-        ranked = sorted(usable, key=lambda u: (costs[u.url], u is not home, self.homes.counts[u.url]))
+        best = min(contenders, key=lambda u: (costs[u.url], u is not home, self.homes.counts[u.url]))
         if route.session_id is not None:
-            self.homes.settle(route.session_id, ranked[0])
-        return ranked
+            self.homes.settle(route.session_id, best)
+        return self._first(best, usable)
 
     def cost(self, upstream: Upstream, prompt_tokens: int, hit_tokens: float) -> float:
-        """Prompt tokens to compute there, plus the weighted work already in flight there."""
+        """Prompt tokens to compute there, plus the weighted work still in flight there."""
         queued = upstream.in_flight_tokens + upstream.in_flight * self.decode_tokens
         return max(prompt_tokens - hit_tokens, 1.0) + self.load_weight * queued
 
@@ -194,5 +205,6 @@ POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (SessionAffinity,
 def build_policy(settings: RoutingSettings, homes: SessionHomes, load_guard_factor: float,
                  cache: CacheMap) -> RoutingPolicy:
     if settings.policy == CacheAware.name:
-        return CacheAware(homes, load_guard_factor, cache, settings.load_weight, settings.decode_tokens)
+        return CacheAware(homes, load_guard_factor, cache, settings.load_weight, settings.decode_tokens,
+                          settings.min_hit_share)
     return POLICIES[settings.policy](homes, load_guard_factor)

@@ -76,9 +76,9 @@ def test_cache_aware_leaves_a_replica_whose_queue_costs_more_than_its_cache_save
     p.cache.replace("http://c", CacheReport(block_size=16, device=list(BLOCKS[:30])))
     route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16)
     c = p.upstreams[2]
-    c.in_flight, c.in_flight_tokens = 1, 100  # 256 decode + 100: less than the 480 tokens it saves
+    c.in_flight, c.in_flight_tokens = 4, 400  # 4 x 8 decode + 400: less than the 480 tokens it saves
     assert first(p, route) == "http://c"
-    c.in_flight, c.in_flight_tokens = 4, 400
+    c.in_flight, c.in_flight_tokens = 5, 600
     assert first(p, route) != "http://c"
 
 
@@ -113,3 +113,22 @@ def test_the_pool_routes_learns_and_counts_work_through_the_policy():
     assert p.expected_work(later, p.upstreams[0]) == later.prompt_tokens
     assert p.route(view, "another tenant").predicted == ()
     assert pool("session").route(view, None) is None  # the default policy reads no prompt
+
+
+def test_cache_aware_does_not_gather_sessions_on_a_small_shared_hit():
+    """Two sessions of one app share a short persona: following it would put every session
+    of the app on one replica, whatever their size; they spread as `session` spreads them."""
+    p = pool("cache_aware", n=2)
+    p.cache.replace("http://a", CacheReport(block_size=16, device=list(BLOCKS[:2])))
+    small = Route(None, predicted=BLOCKS, prompt_tokens=400)  # 32 of 400 tokens held on a
+    assert first(p, small, session="s1") == "http://a"  # the least loaded, home to none
+    assert first(p, small, session="s2") == "http://b"  # not gathered on a
+    large = Route(None, predicted=BLOCKS[:2], prompt_tokens=40)  # 32 of 40 tokens held on a
+    assert first(p, large, session="s3") == "http://a"
+    assert p.homes.get("s3").url == "http://a"
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.5])
+def test_min_hit_share_is_a_fraction(share):
+    with pytest.raises(ValueError):
+        RoutingSettings(min_hit_share=share)

@@ -1,0 +1,169 @@
+"""`kvrelay bench cluster`: routing across engine replicas, on the product path.
+
+Two embedded engines, one core each (`taskset`, one thread), behind one gateway; only
+the gateway's routing policy changes between stacks (`routing.policy`):
+`round_robin`, `least_loaded` (LiteLLM's least-busy), `prefix_hash` (vllm-router's and
+SGLang's consistent hashing of the prompt head), `session` (session affinity, the
+gateway's default) and `cache_aware` (kvrelay's: the replicas' reported blocks against
+their load, gateway/routing/policies.py). Every stack starts cold, with the engines'
+defaults and a KV budget per replica that holds a quarter of the level's working set
+(the cluster holds half), so which replica holds what decides what is recomputed.
+
+The captured agent traffic (tests/data/agents, the short family: several sessions of
+each app, whose agents share their app's fixed prompts) is replayed with N sessions at
+once (8 and 32; the quick run: 8 sessions of four apps, 16-token answers). Prompts are
+rendered once by a live warm-up replay and then sent as they are to every stack, so
+every policy serves the same prompts and greedy answers can be compared. Each policy
+is replayed twice, the second time in the reverse order of policies, and its two
+replays are pooled.
+
+Metrics: per policy the share of prompt tokens served from cache (`hit_rate_*`) and the
+TTFT p50; `hit_rate_ratio_vs_best` (kvrelay / the best baseline's) and
+`ttft_p50_ratio_vs_best` (the best baseline's / kvrelay's: above 1, kvrelay is faster),
+at the largest level run; `greedy_match_min`: every policy's answers against the first.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from benchmarks.agents.bench import Cell, Prompts, interleaved, quick_subset, working_set
+from benchmarks.agents.replay import Replay
+from benchmarks.agents.stacks import MODEL, warm
+from benchmarks.agents.workload import load_all
+from benchmarks.common import BenchResult
+from benchmarks.stack import Service, kv_bytes_per_token
+from engine_ext.model_store import resolve_model
+
+POLICIES = ("cache_aware", "session", "round_robin", "least_loaded", "prefix_hash")
+BASELINES = ("round_robin", "least_loaded", "prefix_hash")  # what users run instead
+KVRELAY = "cache_aware"
+QUICK_RUNS = {"kvcomm_team": 2, "village_sep": 2, "autogen_roundrobin": 2, "langgraph_pipeline": 2}
+QUICK_MAX_TOKENS = 16
+FULL_LEVELS = (8, 32)
+NUM_REPLICAS = 2
+ADMIN_KEY = "bench-cluster-admin-key-0123456789"
+
+
+class ClusterBench:
+    def __init__(self, quick: bool, model: str | None, log_dir: Path) -> None:
+        self.quick = quick
+        self.model_dir = resolve_model(model)
+        self.log_dir = log_dir
+        workloads = load_all(names=list(QUICK_RUNS)) if quick else load_all()
+        self.runs = interleaved(quick_subset(workloads, QUICK_RUNS) if quick else workloads)
+        self.levels = (len(self.runs),) if quick else FULL_LEVELS
+        self.metrics: dict[str, float] = {}
+        self.rows: list[tuple[str, str, str, str]] = []
+        self._t0 = time.monotonic()
+
+    def run(self) -> BenchResult:
+        for level in self.levels:
+            self._level(level)
+        top = max(self.levels)
+        for name in ("hit_rate_ratio_vs_best", "ttft_p50_ratio_vs_best", "ttft_p50_ratio_vs_session"):
+            self.metrics[name] = self.metrics[f"{name}_{top}"]
+        self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items() if k.startswith("greedy_match_"))
+        config = {"quick": self.quick, "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
+                  "baselines": BASELINES, "sessions": len(self.runs),
+                  "requests": sum(len(r.requests) for r in self.runs),
+                  "max_tokens": QUICK_MAX_TOKENS if self.quick else None, "model": str(self.model_dir)}
+        return BenchResult("cluster", self.metrics, config, self.rows,
+                           ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
+
+    def _level(self, level: int) -> None:
+        budget = working_set(self.runs, level, {})
+        per_replica = max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
+        self._progress(f"{level} sessions at once: {per_replica} KV tokens per replica")
+        with self._cluster("least_loaded", per_replica) as url:  # the live render, a warm-up
+            rendered = self._replay(url, level, None)
+        prompts: Prompts = {k: (o.body, o.quotes) for k, o in rendered.outcomes.items()}
+        cells: dict[str, Cell] = {}
+        for policy in (*POLICIES, *reversed(POLICIES)):  # twice, in mirrored order: one replay is noisy
+            with self._cluster(policy, per_replica) as url:
+                c = self._replay(url, level, prompts)
+            self._progress(f"{policy}: TTFT p50 {c.ttft_ms(0.5):.0f} ms, hit rate {c.cached_fraction():.3f}, "
+                           f"{c.errors} errors")
+            cells[policy] = cells[policy].merged(c) if policy in cells else c
+        self._score(level, cells)
+
+    def _score(self, level: int, cells: dict[str, Cell]) -> None:
+        ours = cells[KVRELAY]
+        reference = cells[POLICIES[0]]
+        for policy, cell in cells.items():
+            self.metrics[f"hit_rate_{policy}_{level}"] = cell.cached_fraction()
+            self.metrics[f"ttft_p50_ms_{policy}_{level}"] = cell.ttft_ms(0.5)
+            self.metrics[f"makespan_s_{policy}_{level}"] = cell.makespan_s(self.runs)
+            self.metrics[f"errors_{policy}_{level}"] = float(cell.errors)
+            self.metrics[f"greedy_match_{policy}_{level}"] = cell.greedy_match(reference, same_prompt=True)
+        best_hit = max(cells[b].cached_fraction() for b in BASELINES)
+        best_ttft = min(cells[b].ttft_ms(0.5) for b in BASELINES)
+        self.metrics[f"hit_rate_ratio_vs_best_{level}"] = ours.cached_fraction() / best_hit if best_hit else float("inf")
+        self.metrics[f"ttft_p50_ratio_vs_best_{level}"] = best_ttft / ours.ttft_ms(0.5)
+        self.metrics[f"ttft_p50_ratio_vs_session_{level}"] = cells["session"].ttft_ms(0.5) / ours.ttft_ms(0.5)
+        for policy in POLICIES[1:]:
+            cell = cells[policy]
+            self.rows.append((f"{level} sessions: TTFT p50 ms, vs {policy}", f"{ours.ttft_ms(0.5):.0f}",
+                              f"{cell.ttft_ms(0.5):.0f}", f"{cell.ttft_ms(0.5) / ours.ttft_ms(0.5):.3f}"))
+            self.rows.append((f"{level} sessions: prompt share from cache, vs {policy}",
+                              f"{ours.cached_fraction():.3f}", f"{cell.cached_fraction():.3f}",
+                              f"{ours.cached_fraction() / cell.cached_fraction():.3f}" if cell.cached_fraction()
+                              else "-"))
+
+    def _replay(self, url: str, level: int, prompts: Prompts | None) -> Cell:
+        max_tokens = QUICK_MAX_TOKENS if self.quick else None
+        return Cell(Replay(url, MODEL, self.runs, level, prompts, max_tokens=max_tokens).run())
+
+    @contextmanager
+    def _cluster(self, policy: str, kv_tokens: int) -> Iterator[str]:
+        """Two engines on a core each and a gateway routing by `policy`; its URL."""
+        kv_mb = str(max(1, -(-kv_tokens * kv_bytes_per_token(str(self.model_dir)) // 2**20)))
+        secret = secrets.token_hex(16)
+        with ExitStack() as stack:
+            engines = []
+            for core in range(NUM_REPLICAS):
+                args = ["engine", "--model", str(self.model_dir), "--served-model-name", MODEL,
+                        "--kv-cache-mb", kv_mb, "--max-num-seqs", "64", "--log-level", "warning"]
+                env = {"KVRELAY_PLAN_SECRET": secret, "OMP_NUM_THREADS": "1"}
+                service = Service(f"{policy}-engine{core}", args, env, self.log_dir,
+                                  wrapper=("taskset", "-c", str(core % (os.cpu_count() or 1))))
+                engines.append(stack.enter_context(_running(service, 300)))
+            args = ["gateway", "--database-url", f"sqlite+aiosqlite:///{self.log_dir / policy}.sqlite",
+                    "--log-level", "warning"]
+            for engine in engines:
+                args += ["--upstream", engine.url]
+            env = {"KVRELAY_PLAN_SECRET": secret, "KVRELAY_ADMIN_KEY": ADMIN_KEY, "KVRELAY_HEALTH_INTERVAL_S": "0.5",
+                   "KVRELAY_ROUTING__POLICY": policy, "KVRELAY_ROUTING__CACHE_POLL_INTERVAL_S": "0.5"}
+            gateway = stack.enter_context(_running(Service(f"{policy}-gateway", args, env, self.log_dir), 120))
+            for engine in engines:
+                warm(engine.url)
+            yield gateway.url
+
+    def _progress(self, what: str) -> None:
+        print(f"[bench cluster +{time.monotonic() - self._t0:.0f}s] {what}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _running(service: Service, timeout: float) -> Iterator[Service]:
+    try:
+        service.start(timeout=timeout)
+    except RuntimeError as exc:
+        service.stop()
+        raise ValueError(f"bench cluster: {exc}") from exc
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+def run(quick: bool = False, model: str | None = None) -> BenchResult:
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-cluster-") as tmp:
+        return ClusterBench(quick, model, Path(tmp)).run()
+
