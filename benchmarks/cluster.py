@@ -11,11 +11,12 @@ defaults and a KV budget per replica that holds a quarter of the level's working
 
 The captured agent traffic (tests/data/agents, the short family: several sessions of
 each app, whose agents share their app's fixed prompts) is replayed with N sessions at
-once (8 and 32; the quick run: 8 sessions of four apps, 16-token answers). Prompts are
+once (8 and 32, all 36 sessions; the quick run: 8 sessions of four apps), answers cut to
+16 tokens. Prompts are
 rendered once by a live warm-up replay and then sent as they are to every stack, so
-every policy serves the same prompts and greedy answers can be compared. Each policy
-is replayed twice, the second time in the reverse order of policies, and its two
-replays are pooled.
+every policy serves the same prompts and greedy answers can be compared. In the quick
+run each policy is replayed twice, the second time in the reverse order of policies,
+and its two replays are pooled; the full run replays each once (283 requests).
 
 Metrics: per policy the share of prompt tokens served from cache (`hit_rate_*`) and the
 TTFT p50; `hit_rate_ratio_vs_best` (kvrelay / the best baseline's) and
@@ -47,8 +48,13 @@ BASELINES = ("round_robin", "least_loaded", "prefix_hash")  # what users run ins
 KVRELAY = "cache_aware"
 QUICK_RUNS = {"kvcomm_team": 2, "village_sep": 2, "autogen_roundrobin": 2, "langgraph_pipeline": 2}
 QUICK_MAX_TOKENS = 16
+# Answers are cut to this many tokens in the full run too: routing acts on prompts, and two
+# one-core replicas decode the captured answers of 36 sessions in hours, not minutes.
+FULL_MAX_TOKENS = 16
 FULL_LEVELS = (8, 32)
 NUM_REPLICAS = 2
+REPLAYS = 2  # the quick run's per policy; the second pass runs the policies in reverse order
+FULL_REPLAYS = 1  # the full run's: 283 requests per replay
 ADMIN_KEY = "bench-cluster-admin-key-0123456789"
 
 
@@ -74,7 +80,8 @@ class ClusterBench:
         config = {"quick": self.quick, "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
-                  "max_tokens": QUICK_MAX_TOKENS if self.quick else None, "model": str(self.model_dir)}
+                  "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
+                  "model": str(self.model_dir)}
         return BenchResult("cluster", self.metrics, config, self.rows,
                            ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
 
@@ -86,7 +93,9 @@ class ClusterBench:
             rendered = self._replay(url, level, None)
         prompts: Prompts = {k: (o.body, o.quotes) for k, o in rendered.outcomes.items()}
         cells: dict[str, Cell] = {}
-        for policy in (*POLICIES, *reversed(POLICIES)):  # twice, in mirrored order: one replay is noisy
+        replays = REPLAYS if self.quick else FULL_REPLAYS
+        passes = [POLICIES if i % 2 == 0 else tuple(reversed(POLICIES)) for i in range(replays)]
+        for policy in (p for order in passes for p in order):  # mirrored passes: one replay is noisy
             with self._cluster(policy, per_replica) as url:
                 c = self._replay(url, level, prompts)
             self._progress(f"{policy}: TTFT p50 {c.ttft_ms(0.5):.0f} ms, hit rate {c.cached_fraction():.3f}, "
@@ -118,8 +127,10 @@ class ClusterBench:
                               else "-"))
 
     def _replay(self, url: str, level: int, prompts: Prompts | None) -> Cell:
-        max_tokens = QUICK_MAX_TOKENS if self.quick else None
-        return Cell(Replay(url, MODEL, self.runs, level, prompts, max_tokens=max_tokens).run())
+        return Cell(Replay(url, MODEL, self.runs, level, prompts, max_tokens=self._max_tokens()).run())
+
+    def _max_tokens(self) -> int:
+        return QUICK_MAX_TOKENS if self.quick else FULL_MAX_TOKENS
 
     @contextmanager
     def _cluster(self, policy: str, kv_tokens: int) -> Iterator[str]:

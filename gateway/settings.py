@@ -62,7 +62,7 @@ class RoutingSettings(BaseModel):
     min_hit_share: Annotated[float, Field(ge=0, le=1)] = 0.5  # a smaller hit is not followed
     cache_poll_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     max_prompts: Annotated[int, Field(ge=1, le=10_000_000)] = 200_000  # prefix keys remembered
-    max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000  # per upstream that reports nothing
+    max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 200_000  # blocks or keys added between reports
 
 
 class InferenceSettings(BaseModel):

@@ -15,12 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.routing.cache_map import CacheMap
+from gateway.routing.cache_map import CHARS_PER_TOKEN, CacheMap
 from gateway.routing.policies import Route, SessionHomes, build_policy
 from gateway.routing.prefix_keys import prefix_keys
 from gateway.settings import Breaker, RoutingSettings
 
-CHARS_PER_TOKEN = 4  # a prompt's size in tokens, estimated without a tokenizer
 
 
 @dataclass
@@ -90,23 +89,23 @@ class UpstreamPool:
         return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
 
     def routed(self, route: Route | None, upstream: Upstream) -> None:
-        """The request went to `upstream`: its predicted blocks will be there."""
-        if route is not None and route.predicted:
-            self.cache.replica(upstream.url).add(route.predicted)
+        """The request went to `upstream`: its predicted blocks (and keys) will be there."""
+        if route is not None:
+            self.cache.routed(upstream.url, route.keys, route.predicted)
 
     def learn(self, route: Route | None, url: str, digests: list[str]) -> None:
         """The engine at `url` reported the prompt's blocks: it holds them now, and a later
         prompt that starts like this one will start with them."""
         if route is not None:
             self.cache.learn(route.keys, digests)
-            self.cache.replica(url).add(digests)
+            self.cache.replica(url).add(digests, reported=True)
 
     def expected_work(self, route: Route | None, upstream: Upstream) -> int:
         """Prompt tokens the request would compute on this upstream (the part of its
         predicted start the replica does not hold)."""
         if route is None:
             return 0
-        return max(route.prompt_tokens - int(self.cache.replica(upstream.url).hit_tokens(route.predicted)), 0)
+        return max(route.prompt_tokens - int(self.cache.hits(upstream.url, route.keys, route.predicted)), 0)
 
     def knows_no(self, model: str) -> bool:
         """True when every upstream has listed its models and none lists this one."""

@@ -19,8 +19,8 @@ size). Registered by name in `POLICIES`; `routing.policy` picks one.
   still to compute, and `decode_tokens` for each; gateway/settings.py says why). The
   cheapest wins; a request that would hit nowhere goes to its session's home, as
   `session` would send it, and so does one whose hits cover less than `min_hit_share`
-  of its prompt anywhere (SGLang's cache-aware router has the same threshold). Requests
-  of a round go home.
+  of its prompt anywhere (SGLang's cache-aware router has the same threshold) or only on
+  replicas past the load guard. Requests of a round go home.
 """
 
 from __future__ import annotations
@@ -175,12 +175,15 @@ class CacheAware(RoutingPolicy):
         home = self._session_home(route, usable)
         if route.hold and home is not None:
             return self._first(home, usable)
-        hits = {u.url: self.cache.replica(u.url).hit_tokens(route.predicted) for u in usable}
+        hits = {u.url: self.cache.hits(u.url, route.keys, route.predicted) for u in usable}
         # Only a hit covering much of the prompt is worth following: a small one (an app's
         # short persona) would gather the sessions of one app on one replica, whatever
         # their size, where spreading sessions keeps the replicas' work even.
         floor = self.min_hit_share * route.prompt_tokens
-        worth = [u for u in usable if hits[u.url] > 0 and hits[u.url] >= floor]
+        # Nor onto a replica the load guard would move a session off: a prefix many sessions
+        # share (an app's long instructions) is better computed again on another replica
+        # than followed onto one that is already carrying them all.
+        worth = [u for u in usable if hits[u.url] > 0 and hits[u.url] >= floor and not self._overloaded(u, usable)]
         fallback = home if home is not None else min(usable, key=lambda u: u.in_flight)  # where `session` sends it
         if not worth:
             return self._first(fallback, usable)

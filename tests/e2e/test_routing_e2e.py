@@ -63,6 +63,24 @@ def test_a_second_session_goes_where_its_prefix_is_only_under_cache_aware_routin
         assert there != home and cached == 0  # a new session goes to the idle replica
 
 
+def test_work_in_flight_is_counted_until_the_first_token_and_released(replicas, start_gateway):
+    """The load cache_aware weighs: a stream's prompt tokens count on its replica until its
+    first token, its slot until its end; nothing is left counted afterwards."""
+    gw = start_gateway([srv.base_url for srv in replicas], routing={"policy": "cache_aware"})
+    seen: list[tuple[int, int]] = []
+    with gw.client(timeout=60) as http:
+        body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count."}]}
+        with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "w"}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    seen.append(max((u.in_flight, u.in_flight_tokens) for u in gw.pool.upstreams))
+        _ask(http, "w", "And now?")
+    assert (1, 0) in seen  # in flight while it streams, its prompt done from the first token on
+    assert all((u.in_flight, u.in_flight_tokens) == (0, 0) for u in gw.pool.upstreams)
+
+
 def test_an_engine_reports_the_blocks_it_holds_and_each_prompts_blocks(replicas, start_gateway):
     srv = replicas[0]
     _reset(replicas)

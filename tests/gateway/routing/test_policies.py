@@ -75,10 +75,11 @@ def test_cache_aware_leaves_a_replica_whose_queue_costs_more_than_its_cache_save
     p = pool("cache_aware")
     p.cache.replace("http://c", CacheReport(block_size=16, device=list(BLOCKS[:30])))
     route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16)
-    c = p.upstreams[2]
-    c.in_flight, c.in_flight_tokens = 4, 400  # 4 x 8 decode + 400: less than the 480 tokens it saves
+    a, b, c = p.upstreams
+    a.in_flight = b.in_flight = 2  # busy enough that c's 4 is within the load guard
+    c.in_flight, c.in_flight_tokens = 4, 400  # 2 x 8 decode + 400 more: less than the 480 tokens it saves
     assert first(p, route) == "http://c"
-    c.in_flight, c.in_flight_tokens = 5, 600
+    c.in_flight_tokens = 600
     assert first(p, route) != "http://c"
 
 
@@ -132,3 +133,31 @@ def test_cache_aware_does_not_gather_sessions_on_a_small_shared_hit():
 def test_min_hit_share_is_a_fraction(share):
     with pytest.raises(ValueError):
         RoutingSettings(min_hit_share=share)
+
+
+def test_cache_aware_matches_replicas_without_reports_by_the_prompts_routed_there():
+    """vLLM reports no blocks: the gateway remembers the prefix keys it sent each replica."""
+    p = pool("cache_aware", n=2)
+    system = {"role": "system", "content": "A long shared tool manual. " * 60}
+    view = {"model": "m", "messages": [system, {"role": "user", "content": "first"}]}
+    route = p.route(view, None)
+    assert route.predicted == ()  # nothing reported anywhere
+    chosen = p.candidates("m", "s1", False, route)[0]
+    p.routed(route, chosen)
+    other = p.route({**view, "messages": [system, {"role": "user", "content": "second"}]}, None)
+    assert p.cache.hits(chosen.url, other.keys, other.predicted) >= 0.9 * other.prompt_tokens
+    assert p.candidates("m", "s2", False, other)[0] is chosen  # a new session, where its prefix went
+    assert p.cache.hits(chosen.url, other.keys[1:], ()) == 0  # a prefix never routed there: no hit
+
+
+def test_cache_aware_does_not_follow_a_hit_onto_an_overloaded_replica():
+    """A prefix every session of an app shares (long instructions) would pull them all onto
+    the replica that computed it first; past the load guard, the prompt goes elsewhere."""
+    p = pool("cache_aware", n=2)
+    p.cache.replace("http://a", CacheReport(block_size=16, device=list(BLOCKS)))
+    route = Route(None, predicted=BLOCKS, prompt_tokens=len(BLOCKS) * 16 + 10)
+    a, b = p.upstreams
+    a.in_flight, b.in_flight = 4, 1  # 4 > 2.0 x 1: overloaded
+    assert first(p, route, session="new") == "http://b"
+    b.in_flight = 2  # 4 is not above 2.0 x 2
+    assert first(p, route, session="newer") == "http://a"
