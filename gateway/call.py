@@ -100,6 +100,10 @@ class ProxiedCall:
         self._charge: Charge | None = None
         self._app_id: str | None = None
         self._round: RoundInfo | None = None
+        # Keep the request on its round's replica past the load guard: only when it places
+        # other agents' KV (an approximate method), which its round shares only there. An
+        # exact round's members share nothing but prefix hits, which routing weighs anyway.
+        self._holds_round = False
         self._probe: tuple[str, str, str] | None = None  # (tenant, app, method) of a probed request
         self._client_salt: str | None = None  # the client's cache_salt: mixed into its tenant's, never sent
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
@@ -137,7 +141,7 @@ class ProxiedCall:
                 await self.state.round_hold.wait(self._round)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
                 self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id,
-                hold=self._round is not None, route=self._route))
+                hold=self._holds_round, route=self._route))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
@@ -242,6 +246,7 @@ class ProxiedCall:
             method = approx.method_for(choice, tenant, ident.app_id, plan.agent_id, self.record.model or "")
             if method is not None:  # a sampled share is scored again by the engine (gateway/fidelity_guard.py)
                 plan = Approximation.apply(plan, method, approx.wants_probe(tenant, ident.app_id, method))
+                self._holds_round = plan.round is not None
                 self.record.plan = plan.model_dump_json()  # the record says which method ran
                 if plan.probe:
                     self._probe = (tenant, ident.app_id, method)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
+import pytest
 
 from kvrelay.wire.plan import SegmentPlan, read_plan
 
@@ -217,6 +220,59 @@ def test_all_requests_of_a_round_go_to_the_same_upstream_even_under_load(fake_up
         assert gw.pool.candidates("fake", "town")[0] is not home
     finally:
         home.in_flight = 0
+
+
+class _Pair:
+    """Two fake upstreams seen as one by `_all_gather`: the same answers from both, and
+    `received` is the one that got the latest request."""
+
+    def __init__(self, fakes, after_first_round) -> None:
+        self.fakes = fakes
+        self.behaviour = self
+        self._seen = [0, 0]
+        self._after_first_round = after_first_round
+
+    @property
+    def pieces(self):
+        return self.fakes[0].behaviour.pieces
+
+    @pieces.setter
+    def pieces(self, value) -> None:
+        for fake in self.fakes:
+            fake.behaviour.pieces = value
+
+    @property
+    def received(self):
+        grew = next(i for i, f in enumerate(self.fakes) if len(f.received) > self._seen[i])
+        self._seen[grew] = len(self.fakes[grew].received)
+        if sum(self._seen) == 3:  # the first round (no round yet: nobody has read anybody) is done
+            self._after_first_round()
+        return self.fakes[grew].received
+
+
+@pytest.mark.parametrize("opted_in", [True, False])
+def test_only_an_approximate_round_is_held_on_an_overloaded_home(fake_upstream, start_gateway, opted_in):
+    """Placed answers and collective prefill share KV only on the round's replica, so an
+    opted-in round stays there past the load guard; an exact round shares nothing beyond
+    prefix hits, and goes where the load guard sends it."""
+    fakes = [fake_upstream(), fake_upstream()]
+    rules = {"rules": [{"method": "blend"}]} if opted_in else {}
+    gw = start_gateway([f.url for f in fakes], approximation=rules)
+    home, other = gw.pool.upstreams
+    gw.pool.homes.settle("town", home)
+
+    def overload() -> None:
+        home.in_flight = 50  # from the second day on, the town's home looks overloaded
+
+    try:
+        _all_gather(gw, _Pair(fakes, overload), "<TTSEP>")
+    finally:
+        home.in_flight = 0
+    rows = gw.rows(9)
+    plans = [json.loads(r.plan) for r in rows]
+    assert [bool(p.get("round")) for p in plans] == [False] * 3 + [True] * 6
+    assert {r.upstream for r in rows[:3]} == {home.url}
+    assert {r.upstream for r in rows[3:]} == ({home.url} if opted_in else {other.url})
 
 
 def test_the_step_graph_of_a_sequential_loop(fake_upstream, start_gateway):
