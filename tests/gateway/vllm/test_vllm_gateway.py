@@ -30,8 +30,10 @@ def gw(vllm_replicas, start_gateway):
     return start_gateway([r.url for r in vllm_replicas], timeouts=VLLM_TIMEOUTS)
 
 
-def _client(gw, session: str | None = None) -> openai.OpenAI:
+def _client(gw, session: str | None = None, reuse: str | None = None) -> openai.OpenAI:
     headers = {"x-kvrelay-session-id": session} if session else {}
+    if reuse is not None:
+        headers["x-kvrelay-reuse"] = reuse
     return openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=120, default_headers=headers)
 
 
@@ -104,15 +106,17 @@ def _peak_overlap(rows) -> int:
     return max(itertools.accumulate(step for _, step in edges))
 
 
-def test_an_all_gather_round_stays_on_its_session_s_replica(gw):
+def test_an_opted_in_all_gather_round_stays_on_its_session_s_replica(gw):
     """Six agents speak, then read all six outputs: one first, alone, then five at once. Four requests in flight on the
     session's replica (none on the other) is enough for the load guard to move a plain
-    request away (the control session shows it), but a round's requests share their KV
-    only on one replica, so the gateway holds them all there. The concurrent requests
+    request away (the control session shows it), but the requests of a round opted into
+    placement (`blend`) share their KV only on one replica, so the gateway holds them all
+    there (an exact round shares nothing but prefix hits, and is routed like any request:
+    tests/e2e/test_inference_e2e.py). The concurrent requests
     decode CONCURRENT_TOKENS each, so they overlap even on a slow, busy machine (with 8
     they could finish one by one and never load the replica)."""
     plans = ["buy bread", "repair the mill", "paint the fence", "sell wool", "visit the smith", "fish"]
-    with _client(gw, "town") as client:
+    with _client(gw, "town", reuse="blend") as client:
         outputs = [_villager(client, k, f"Day starts. Your plan: {plan}.", max_tokens=32).choices[0].message.content
                    for k, plan in enumerate(plans)]
         heard = "\n\n".join(outputs)
