@@ -65,7 +65,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         await upstreams.check_health()
         loops = [SupervisedTask("kvrelay-key-refresh", access.refresh_loop),
                  SupervisedTask("kvrelay-health", upstreams.health_loop)]
-        if settings.routing.policy == "cache_aware":
+        if pool.policy.reads_cache:
             poller = CachePoller(http, pool, pool.cache, settings.routing.cache_poll_interval_s)
             loops.append(SupervisedTask("kvrelay-cache-poll", poller.run))
         for loop in loops:

@@ -40,7 +40,7 @@ from gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
 from kvrelay.wire.seal import PlanSeal
 from kvrelay.wire.plan import RoundInfo
-from kvrelay.wire.cache_report import read_prompt_blocks
+from kvrelay.wire.cache_report import BLOCKS_HEADER, read_prompt_blocks
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
@@ -282,6 +282,8 @@ class ProxiedCall:
         headers = {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
         headers.update(trace_headers(self.span))
         headers[TTFT_HEADER] = "1"  # the engine's TTFT breakdown, reuse on or off (other upstreams ignore it)
+        if self.state.upstreams.pool.policy.reads_cache:
+            headers[BLOCKS_HEADER] = "1"  # the prompt's blocks, for cache-aware routing
         if (upstream_key := self.state.settings.upstream_api_key) is not None:
             headers["authorization"] = f"Bearer {upstream_key.get_secret_value()}"
         return headers

@@ -83,14 +83,14 @@ class UpstreamPool:
         if not self.policy.reads_prompt:
             return None
         keys = tuple(prefix_keys(view, cache_salt))
-        predicted = tuple(self.cache.predict(keys))
+        predicted = tuple(self.cache.predict(keys)) if self.policy.reads_cache else ()
         chars = keys[-1].chars if keys else 0
         tokens = max(chars // CHARS_PER_TOKEN, len(predicted) * self.cache.block_size)
         return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
 
     def routed(self, route: Route | None, upstream: Upstream) -> None:
         """The request went to `upstream`: its predicted blocks (and keys) will be there."""
-        if route is not None:
+        if route is not None and self.policy.reads_cache:
             self.cache.routed(upstream.url, route.keys, route.predicted)
 
     def learn(self, route: Route | None, url: str, digests: list[str]) -> None:

@@ -39,7 +39,7 @@ from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
 from engine_ext.timeline import Timeline, breakdown
 from engine_ext.request import EngineRequest
-from kvrelay.wire.cache_report import BLOCKS_KEY, digests
+from kvrelay.wire.cache_report import BLOCKS_KEY, digests, wants_blocks
 from kvrelay.wire.reports import REUSE_KEY, TTFT_KEY, wants_breakdown
 
 Request = ChatCompletionRequest | CompletionRequest
@@ -301,9 +301,9 @@ class CompletionService:
 
     def _response_params(self, req: Request, last: RequestOutput, note: str | None,
                          headers: Mapping[str, str]) -> dict[str, Any] | None:
-        """The request's kv_transfer_params echoed back, with what reuse did per segment
-        and, for a caller that sent kv_transfer_params or the TTFT header (the gateway),
-        the TTFT breakdown."""
+        """The request's kv_transfer_params echoed back, with what reuse did per segment;
+        for a caller that sent kv_transfer_params or the TTFT header (the gateway), the
+        TTFT breakdown; for one that sent the blocks header, the prompt's block digests."""
         sent = isinstance(req.kv_transfer_params, dict)
         # The caller's other entries come back; its plan and seal never do (they name
         # tenants and content hashes).
@@ -316,7 +316,7 @@ class CompletionService:
             # Priced in the engine thread at the prompt's first step (its timeline's baseline).
             if (ttft := breakdown(last.timeline, last.num_prompt_tokens)) is not None:
                 params[TTFT_KEY] = ttft.to_json()
-        if wants_breakdown(headers) and last.prompt_blocks:
+        if wants_blocks(headers) and last.prompt_blocks:
             params = params if params is not None else {}
             params[BLOCKS_KEY] = digests(last.prompt_blocks)  # for the gateway's cache-aware routing
         return params

@@ -35,7 +35,6 @@ class ReplicaBlocks:
         self.max_blocks = max_blocks
         self.lower_weight = lower_weight
         self.block_size = DEFAULT_BLOCK_SIZE
-        self.reported = False  # whether the table comes from the engine's own report
         self._blocks: OrderedDict[str, float] = OrderedDict()
         self._keys: OrderedDict[bytes, None] = OrderedDict()  # prefix keys routed here (for one without reports)
         self.reports_blocks = False  # whether any block of it was ever reported, per prompt or whole
@@ -46,8 +45,7 @@ class ReplicaBlocks:
     def replace(self, report: CacheReport) -> None:
         blocks: OrderedDict[str, float] = OrderedDict((d, self.lower_weight) for d in report.lower)
         blocks.update((d, 1.0) for d in report.device)
-        self._blocks, self.block_size, self.reported = blocks, report.block_size, True
-        self.reports_blocks = True
+        self._blocks, self.block_size, self.reports_blocks = blocks, report.block_size, True
 
     def add(self, digests: Sequence[str], reported: bool = False) -> None:
         """Blocks now there: predicted (`reported` False) or named by the replica itself."""

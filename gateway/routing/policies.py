@@ -84,7 +84,8 @@ class RoutingPolicy(ABC):
     """Orders the usable upstreams (never empty) for one request; the first is tried first."""
 
     name: ClassVar[str]
-    reads_prompt: ClassVar[bool] = False  # whether it needs the Route's keys and predicted blocks
+    reads_prompt: ClassVar[bool] = False  # whether it needs the Route's prefix keys
+    reads_cache: ClassVar[bool] = False  # whether it needs the predicted blocks, and the engines' reports
 
     def __init__(self, homes: SessionHomes, load_guard_factor: float) -> None:
         self.homes = homes
@@ -162,6 +163,7 @@ class PrefixHash(RoutingPolicy):
 class CacheAware(RoutingPolicy):
     name = "cache_aware"
     reads_prompt = True
+    reads_cache = True
 
     def __init__(self, homes: SessionHomes, load_guard_factor: float, cache: CacheMap, load_weight: float = 1.0,
                  decode_tokens: int = 8, min_hit_share: float = 0.5) -> None:

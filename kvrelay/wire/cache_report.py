@@ -3,8 +3,9 @@
 Two reports, both in the engine's own block terms (its chained block hashes, which cover
 the model, the tenant and every token before the block):
 
-- per request, under the response's `kv_transfer_params[BLOCKS_KEY]`: the digests of
-  the prompt's full blocks, in order. The gateway cannot tokenize; from these it learns
+- per request, under the response's `kv_transfer_params[BLOCKS_KEY]`, when the request
+  carried BLOCKS_HEADER (the gateway sends it only under its `cache_aware` policy):
+  the digests of the prompt's full blocks, in order. The gateway cannot tokenize; from these it learns
   which blocks a later prompt that extends this one will start with.
 - per engine, GET CACHE_PATH: the digests of every block it holds now, on the device and
   in its lower tiers (host memory, disk). The gateway polls it, as vLLM's KV events or
@@ -20,16 +21,22 @@ tolerantly: anything malformed is dropped, never trusted.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 BLOCKS_KEY = "kvrelay_blocks"  # the prompt's block digests under the response's kv_transfer_params
+BLOCKS_HEADER = "x-kvrelay-blocks"  # a caller sends it (any value but 0/false/off) to get BLOCKS_KEY back
 CACHE_PATH = "/v1/kvrelay/cache"
 DIGEST_BYTES = 8
 MAX_PROMPT_BLOCKS = 8192  # a prompt of SmolLM2's whole context in 1-token blocks would be 8192
 MAX_REPORTED_BLOCKS = 1 << 20  # device and lower tiers together
 _DIGEST = re.compile(r"[0-9a-f]{16}")
+
+
+def wants_blocks(headers: Mapping[str, str]) -> bool:
+    value = headers.get(BLOCKS_HEADER)
+    return value is not None and value.strip().lower() not in ("0", "false", "off")
 
 
 def digest(block_hash: bytes) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.wire.cache_report import BLOCKS_KEY, CACHE_PATH, CacheReport
+from kvrelay.wire.cache_report import BLOCKS_HEADER, BLOCKS_KEY, CACHE_PATH, CacheReport
 from tests.gateway.support import wait_until
 from tests.helpers import make_engine
 
@@ -89,13 +89,14 @@ def test_an_engine_reports_the_blocks_it_holds_and_each_prompts_blocks(replicas,
     with httpx.Client(base_url=srv.base_url, timeout=60) as http:
         assert CacheReport.read(http.get(CACHE_PATH).json()).device == []
         body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "messages": [{"role": "user", "content": SYSTEM}]}
-        answer = http.post("/v1/chat/completions", json=body, headers={"x-kvrelay-ttft": "1"}).json()
+        answer = http.post("/v1/chat/completions", json=body, headers={BLOCKS_HEADER: "1"}).json()
         blocks = answer["kv_transfer_params"][BLOCKS_KEY]
         assert len(blocks) == answer["usage"]["prompt_tokens"] // 16
         report = CacheReport.read(http.get(CACHE_PATH).json())
         assert report.block_size == 16 and set(blocks) <= set(report.device)
-        plain = http.post("/v1/chat/completions", json=body).json()  # a plain client gets no digests
-        assert BLOCKS_KEY not in (plain.get("kv_transfer_params") or {})
+        for headers in ({}, {"x-kvrelay-ttft": "1"}, {BLOCKS_HEADER: "0"}):  # only the header asks for them
+            plain = http.post("/v1/chat/completions", json=body, headers=headers).json()
+            assert BLOCKS_KEY not in (plain.get("kv_transfer_params") or {}), headers
 
 
 def test_an_upstream_without_reports_is_routed_by_what_the_gateway_sent_it(replicas, fake_upstream,
@@ -109,3 +110,15 @@ def test_an_upstream_without_reports_is_routed_by_what_the_gateway_sent_it(repli
                 {"role": "user", "content": f"hello {i}"}]}, headers={"x-session-id": f"s{i}"})
             assert response.status_code == 200, response.text
         assert http.get("/ready").status_code == 200  # the poll loop is alive, 404s and all
+
+
+
+@pytest.mark.parametrize("policy", ["cache_aware", "session"])
+def test_the_gateway_asks_for_prompt_blocks_only_under_cache_aware_routing(fake_upstream, start_gateway, policy):
+    fake = fake_upstream()
+    gw = start_gateway([fake.url], routing={"policy": policy})
+    with gw.client(timeout=60) as http:
+        assert http.post("/v1/chat/completions", json={"model": "fake", "messages": [
+            {"role": "user", "content": "hello"}]}).status_code == 200
+    assert fake.received[-1].path == "/v1/chat/completions"
+    assert fake.received[-1].headers.get(BLOCKS_HEADER) == ("1" if policy == "cache_aware" else None)
