@@ -192,6 +192,11 @@ class AnchorConfig:
     Samples are chunks of at most `chunk_tokens` of a placeholder, each decided in the
     pool of its chunk position (engine_ext/kvcomm/bank.py): a new document longer than
     every anchor is still predicted, chunk by chunk.
+
+    `recompute_ratio`: of a placeholder predicted from other samples' anchors, the share
+    of tokens whose keys deviate most on the check layers is recomputed, as blend does
+    (0: the paper's method, offsets alone). A placeholder reproduced from its own exact
+    anchors is not: its KV is the real KV already.
     """
 
     gamma: float = 0.3
@@ -200,6 +205,7 @@ class AnchorConfig:
     temperature: float = 1.0
     correction: KvcommCorrection = "full"
     chunk_tokens: int = 16
+    recompute_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
@@ -212,6 +218,8 @@ class AnchorConfig:
             raise ValueError("anchors.temperature must be > 0")
         if self.chunk_tokens < 1:
             raise ValueError("anchors.chunk_tokens must be >= 1")
+        if not 0.0 <= self.recompute_ratio < 1.0:
+            raise ValueError("anchors.recompute_ratio must be in [0, 1)")
         if self.correction not in get_args(KvcommCorrection):
             raise ValueError(f"unknown kvcomm correction {self.correction!r}")
 

@@ -77,6 +77,9 @@ class EngineSettings(YamlFileSettings):
         description="kvcomm: what a placed placeholder gets besides its rotation (the paper's ablation)")] = "full"
     anchor_chunk_tokens: Annotated[int, Field(ge=1, description="kvcomm: placeholders are predicted in chunks of "
                                                                 "this many tokens, each from its own anchors")] = 16
+    kvcomm_recompute_ratio: Annotated[float, Field(ge=0.0, lt=1.0, description=(
+        "kvcomm: fraction of a predicted placeholder's tokens recomputed, those whose keys deviate most on the "
+        "check layers (0: offsets alone, as in the paper)"))] = 0.0
     collective: Annotated[bool, Field(description="prefill the requests of one All-Gather round together "
                                                   "(TokenDance)")] = True
     round_window_ms: Annotated[float, Field(ge=0.0, le=10_000.0, description="collective: ms a round's first "
@@ -155,7 +158,8 @@ class EngineSettings(YamlFileSettings):
                 link_tokens=self.link_tokens,
                 anchors=AnchorConfig(gamma=self.anchor_gamma, max_anchors=self.anchor_pool_size,
                                      prune_window=self.anchor_prune_window, temperature=self.anchor_temperature,
-                                     correction=self.kvcomm_correction, chunk_tokens=self.anchor_chunk_tokens),
+                                     correction=self.kvcomm_correction, chunk_tokens=self.anchor_chunk_tokens,
+                                     recompute_ratio=self.kvcomm_recompute_ratio),
                 collective=CollectiveConfig(enabled=self.collective, window_ms=self.round_window_ms,
                                             diff_store=self.diff_store))
         except ValueError as exc:

@@ -41,6 +41,7 @@ class PlacedSegment(NamedTuple):
     num_linked: int  # tokens at its start recomputed in every layer (link; the last prompt token)
     correction: Correction | ChunkedCorrection | None = None  # kvcomm: offsets added after the shift
     kvcomm: dict | None = None  # kvcomm: what the anchor bank decided, reported
+    repair_ratio: float = 0.0  # share of its tokens the deviation check may send on to be recomputed
 
 
 @dataclass
@@ -72,12 +73,14 @@ class Assembly:
         return computed.nonzero().flatten()  # (R,)
 
     def blend_positions(self) -> list[torch.Tensor]:
-        """Per placed segment, the positions blend may recompute (empty for other methods)."""
+        """Per placed segment, the positions the deviation check may recompute: a blend
+        segment's (computed up to the check layers even at ratio 0, as CacheBlend does),
+        another's only where it has a `repair_ratio`."""
         out = []
         for p in self.placed:
             start = p.segment.start + p.num_linked
             end = min(p.segment.end, self.num_tokens - 1)  # the last token is computed in full
-            out.append(torch.arange(start, end) if METHODS[p.method].blends else torch.empty(0, dtype=torch.long))
+            out.append(torch.arange(start, end) if METHODS[p.method].blends or p.repair_ratio > 0 else torch.empty(0, dtype=torch.long))
         return out
 
     def outcomes(self) -> list[SegmentOutcome]:
@@ -131,8 +134,9 @@ class Assembler:
                                                      seg.num_tokens - num_hit, reason))
             else:
                 self.index.acquire(entry)
-                num_linked = METHODS[method].num_linked(seg, self.config)
-                assembly.placed.append(PlacedSegment(seg, method, entry, num_linked))
+                spec = METHODS[method]
+                assembly.placed.append(PlacedSegment(seg, method, entry, spec.num_linked(seg, self.config),
+                                                     repair_ratio=spec.repair_ratio(self.config)))
             i += 1
         return assembly
 
@@ -196,16 +200,19 @@ class Assembler:
         assembly.decisions += decisions
         parts = [(start, d.placeholder) for (start, _), d in zip(chunks, decisions) if d.placeholder is not None]
         correction = None if not parts else parts[0][1] if len(parts) == 1 else ChunkedCorrection(parts)
-        assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, correction, detail))
+        # Reproduced from its own exact anchors, its KV (and its follower's) is the real KV already.
+        exact = all(d.detail["anchor"] == "exact" for d in decisions)
+        repair = 0.0 if exact else METHODS["kvcomm"].repair_ratio(self.config)
+        assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, correction, detail, repair))
         if follower is None:
             return 1
-        self._follower(assembly, follower, follower_ids, decisions[-1], scope.tenant)
+        self._follower(assembly, follower, follower_ids, decisions[-1], scope.tenant, repair)
         return 2
 
     def _follower(self, assembly: Assembly, follower: TokenSegment, follower_ids: tuple[int, ...] | None,
-                  decision: Decision, tenant: str) -> None:
+                  decision: Decision, tenant: str, repair: float) -> None:
         """Place the fixed segment after a predicted placeholder with the prefix offsets
-        of its last chunk's anchors, or compute it."""
+        of its last chunk's anchors (and the placeholder's `repair` ratio), or compute it."""
         # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
         corrected = decision.prefix is not None or self.bank.correction != "full"
         follower_entry = self.index.lookup(follower_ids, tenant) if corrected and follower_ids else None
@@ -220,7 +227,8 @@ class Assembler:
             assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens, reason))
         else:
             self.index.acquire(follower_entry)
-            assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix))
+            assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix,
+                                                 repair_ratio=repair))
 
     def _refusal(self, seg: TokenSegment, method: ReuseMethod, num_hit: int) -> str | None:
         """Why this segment must be computed densely, or None if it may be placed."""

@@ -21,10 +21,12 @@ class ReuseMethodSpec(ABC):
     """Contract: a method that `places` copies a segment's cached KV to its new position
     (approximate: never published to the prefix cache), recomputing in every layer its
     first `num_linked` tokens, and `num_recomputed` tokens in all; placing is refused
-    when that is not fewer than the segment's. `blends` marks its other tokens as
-    CacheBlend candidates (some recomputed past the check layers); `uses_anchors` has
-    KVCOMM's anchor bank decide the segment. A method that does not place is exact:
-    the segment is served by the prefix cache or computed."""
+    when that is not fewer than the segment's. Past the linked head, the `repair_ratio`
+    of its tokens whose keys deviate most on the check layers are recomputed in the
+    deeper layers (CacheBlend's selection). `blends` marks CacheBlend itself (whose
+    rounds collective prefill handles); `uses_anchors` has KVCOMM's anchor bank decide
+    the segment. A method that does not place is exact: the segment is served by the
+    prefix cache or computed."""
 
     name: str
     places: bool = True
@@ -34,8 +36,11 @@ class ReuseMethodSpec(ABC):
     def num_linked(self, seg: TokenSegment, config: ReuseConfig) -> int:
         return 0
 
+    def repair_ratio(self, config: ReuseConfig) -> float:
+        return 0.0
+
     def num_recomputed(self, seg: TokenSegment, config: ReuseConfig) -> int:
-        return self.num_linked(seg, config)
+        return self.num_linked(seg, config) + math.ceil(self.repair_ratio(config) * seg.num_tokens)
 
 
 class Exact(ReuseMethodSpec):
@@ -59,8 +64,8 @@ class Blend(ReuseMethodSpec):
     name = "blend"
     blends = True
 
-    def num_recomputed(self, seg: TokenSegment, config: ReuseConfig) -> int:
-        return math.ceil(config.blend_ratio * seg.num_tokens)
+    def repair_ratio(self, config: ReuseConfig) -> float:
+        return config.blend_ratio
 
 
 class Link(ReuseMethodSpec):
@@ -73,10 +78,15 @@ class Link(ReuseMethodSpec):
 
 
 class KVComm(ReuseMethodSpec):
-    """KVCOMM: shifted, plus the offsets its anchors predict (engine_ext/kvcomm)."""
+    """KVCOMM: shifted, plus the offsets its anchors predict (engine_ext/kvcomm), and
+    optionally the `anchors.recompute_ratio` that still deviate most recomputed (a
+    placement reproduced from its own exact anchors excepted: the assembler knows)."""
 
     name = "kvcomm"
     uses_anchors = True
+
+    def repair_ratio(self, config: ReuseConfig) -> float:
+        return config.anchors.recompute_ratio
 
 
 METHODS: dict[str, ReuseMethodSpec] = {

@@ -9,7 +9,9 @@
 3. Blend (CacheBlend): blend segments' tokens are also computed in the layers up to
    the last check layer; their fresh keys are compared with the placed ones there, and
    only the `blend_ratio` that deviate most stay in the computation for the deeper
-   layers. The others keep the placed KV from there on.
+   layers. The others keep the placed KV from there on. A kvcomm placeholder predicted
+   from other samples' anchors goes through the same check with its own
+   `anchors.recompute_ratio` (PlacedSegment.repair_ratio), when that is set.
 
 The placed KV is approximate (it was computed behind another prefix), so none of this
 sequence's blocks from the first placed token on are published to the prefix cache.
@@ -111,16 +113,16 @@ class ReusePrefill:
             at += copy_s + share
 
     def _select(self, assembly: Assembly, blend: list[torch.Tensor], deviation: torch.Tensor) -> torch.Tensor:
-        """Keep the top blend_ratio of each blend segment's tokens by key deviation.
-        Per segment, not globally, so a segment that happens to deviate less than its
-        neighbours still gets its most affected tokens repaired."""
+        """Keep the top `repair_ratio` of each placed segment's candidates by key
+        deviation. Per segment, not globally, so a segment that happens to deviate less
+        than its neighbours still gets its most affected tokens repaired."""
         keep = torch.zeros_like(deviation, dtype=torch.bool)
         offset = 0
         for i, positions in enumerate(blend):
             n = positions.numel()
             if n == 0:
                 continue
-            num_keep = min(n, math.ceil(self.config.blend_ratio * n))
+            num_keep = min(n, math.ceil(assembly.placed[i].repair_ratio * n))
             if num_keep:
                 top = deviation[offset : offset + n].topk(num_keep).indices
                 keep[offset + top] = True

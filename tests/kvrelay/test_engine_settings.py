@@ -36,6 +36,12 @@ def test_a_variable_sets_an_option_and_a_flag_beats_it(monkeypatch: pytest.Monke
     assert EngineSettings(blend_ratio=0.2).blend_ratio == 0.2
 
 
+def test_kvcomm_s_repair_ratio_reaches_the_anchor_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert EngineSettings().engine_config().reuse.anchors.recompute_ratio == 0.0  # the paper's method
+    monkeypatch.setenv("KVRELAY_ENGINE_KVCOMM_RECOMPUTE_RATIO", "0.05")
+    assert EngineSettings().engine_config().reuse.anchors.recompute_ratio == 0.05
+
+
 def test_the_yaml_file_sets_the_rest_below_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     path = tmp_path / "engine.yaml"
     path.write_text("kv_cache_mb: 64\nreuse_method: blend\nadapter: [a=/tmp/a]\n")
@@ -59,6 +65,7 @@ def test_an_unknown_key_in_the_yaml_file_is_refused(monkeypatch: pytest.MonkeyPa
     ({"reuse_method": "magic"}, "--reuse-method"), ({"check_layers": "1,x"}, "--check-layers"),
     ({"round_window_ms": 20_000}, "--round-window-ms"), ({"load_ahead": 65}, "--load-ahead"),
     ({"adapter": ["no-path"]}, "--adapter"), ({"anchor_temperature": 0.0}, "--anchor-temperature"),
+    ({"kvcomm_recompute_ratio": 1.0}, "--kvcomm-recompute-ratio"),
 ])
 def test_a_bad_value_names_its_flag_and_variable(values: dict[str, object], flag: str) -> None:
     with pytest.raises(ValidationError) as caught:

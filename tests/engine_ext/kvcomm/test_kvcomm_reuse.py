@@ -4,6 +4,7 @@ offsets never applied to another version (evicted and registered again) of their
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -364,3 +365,44 @@ def test_a_text_another_agent_measured_is_predicted_from_the_readers_own_anchors
     ph = outcome_of(seq, segs[1].start)
     assert ph.method == "kvcomm" and ph.kvcomm["anchor"] == "hit" and ph.num_reused == len(newer)
     assert eng.anchor_bank.stats()["measured_tokens"] == measured  # no second measurement
+
+
+def predicted_with_repair(model_dir, ratio: float):
+    """A new sample predicted from another sample's anchor, with `recompute_ratio` set:
+    (its placeholder's outcome, the follower's, the placeholder's last-layer key error
+    against the dense prefill)."""
+    eng = engine(model_dir, recompute_ratio=ratio)
+    agent = Agent(40)
+    measured = tokens(30, 41)
+    produce(eng, measured)
+    prefill_kv(eng, *agent.prompt(measured), SCOPE_A)
+    new = tokens(28, 42)
+    produce(eng, new)
+    ids, segs = agent.prompt(new)
+    dense_kv, _ = prefill_kv(eng, ids)
+    kv, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = slice(segs[1].start, segs[1].end)
+    error = float((kv[-1][0][ph] - dense_kv[-1][0][ph]).norm())
+    return outcome_of(seq, segs[1].start), outcome_of(seq, segs[2].start), error
+
+
+def test_a_predicted_placeholder_recomputes_its_most_deviating_share_and_moves_towards_dense(deep_llama):
+    plain, plain_follower, plain_error = predicted_with_repair(deep_llama, 0.0)
+    assert plain.kvcomm["anchor"] == "hit" and plain.num_recomputed == 0
+    repaired, follower, error = predicted_with_repair(deep_llama, 0.25)
+    assert repaired.method == "kvcomm" and repaired.kvcomm["anchor"] == "hit"
+    assert repaired.num_recomputed == math.ceil(0.25 * 28) and repaired.num_reused == 28 - math.ceil(0.25 * 28)
+    assert follower.method == "kvcomm" and follower.num_recomputed == math.ceil(0.25 * follower.segment.num_tokens)
+    assert plain_follower.num_recomputed == 0
+    assert error < plain_error
+
+
+def test_a_placeholder_reproduced_from_its_exact_anchor_recomputes_nothing(deep_llama):
+    eng = engine(deep_llama, recompute_ratio=0.25)
+    agent, sample = Agent(43), tokens(30, 44)
+    produce(eng, sample)
+    ids, segs = agent.prompt(sample)
+    prefill_kv(eng, ids, segs, SCOPE_A)  # measured
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.kvcomm["anchor"] == "exact" and ph.num_reused == len(sample) and ph.num_recomputed == 0
