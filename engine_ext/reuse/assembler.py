@@ -80,7 +80,8 @@ class Assembly:
         for p in self.placed:
             start = p.segment.start + p.num_linked
             end = min(p.segment.end, self.num_tokens - 1)  # the last token is computed in full
-            out.append(torch.arange(start, end) if METHODS[p.method].blends or p.repair_ratio > 0 else torch.empty(0, dtype=torch.long))
+            checked = METHODS[p.method].blends or p.repair_ratio > 0
+            out.append(torch.arange(start, end) if checked else torch.empty(0, dtype=torch.long))
         return out
 
     def outcomes(self) -> list[SegmentOutcome]:
