@@ -51,11 +51,17 @@ class _Abort:
     request_id: str
 
 
+class _Wake:
+    """A KV transfer landed: wake the engine thread to apply it (no command)."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, probes: Probes | None = None) -> None:
         self.engine = engine
         self.probes = probes if probes is not None else Probes(chunk_tokens=engine.config.probe_chunk_tokens)
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
+        # The engine thread sleeps on this queue alone: a landed transfer rings it too.
+        engine.wake_on_transfers(lambda: self._commands.put(_Wake()))
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -104,10 +110,11 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                # A step that could run nothing (a round held for its siblings) waits a
-                # moment for new requests instead of spinning.
-                waiting = self.engine.has_work and self.engine.last_step_empty
-                idle = not self.engine.has_work and not self.probes.has_jobs
+                # Nothing to step (KV transfers may be in flight: each one rings the queue
+                # as it lands): sleep until a command or a transfer. A step that could run
+                # nothing (a round held for its siblings) waits a moment instead of spinning.
+                idle = not self.engine.has_sequences and not self.probes.has_jobs
+                waiting = self.engine.has_sequences and self.engine.last_step_empty
                 timeout = 0.5 if idle else (0.001 if waiting else 0.0)
                 if not self._drain_commands(timeout):
                     break
@@ -128,6 +135,8 @@ class AsyncEngine:
             except queue.Empty:
                 return True
             timeout = 0.0
+            if isinstance(cmd, _Wake):
+                continue
             if cmd is None:
                 self._fail_all(EngineDeadError("the engine is shutting down"))
                 return False

@@ -97,6 +97,7 @@ class LLMEngine:
         self.segment_index, self.anchor_bank = parts.segment_index, parts.anchor_bank
         self.collector, self.diff_store = parts.collector, parts.diff_store
         self.last_step_empty = False
+        self._transfer_wait_s = 0.005  # an empty step waits this long for a transfer (see `wake_on_transfers`)
         self.num_interrupted_steps = 0  # background steps a request's arrival stopped between layers
         # TTFT breakdowns price reuse against prefix caching alone: its dense prefill time,
         # and the prefix cache it would hold (engine_ext/timeline.py).
@@ -245,6 +246,21 @@ class LLMEngine:
         started), so a loop that stops stepping when idle would leave them hanging."""
         return self.scheduler.has_work or (self.tiers is not None and self.tiers.worker.num_in_flight > 0)
 
+    @property
+    def has_sequences(self) -> bool:
+        """Requests or background sequences to step (`has_work` less the transfers)."""
+        return self.scheduler.has_work
+
+    def wake_on_transfers(self, notify: Callable[[], None]) -> None:
+        """For a driver that sleeps on its own queue (AsyncEngine): each KV transfer that
+        lands calls `notify` (on the transfer thread), and an empty step no longer waits
+        for one. Without it, a step with nothing to run waits up to 5 ms for a transfer,
+        and a request arriving meanwhile waited that long: after every answer the host
+        tier's backups are in flight, so the next agent's request often did."""
+        self._transfer_wait_s = 0.0
+        if self.tiers is not None:
+            self.tiers.worker.notify = notify
+
     # -- the loop body ---------------------------------------------------------------
     def step(self, interrupt: Callable[[], bool] | None = None) -> list[RequestOutput]:
         """One scheduled step. `interrupt` (asked between layers, from the engine thread)
@@ -255,7 +271,7 @@ class LLMEngine:
         # Nothing could run: a round held for its siblings, or every waiting prefix still loading.
         self.last_step_empty = step.is_empty
         if step.is_empty:
-            self._transfers(timeout=0.005)  # wake as soon as a load lands, without spinning
+            self._transfers(timeout=self._transfer_wait_s)  # wake as soon as a load lands, without spinning
             return []
         started = time.monotonic()
         try:

@@ -47,13 +47,17 @@ class Keeper:
         index = self.parts.segment_index
         if index is None:
             return
+        keeps = self.keeps_segments(seq)
+        approximate = seq.restore is not None or bool(assembly.placed)
+        if not (keeps or approximate or assembly.decisions or assembly.measurements):
+            seq.pins.release()
+            return  # an exact prompt leaves nothing behind: not even its slots are looked up
         slots = self.kv.slots(seq, seq.num_prompt_tokens)  # (P,)
-        for seg in seq.segments if self.keeps_segments(seq) else ():
+        for seg in seq.segments if keeps else ():
             if seg.is_reusable and seg.num_tokens >= self.config.reuse.min_segment_tokens:
                 index.register(seq.token_ids[seg.start : seg.end], slots[seg.start : seg.end], seg.start, seq.tenant)
         self.parts.assembler.commit(assembly, slots)
         seq.pins.release()  # a measured anchor's base stayed pinned until the commit
-        approximate = seq.restore is not None or bool(assembly.placed)
         if approximate and assembly.collective is None:  # a round group stored itself already
             self._store_turn(seq, slots)
 

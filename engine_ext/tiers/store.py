@@ -214,6 +214,8 @@ class TieredStore:
             if entry is None:
                 break  # blocks past a lost one are useless: the chain is broken there
             run.append(entry)
+        if not run:  # checked first: counting what `spares` lets go walks every free block
+            return 0
         room = min(self.pool.count_free(spares), self.pool.num_free - num_reserved)
         run = run[: max(room, 0)]
         if not run:

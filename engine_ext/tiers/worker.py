@@ -7,8 +7,10 @@ never touches a slot a backup or demotion writes: it reads a ready, pinned slot 
 pinned device blocks.
 Completion is reported, not acted on: the engine thread collects finished transfers
 with `completed` and updates the pool and the tiers itself, so nothing but tensor
-rows is ever shared between the threads. torch releases the GIL while copying, so
-model steps on the engine thread run while a transfer is in flight.
+rows is ever shared between the threads. A driver that sleeps on its own queue sets
+`notify`, called on this thread after each transfer lands, to be woken for it.
+torch releases the GIL while copying, so model steps on the engine thread run while a
+transfer is in flight.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class TransferWorker:
         self._order = itertools.count()  # FIFO among transfers of one priority
         self._done: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self.num_in_flight = 0
+        self.notify: Callable[[], None] | None = None  # called on the worker thread as each transfer lands
         self._thread = threading.Thread(target=self._run, name="kvrelay-kv-transfer", daemon=True)
         self._thread.start()
 
@@ -79,3 +82,5 @@ class TransferWorker:
                 logger.exception("KV %s of %d blocks failed", transfer.kind, transfer.num_blocks)
                 transfer.error = exc
             self._done.put(transfer)
+            if self.notify is not None:
+                self.notify()

@@ -229,3 +229,21 @@ def test_a_turn_after_an_approximate_one_computes_no_more_than_prefix_caching(de
             assert [o.method for o in second.reuse_outcomes] == ["restored"]
     assert computed["approximate"][0] < computed["prefix"][0]  # the placed document saved turn 1's prefill
     assert computed["approximate"][1] <= computed["prefix"][1]  # and turn 2 lost nothing to it
+
+
+def test_an_exact_prompt_with_segments_leaves_nothing_behind(deep_llama, monkeypatch):
+    """Under the exact default a plan's segments only describe the prompt: keeping it
+    after its prefill registers nothing and looks up no more cache slots than the same
+    prompt without a plan (the model runner's own lookups)."""
+    doc, tail = tokens(48, seed=3), tokens(8, seed=4)
+    lookups = []
+    for segments in (None, [doc_segment(0, len(doc))]):
+        eng = engine(deep_llama, default_method="prefix")
+        slots = eng.kv.slots
+        calls = []
+        monkeypatch.setattr(eng.kv, "slots", lambda seq, end, calls=calls, slots=slots: calls.append(end) or
+                            slots(seq, end))
+        eng.generate(doc + tail, GREEDY, segments=segments)
+        lookups.append(calls)
+        assert eng.segment_index.lookup(doc) is None
+    assert lookups[1] == lookups[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import threading
 from collections.abc import Callable
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import engine_ext.tiers.store as store_module
+from engine_ext.async_engine import AsyncEngine
 from engine_ext.config import ReuseConfig, TierConfig
 from engine_ext.engine import LLMEngine
 from kvrelay.wire.plan import WorkflowInfo
@@ -17,7 +19,7 @@ from engine_ext.reuse.segments import ReuseScope, TokenSegment
 from engine_ext.sampling import SamplingParams
 from engine_ext.sequence import Sequence, SequenceStatus
 from tests.engine_ext.tiers import ring
-from tests.helpers import TINY_BLOCK_BYTES, make_engine
+from tests.helpers import TINY_BLOCK_BYTES, make_engine, wait_until
 from engine_ext.request import EngineRequest
 
 BS = 16
@@ -326,3 +328,49 @@ def test_an_engine_nobody_closed_takes_its_transfer_worker_and_tiers_with_it(mod
     gc.collect()
     assert not thread.is_alive()
     assert storage() is None  # the host tier's memory went with it
+
+
+def test_an_empty_step_waits_for_a_transfer_only_without_a_driver_to_wake(model, monkeypatch):
+    """Stepped directly, a step with nothing to run waits up to 5 ms for a landing transfer
+    (no spinning); under a driver that is rung as transfers land (`wake_on_transfers`), it
+    returns at once, so a request arriving meanwhile is admitted without that wait."""
+    engine = _engine(model, 16, host_bytes=16 * 2**20)
+    waits: list[float] = []
+    completed = engine.tiers.worker.completed
+
+    def spy(timeout: float = 0.0):
+        waits.append(timeout)
+        return completed(timeout)
+
+    monkeypatch.setattr(engine.tiers.worker, "completed", spy)
+    engine.step()
+    assert waits[-1] == 0.005
+    rings: list[bool] = []
+    engine.wake_on_transfers(lambda: rings.append(True))
+    engine.step()
+    assert waits[-1] == 0.0
+    _run(engine, 0, 0)  # its published blocks are backed up: each landed copy rings
+    _settle(engine)
+    assert rings
+    engine.close()
+
+
+async def test_an_async_engine_applies_backups_that_land_while_it_sleeps(model):
+    """With nothing to step, the engine thread sleeps on its command queue; the host tier's
+    backups of an answered request still land and are applied (their blocks unpinned), and
+    the next request reuses the prefix exactly."""
+    engine = _engine(model, 16, host_bytes=16 * 2**20)
+    runner = AsyncEngine(engine)
+    runner.start()
+    try:
+        outputs = []
+        for turn in (0, 1):
+            request = EngineRequest(f"r{turn}", _prompt(0, turn), SAMPLING, segments=_segments(0, turn),
+                                    scope=_scope(0))
+            outputs.append([o async for o in runner.generate(request)][-1])
+            await asyncio.to_thread(wait_until, lambda: engine.tiers.worker.num_in_flight == 0, 10.0)
+        assert engine.tiers.stats.num_backed_up > 0
+        assert all(block.ref_count == 0 for block in engine.kv.pool.blocks)
+        assert outputs[1].num_cached_tokens >= FIXED_TOKENS[0]
+    finally:
+        runner.stop()

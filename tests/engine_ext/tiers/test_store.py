@@ -379,6 +379,22 @@ def test_load_stops_where_the_chain_breaks(make_rig: MakeRig) -> None:
     assert store.state(h(1)) is NodeState.ON_DEVICE
 
 
+def test_load_with_nothing_to_bring_back_walks_no_free_block(make_rig: MakeRig,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prefetcher asks every step; a prefix already on the device (or nowhere below)
+    must cost a lookup per block, not a walk of the free list through the policy."""
+    rig = _workflow_rig(make_rig)[0]
+    store, pool, _ = rig
+
+    def walked(spares: Callable[[bytes | None], bool]) -> int:
+        raise AssertionError("count_free walked the free list for nothing")
+
+    publish(pool, [h(0), h(1)])
+    monkeypatch.setattr(pool, "count_free", walked)
+    assert store.load((h(0), h(1)), lambda x: True, num_reserved=0) == 0  # on the device
+    assert store.load((h(98), h(99)), lambda x: True, num_reserved=0) == 0  # in no tier
+
+
 def test_load_with_lru_takes_only_empty_blocks(make_rig: MakeRig) -> None:
     store, pool, _ = rig = make_rig(host_blocks=4)
     _prefix_off_device(rig)
@@ -525,3 +541,16 @@ def test_close_leaves_nothing_in_flight_when_backups_were_waiting(make_rig: Make
     assert store.worker.num_in_flight == 0
     assert [b.ref_count for b in blocks] == [0, 0, 0]
     assert store.state(h(2)) is not NodeState.OFFLOADING
+
+
+def test_the_worker_rings_its_driver_as_each_transfer_lands(make_rig: MakeRig) -> None:
+    """A driver sleeping on its own queue (AsyncEngine) is woken by each landed copy."""
+    store, pool, _ = make_rig(host_blocks=4)
+    rings: list[int] = []
+    store.worker.notify = lambda: rings.append(store.worker.num_in_flight)
+    blocks = publish(pool, [h(0), h(1)])
+    store.backup(blocks[:1])
+    store.backup(blocks[1:])
+    drain(store)
+    assert len(rings) == 2  # one per transfer, rung after it was queued as done
+    pool.release(blocks[::-1])
