@@ -9,8 +9,8 @@ Completion is reported, not acted on: the engine thread collects finished transf
 with `completed` and updates the pool and the tiers itself, so nothing but tensor
 rows is ever shared between the threads. A driver that sleeps on its own queue sets
 `notify`, called on this thread after each transfer lands, to be woken for it.
-torch releases the GIL while copying, so model steps on the engine thread run while a
-transfer is in flight.
+The copies (numpy, engine_ext/tiers/copies.py) release the GIL, so model steps on the
+engine thread run while a transfer is in flight; they still take one of the cores.
 """
 
 from __future__ import annotations
