@@ -60,8 +60,11 @@ class AsyncEngine:
         self.engine = engine
         self.probes = probes if probes is not None else Probes(chunk_tokens=engine.config.probe_chunk_tokens)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
-        # The engine thread sleeps on this queue alone: a landed transfer rings it too.
-        engine.wake_on_transfers(lambda: self._commands.put(_Wake()))
+        # The engine thread sleeps on this queue alone: a landed transfer rings it too. The
+        # ring holds the queue, never `self`: the transfer thread lives until the engine is
+        # collected, and through `self` it would keep the engine (and its host tier) alive.
+        commands = self._commands
+        engine.wake_on_transfers(lambda: commands.put(_Wake()))
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None

@@ -374,3 +374,21 @@ async def test_an_async_engine_applies_backups_that_land_while_it_sleeps(model):
         assert outputs[1].num_cached_tokens >= FIXED_TOKENS[0]
     finally:
         runner.stop()
+
+
+def test_an_async_engine_nobody_stopped_lets_its_engine_and_host_tier_go(model):
+    """The transfer thread's ring must not hold the AsyncEngine: through it the live thread
+    kept every engine a test built (and its host tier, up to a quarter of the memory)."""
+    import gc
+    import weakref
+
+    engine = _engine(model, 16, host_bytes=16 * 2**20)
+    AsyncEngine(engine)
+    thread = engine.tiers.worker._thread
+    storage = weakref.ref(engine.tiers.tiers[0].storage)
+    del engine
+    gc.collect()
+    thread.join(timeout=5)
+    gc.collect()
+    assert not thread.is_alive()
+    assert storage() is None
