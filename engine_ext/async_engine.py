@@ -65,6 +65,8 @@ class AsyncEngine:
         # collected, and through `self` it would keep the engine (and its host tier) alive.
         commands = self._commands
         engine.wake_on_transfers(lambda: commands.put(_Wake()))
+        self._taken: list[_Add | _Abort | None] = []  # the command `_commands_waiting` took off the queue
+        self._woken = False  # a ring `_commands_waiting` dropped: step once more before sleeping
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
@@ -116,7 +118,8 @@ class AsyncEngine:
                 # Nothing to step (KV transfers may be in flight: each one rings the queue
                 # as it lands): sleep until a command or a transfer. A step that could run
                 # nothing (a round held for its siblings) waits a moment instead of spinning.
-                idle = not self.engine.has_sequences and not self.probes.has_jobs
+                idle = not self.engine.has_sequences and not self.probes.has_jobs and not self._woken
+                self._woken = False
                 waiting = self.engine.has_sequences and self.engine.last_step_empty
                 timeout = 0.5 if idle else (0.001 if waiting else 0.0)
                 if not self._drain_commands(timeout):
@@ -133,10 +136,13 @@ class AsyncEngine:
     def _drain_commands(self, timeout: float) -> bool:
         """Apply queued commands, waiting up to `timeout` s for the first; False once asked to stop."""
         while True:
-            try:
-                cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
-            except queue.Empty:
-                return True
+            if self._taken:
+                cmd = self._taken.pop()
+            else:
+                try:
+                    cmd = self._commands.get(timeout=timeout) if timeout > 0 else self._commands.get_nowait()
+                except queue.Empty:
+                    return True
             timeout = 0.0
             if isinstance(cmd, _Wake):
                 continue
@@ -171,8 +177,21 @@ class AsyncEngine:
                 self.probes.watch(seq)
 
     def _commands_waiting(self) -> bool:
-        """Asked between the layers of a background step: a request (or an abort) is queued."""
-        return not self._commands.empty()
+        """Asked between the layers of a background step: a request (or an abort) is queued.
+        A landed transfer's ring is not one (a probe stopped for each backup that lands
+        would start over for nothing): it is dropped, and the next loop steps once more to
+        apply the transfer. The first real command is kept for `_drain_commands`."""
+        while not self._taken:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+            if isinstance(cmd, _Wake):
+                self._woken = True
+            else:
+                self._taken.append(cmd)  # None (stop) included
+                return True
+        return True
 
     def _step(self) -> None:
         try:

@@ -9,12 +9,53 @@ going on with what was planned so far.
 The clock is the thread's CPU time, not the wall clock: the budget bounds the work a
 plan does. On a busy machine another process may preempt the loop mid-plan; counting
 that would cut plans (and their reuse) at random, when the loop itself did no more work.
+For the same reason the garbage collector's pauses are not counted either: a full
+collection walks every object of the process (in a gateway holding much inferred state,
+tens of milliseconds), on whichever thread happened to allocate, and it cut the plan of
+whatever request was planning then.
 """
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
+
+
+class _CollectorPauses:
+    """The CPU time the garbage collector has taken on each thread, from gc.callbacks
+    (which run on the collecting thread, under the GIL)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        gc.callbacks.append(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._local.started = time.thread_time()
+        elif (started := getattr(self._local, "started", None)) is not None:
+            self._local.paused = self.paused() + time.thread_time() - started
+            self._local.started = None
+
+    def paused(self) -> float:
+        return float(getattr(self._local, "paused", 0.0))
+
+
+_pauses: _CollectorPauses | None = None
+_pauses_lock = threading.Lock()
+
+
+def planning_time() -> float:
+    """This thread's CPU time less the collector's pauses on it, in seconds. The first
+    call installs the one collector callback of the process."""
+    global _pauses
+    if _pauses is None:
+        with _pauses_lock:
+            if _pauses is None:
+                _pauses = _CollectorPauses()
+    return time.thread_time() - _pauses.paused()
 
 
 class OutOfTime(Exception):
@@ -22,7 +63,7 @@ class OutOfTime(Exception):
 
 
 class Deadline:
-    def __init__(self, budget_s: float, clock: Callable[[], float] = time.thread_time) -> None:
+    def __init__(self, budget_s: float, clock: Callable[[], float] = planning_time) -> None:
         self._clock = clock
         self.at = clock() + budget_s
 
@@ -34,4 +75,4 @@ class Deadline:
             raise OutOfTime
 
 
-NO_DEADLINE = Deadline(float("inf"))  # for callers outside the request path (the admin views)
+NO_DEADLINE = Deadline(float("inf"), time.thread_time)  # for callers outside the request path (the admin views)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import engine_ext.async_engine as async_engine_mod
 import engine_ext.probes as probes_mod
 import engine_ext.scheduler as scheduler_mod
 from engine_ext.async_engine import AsyncEngine
@@ -222,6 +223,25 @@ def test_an_arrival_stops_a_probe_chunk_between_layers_and_the_chunk_runs_again(
     (result,), _ = probes.results_after(0)
     assert torch.allclose(torch.stack(dense.logits), dense_logits, atol=1e-4)
     assert result.top1 == 1.0 and result.kl < 1e-4
+
+
+def test_a_landed_transfer_does_not_stop_a_probe_but_a_command_behind_it_does(llama_dir):
+    """The transfer thread rings the engine thread's queue as each KV copy lands: not an
+    arrival, so a probe's chunk goes on; a request, abort or stop queued behind it still
+    stops the chunk, and is applied next, in order."""
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER)
+    eng = AsyncEngine(llm)
+    wake = async_engine_mod._Wake
+    eng._commands.put(wake())
+    eng._commands.put(wake())
+    assert not eng._commands_waiting() and eng._commands.empty()  # dropped, remembered
+    assert eng._woken
+    eng._commands.put(wake())
+    eng._commands.put(async_engine_mod._Abort("gone"))
+    eng._commands.put(None)
+    assert eng._commands_waiting() and eng._commands_waiting()  # asked again: still waiting
+    assert eng._drain_commands(0.0) is False  # the abort, then the stop: nothing lost
+    assert eng._commands.empty()
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 20, 64])

@@ -12,7 +12,7 @@ import re
 import openai
 import pytest
 
-from tests.gateway.town import MODEL, NUM_REQUESTS, run_town_session, town_engine
+from tests.gateway.town import MODEL, TOWN_TIMEOUTS, NUM_REQUESTS, run_town_session, town_engine
 from tests.kvrelay.test_cli import run_cli
 
 ADMIN = "admin-" + "s3cret" * 4
@@ -25,7 +25,7 @@ def srv(smollm2_dir, run_server):
 
 
 def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway):
-    gw = start_gateway([srv.base_url], admin_key=ADMIN)
+    gw = start_gateway([srv.base_url], admin_key=ADMIN, timeouts=TOWN_TIMEOUTS)
     run_town_session(gw.v1)
     rows = gw.rows(NUM_REQUESTS)
     with gw.client(headers={"Authorization": f"Bearer {ADMIN}"}) as admin:
@@ -74,7 +74,7 @@ def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway)
 
 
 def test_requests_without_reuse_still_get_their_breakdown_which_clients_see_only_if_asked(srv, start_gateway):
-    gw = start_gateway([srv.base_url])
+    gw = start_gateway([srv.base_url], timeouts=TOWN_TIMEOUTS)
     seen = []
     with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0) as client:
         for stream, asked in ((False, False), (True, False), (False, True), (True, True)):

@@ -11,10 +11,14 @@ import openai
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
+from gateway.settings import Timeouts
 
 MODEL = "smollm2"
 SESSION = "town"
 NUM_REQUESTS = 6
+# A non-streamed answer's first byte is its last: 24 tokens of a real model take 1-4 s on
+# two idle cores, more on a loaded machine (the test fixtures' 5 s cut it off there).
+TOWN_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=120.0, idle_s=120.0, total_s=300.0)
 
 
 def town_engine(smollm2_dir: Path) -> LLMEngine:

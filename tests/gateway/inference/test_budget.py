@@ -4,6 +4,7 @@ counted as plans_over_budget; through the gateway, the upstream gets that plan."
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 
@@ -81,6 +82,27 @@ def test_the_scan_for_known_texts_is_not_counted(monkeypatch):
     monkeypatch.setattr(planner, "find_texts", slow_scan)
     inference = Inference(InferenceSettings(plan_budget_ms=10))
     result = _plan(inference, LEDGER)
+    assert not result.over_budget and result.plan.segments and result.plan.workflow is not None
+
+
+def test_a_collector_pause_is_not_counted(monkeypatch):
+    """A full collection walks every object of the process, on the thread that happens
+    to allocate: it is not the plan's work, and must not cut the plan it interrupts."""
+    garbage = [[] for _ in range(1_000_000)]  # a heap with a million containers to walk
+    ids = planner.call_ids
+    spent = []
+
+    def collect_then_ids(body):  # called once the plan's clock runs
+        started = time.thread_time()
+        gc.collect()
+        spent.append(time.thread_time() - started)
+        return ids(body)
+
+    monkeypatch.setattr(planner, "PER_MESSAGE_MS", 0.0)
+    monkeypatch.setattr(planner, "call_ids", collect_then_ids)
+    inference = Inference(InferenceSettings(plan_budget_ms=5))
+    result = _plan(inference, LEDGER)
+    assert spent[0] > 0.005 and garbage  # the collection took longer than the whole budget
     assert not result.over_budget and result.plan.segments and result.plan.workflow is not None
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.town import MODEL, NUM_REQUESTS, SESSION, run_town_session, town_engine
+from tests.gateway.town import MODEL, TOWN_TIMEOUTS, NUM_REQUESTS, SESSION, run_town_session, town_engine
 
 ADMIN = "admin-" + "s3cret" * 4
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -48,7 +48,7 @@ def _artifacts(tmp_path: Path) -> Path:
 
 
 def test_the_page_shows_a_live_session_s_agents_rounds_and_requests(srv, start_gateway, tmp_path, chromium):
-    gw = start_gateway([srv.base_url], admin_key=ADMIN)
+    gw = start_gateway([srv.base_url], admin_key=ADMIN, timeouts=TOWN_TIMEOUTS)
     run_town_session(gw.v1)
     gw.rows(NUM_REQUESTS)
     shot = _artifacts(tmp_path) / "ui-session.png"
