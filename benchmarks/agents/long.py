@@ -9,7 +9,10 @@ tokens, most of them text an earlier request already computed behind another pre
 
 Per workload, one session at a time, every stack freshly started (so no workload warms
 another's caches): `prefix` first, live (it renders the prompts), then `kvrelay`
-(defaults, exact), `kvrelay_kvcomm` and `kvrelay_blend` (opted in by a gateway rule,
+(defaults, exact) and prefix caching again (`prefix_in_turns`), those two up together
+and taking turns task by task over the rendered prompts (`ttft_ratio_default_vs_prefix`
+compares them: stacks run minutes apart differ by more than what is measured), then
+`kvrelay_kvcomm` and `kvrelay_blend` (opted in by a gateway rule,
 the guard at its shipped sample rate), `kvrelay_kvcomm_probed` and
 `kvrelay_blend_probed` (every opted-in request probed: the guard's figures over every
 request), `kvrelay_kvcomm_unguarded` (none probed: with the probed one, the guard's
@@ -28,13 +31,15 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.bench import Bench, Cell, agent_order, quick_subset
+from benchmarks.agents.bench import Bench, Cell, Prompts, agent_order, quick_subset
 from benchmarks.agents.replay import Key, Outcome, Replay
-from benchmarks.agents.stacks import MODEL, StackName, fidelity, method_of, started, wait_background
+from benchmarks.agents.stacks import (MODEL, Running, StackName, engine_counters, fidelity, method_of, started,
+                                      wait_background)
 from benchmarks.agents.workload import CAPTURES, Run, Workload, load_all
 from benchmarks.common import BenchResult
 from benchmarks.stack import kv_bytes_per_token
@@ -51,13 +56,15 @@ ROUND_SIZE = 10  # TokenDance's figures are over All-Gather rounds of at least t
 # The guard's cost: every request probed, and none; replayed in turns (LongBench._guard_pair).
 GUARD_PAIR: tuple[StackName, StackName] = ("kvrelay_kvcomm_probed", "kvrelay_kvcomm_unguarded")
 QUICK_STACKS: tuple[StackName, ...] = ("kvrelay", "kvrelay_kvcomm")
+# Prefix caching replayed in turns with the defaults, over the prompts the live `prefix` run rendered.
+PAIRED_PREFIX = "prefix_in_turns"
 OPT_IN: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm", "blend": "kvrelay_blend"}  # at the shipped guard rate
 PROBED: dict[str, StackName] = {"kvcomm": "kvrelay_kvcomm_probed", "blend": "kvrelay_blend_probed"}
 AGENTS = 5  # agents 1..5 of a run, by their first request
 HEADERS = ("measure (warm tasks)", "stack", "reference", "reference/stack")
 # (stack, reference, what): each ratio reads reference/stack, as the metric of that name does.
 COMPARISONS: tuple[tuple[str, str, str], ...] = (
-    ("kvrelay", "prefix", "kvrelay defaults vs prefix caching"),
+    ("kvrelay", PAIRED_PREFIX, "kvrelay defaults vs prefix caching (in turns)"),
     ("kvrelay_kvcomm", "kvrelay", "kvcomm opt-in vs kvrelay defaults"),
     ("kvrelay_blend", "kvrelay", "blend opt-in vs kvrelay defaults"),
     ("kvrelay_kvcomm", "vllm_apc", "kvcomm opt-in vs vLLM APC"),
@@ -125,9 +132,12 @@ class LongBench(Bench):
         outcomes["prefix"].update(reference.outcomes)
         prompts = {k: (o.body, o.quotes) for k, o in reference.outcomes.items()}
         stacks = self.stacks()
+        self._default_pair(workload, runs, budget, prompts, outcomes)
         if set(GUARD_PAIR) <= set(stacks):
             self._guard_pair(runs, budget, outcomes, guards)
         for stack in stacks:
+            if stack == "kvrelay":
+                continue  # in turns with prefix caching, above
             if stack == "kvrelay_blend_single" and not big_rounds(runs[1:]):
                 continue  # collective prefill off: only a workload with All-Gather rounds tells it apart
             if stack in GUARD_PAIR:
@@ -139,37 +149,64 @@ class LongBench(Bench):
             outcomes[stack].update(cell.outcomes)
             if guard:
                 guards[stack].append(guard)
-            if stack == "kvrelay" and inference is not None:
+
+    def _in_turns(self, pair: tuple[tuple[str, StackName], tuple[str, StackName]], runs: list[Run], budget: int,
+                  fixed: Prompts | None, outcomes: dict[str, dict[Key, Outcome]],
+                  settle: Callable[[dict[str, Running]], None]) -> None:
+        """Two stacks up together, (label, stack) each, taking turns task by task in ABBA
+        order, each turn starting once the other engine has no probe left to run; each
+        label's outcomes go to `outcomes[label]`. Two stacks run one after the other differ
+        by up to ~20% in TTFT on this machine, more than the differences measured; taking
+        turns puts that drift on both alike, and no probe runs on the other stack's time.
+        Inside a task a probed stack's probes run in the chain's gaps, as in a busy app.
+        `settle` reads what it needs from the running stacks before they stop."""
+        try:
+            with ExitStack() as stack:
+                running = {label: stack.enter_context(started(name, self.model_dir, budget, self.log_dir,
+                                                               guard_rate=self.guard_rate)) for label, name in pair}
+                for index, run in enumerate(runs):
+                    for label, _ in pair if index % 2 == 0 else pair[::-1]:
+                        for other, up in running.items():
+                            if other != label and up.engine_url and not wait_background(up.engine_url):
+                                raise RuntimeError(f"{other}'s probes did not finish")
+                        replay = Replay(running[label].url, MODEL, [run], 1, fixed, max_tokens=self._max_tokens())
+                        outcomes[label].update(replay.run())
+                settle(running)
+        except RuntimeError as exc:  # a stack that would not start: one line for the CLI
+            raise ValueError(f"bench agents: {' and '.join(label for label, _ in pair)}: {exc}") from exc
+        keys = {request.key for run in runs for request in run.requests}
+        for label, _ in pair:
+            cell = Cell(outcomes[label]).only(keys)
+            self._progress(f"{label} (in turns): {len(cell.outcomes)} requests, {cell.errors} errors; "
+                           f"TTFT p50 {cell.ttft_ms(0.5):.0f} ms, {cell.cached_fraction():.3f} of prompt tokens "
+                           "from cache")
+
+    def _default_pair(self, workload: Workload, runs: list[Run], budget: int, prompts: Prompts,
+                      outcomes: dict[str, dict[Key, Outcome]]) -> None:
+        """The defaults against prefix caching, in turns over the prompts `prefix` rendered:
+        `ttft_ratio_default_vs_prefix` compares these two (PAIRED_PREFIX is the second)."""
+        keys = {request.key for run in runs for request in run.requests}
+
+        def settle(running: dict[str, Running]) -> None:
+            defaults = running["kvrelay"]
+            inference = self._inference(defaults, Cell(outcomes["kvrelay"]).only(keys))
+            if inference is not None:
                 self.metrics.update(inference.metrics(f"_{workload.name}"))
+            if defaults.engine_url is not None:
+                self.counters[workload.name, "kvrelay"] = engine_counters(defaults.engine_url)
+
+        self._in_turns((("kvrelay", "kvrelay"), (PAIRED_PREFIX, "prefix")), runs, budget, prompts, outcomes, settle)
 
     def _guard_pair(self, runs: list[Run], budget: int, outcomes: dict[str, dict[Key, Outcome]],
                     guards: dict[str, list[dict[str, float]]]) -> None:
-        """The guard's cost, paired: `kvrelay_kvcomm_probed` and `_unguarded` up together,
-        taking turns task by task in ABBA order, each turn starting once the other engine
-        has no probe left to run. Two stacks run one after the other differ by up to ~20%
-        in TTFT on this machine, more than the cost measured; taking turns puts that drift
-        on both alike, and no probe runs on the other stack's time. Inside a task the
-        probed stack's probes run in the chain's gaps, as in a busy app."""
-        try:
-            with ExitStack() as stack:
-                running = {name: stack.enter_context(started(name, self.model_dir, budget, self.log_dir,
-                                                              guard_rate=self.guard_rate)) for name in GUARD_PAIR}
-                for index, run in enumerate(runs):
-                    for name in GUARD_PAIR if index % 2 == 0 else GUARD_PAIR[::-1]:
-                        for other in running.values():
-                            if other.name != name and other.engine_url and not wait_background(other.engine_url):
-                                raise RuntimeError(f"{other.name}'s probes did not finish")
-                        replay = Replay(running[name].url, MODEL, [run], 1, None, max_tokens=self._max_tokens())
-                        outcomes[name].update(replay.run())
-                probed = GUARD_PAIR[0]
-                guards[probed].append(fidelity(running[probed].url, "kvcomm", self._guard_settle_s(runs)))
-        except RuntimeError as exc:  # a stack that would not start: one line for the CLI
-            raise ValueError(f"bench agents: guard pair: {exc}") from exc
-        keys = {request.key for run in runs for request in run.requests}
-        for name in GUARD_PAIR:
-            cell = Cell(outcomes[name]).only(keys)
-            self._progress(f"{name} (paired): {len(cell.outcomes)} requests, {cell.errors} errors; "
-                           f"TTFT p50 {cell.ttft_ms(0.5):.0f} ms")
+        """The guard's cost: `kvrelay_kvcomm_probed` and `_unguarded` in turns, both live."""
+        probed = GUARD_PAIR[0]
+
+        def settle(running: dict[str, Running]) -> None:
+            guards[probed].append(fidelity(running[probed].url, "kvcomm", self._guard_settle_s(runs)))
+
+        self._in_turns(((GUARD_PAIR[0], GUARD_PAIR[0]), (GUARD_PAIR[1], GUARD_PAIR[1])), runs, budget, None,
+                       outcomes, settle)
 
     # -- which requests ----------------------------------------------------------------------
     def _warm_keys(self) -> tuple[set[Key], set[Key]]:
@@ -192,7 +229,7 @@ class LongBench(Bench):
         sub = {stack: cell.only(keys) for stack, cell in cells.items()}
         agent5 = {stack: cell.only(self._agent_keys(5)).ttft_mean_ms() for stack, cell in sub.items()}
         default, plain = sub["kvrelay"], sub["prefix"]
-        figures = {"ttft_ratio_default_vs_prefix": plain.ttft_ms(0.5) / default.ttft_ms(0.5),
+        figures = {"ttft_ratio_default_vs_prefix": sub[PAIRED_PREFIX].ttft_ms(0.5) / default.ttft_ms(0.5),
                    "reuse_rate_default": default.cached_fraction(), "reuse_rate_prefix": plain.cached_fraction(),
                    "greedy_match_default": default.greedy_match(plain)}
         for method, stack in OPT_IN.items():

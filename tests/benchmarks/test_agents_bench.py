@@ -47,9 +47,11 @@ def test_quick_long_family_defaults_are_exact_and_the_warm_task_reuses(smollm2_d
     config = payload["config"]
     assert config["family"] == "long" and config["stacks"] == ["prefix", "kvrelay", "kvrelay_kvcomm"]
     assert config["workloads"]["board_openai"]["runs"] == 2
-    for stack in config["stacks"]:
+    for stack in (*config["stacks"], "prefix_in_turns"):  # prefix caching again, in turns with the defaults
         assert metrics[f"errors_{stack}"] == 0
         assert all(metrics[f"ttft_mean_ms_agent{i}_{stack}"] > 0 for i in range(1, 6))
+    assert metrics["ttft_ratio_default_vs_prefix"] == (metrics["ttft_p50_ms_prefix_in_turns"]
+                                                       / metrics["ttft_p50_ms_kvrelay"])
     # Exact reuse: the same answers as prefix caching, on the warm-up task and the warm one.
     assert metrics["greedy_match_default"] == 1.0 and metrics["greedy_match_default_warmup"] == 1.0
     # The warm task's agents find their personas (computed by the warm-up task) in cache.
