@@ -22,10 +22,17 @@ Metrics: per policy the share of prompt tokens served from cache (`hit_rate_*`) 
 TTFT p50; `hit_rate_ratio_vs_best` (kvrelay / the best baseline's) and
 `ttft_p50_ratio_vs_best` (the best baseline's / kvrelay's: above 1, kvrelay is faster),
 at the largest level run; `greedy_match_min`: every policy's answers against the first.
+
+Then the simulator (benchmarks/cluster_sim.py), with step costs measured here on one
+thread: the same sessions on 2 simulated replicas, against the measured TTFT p50 of each
+policy (`sim_vs_real_error`: the largest relative error over the policies), and on 8, 16
+and 64 replicas with as many sessions per replica as the real run had
+(`sim_ttft_p50_ratio_vs_least_loaded_64`: least-loaded's simulated TTFT p50 over kvrelay's).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 import sys
@@ -34,14 +41,18 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 from benchmarks.agents.bench import Cell, Prompts, interleaved, quick_subset, working_set
 from benchmarks.agents.replay import Replay
 from benchmarks.agents.stacks import MODEL, warm
 from benchmarks.agents.workload import load_all
+from benchmarks.cluster_sim import (BLOCK_SIZE, Costs, SimResult, SimSession, Simulation, build_trace, calibrate,
+                                    copies)
 from benchmarks.common import BenchResult
 from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.model_store import resolve_model
+from engine_ext.tokenizer import Tokenizer
 
 POLICIES = ("cache_aware", "session", "round_robin", "least_loaded", "prefix_hash")
 BASELINES = ("round_robin", "least_loaded", "prefix_hash")  # what users run instead
@@ -55,6 +66,7 @@ FULL_LEVELS = (8, 32)
 NUM_REPLICAS = 2
 REPLAYS = 2  # the quick run's per policy; the second pass runs the policies in reverse order
 FULL_REPLAYS = 1  # the full run's: 283 requests per replay
+SIM_REPLICAS = (8, 16, 64)
 ADMIN_KEY = "bench-cluster-admin-key-0123456789"
 
 
@@ -69,6 +81,8 @@ class ClusterBench:
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
         self._t0 = time.monotonic()
+        self._traces: dict[int, tuple[list[SimSession], int, dict[str, Cell]]] = {}
+        self._sim_costs: Costs | None = None
 
     def run(self) -> BenchResult:
         for level in self.levels:
@@ -76,12 +90,14 @@ class ClusterBench:
         top = max(self.levels)
         for name in ("hit_rate_ratio_vs_best", "ttft_p50_ratio_vs_best", "ttft_p50_ratio_vs_session"):
             self.metrics[name] = self.metrics[f"{name}_{top}"]
+        self._simulate(top)
         self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items() if k.startswith("greedy_match_"))
         config = {"quick": self.quick, "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
                   "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
-                  "model": str(self.model_dir)}
+                  "model": str(self.model_dir), "sim_replicas": SIM_REPLICAS,
+                  "sim_costs": dataclasses.asdict(self._sim_costs) if self._sim_costs else None}
         return BenchResult("cluster", self.metrics, config, self.rows,
                            ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
 
@@ -102,6 +118,60 @@ class ClusterBench:
                            f"{c.errors} errors")
             cells[policy] = cells[policy].merged(c) if policy in cells else c
         self._score(level, cells)
+        self._traces[level] = (self._trace(rendered), per_replica, cells)
+
+    # -- the simulator ---------------------------------------------------------------------
+    def _trace(self, rendered: Cell) -> list[SimSession]:
+        tokenizer = Tokenizer(self.model_dir)
+
+        def encode(body: dict[str, Any]) -> list[int]:
+            return tokenizer.encode(tokenizer.render_chat(body["messages"], tools=body.get("tools")))
+
+        def first_message(body: dict[str, Any]) -> int:
+            text = tokenizer.render_chat(body["messages"][:1], tools=body.get("tools"), add_generation_prompt=False)
+            return len(tokenizer.encode(text))
+
+        return build_trace(self.runs, rendered.outcomes, encode, first_message)
+
+    def _simulate(self, level: int) -> None:
+        """The simulator against this level's measured run (2 replicas), then at scale."""
+        trace, per_replica, cells = self._traces[level]
+        costs = self._sim_costs = calibrate(self.model_dir)
+        self._progress(f"simulator costs (one core): {costs.prefill_s_per_token * 1000:.2f} ms a prompt token, "
+                       f"decode step {costs.step_s * 1000:.1f} + {costs.step_s_per_seq * 1000:.1f} ms a sequence")
+        blocks = per_replica // BLOCK_SIZE
+        errors = []
+        for policy in POLICIES:
+            sim = Simulation(costs, NUM_REPLICAS, blocks, policy, level).run(trace)
+            real = cells[policy].ttft_ms(0.5)
+            errors.append(abs(sim.ttft_p50_ms - real) / real)
+            self.metrics[f"sim_ttft_p50_ms_{policy}_{NUM_REPLICAS}"] = sim.ttft_p50_ms
+            self.metrics[f"sim_hit_rate_{policy}_{NUM_REPLICAS}"] = sim.hit_rate
+            self.rows.append((f"simulated vs measured, {NUM_REPLICAS} replicas: TTFT p50 ms, {policy}",
+                              f"{sim.ttft_p50_ms:.0f}", f"{real:.0f}", f"{sim.ttft_p50_ms / real:.3f}"))
+        self.metrics["sim_vs_real_error"] = max(errors)
+        per_replica_sessions = max(level // NUM_REPLICAS, 1)
+        for replicas in SIM_REPLICAS:
+            sessions = copies(trace, per_replica_sessions * replicas)
+            results = {p: Simulation(costs, replicas, blocks, p, len(sessions)).run(sessions) for p in POLICIES}
+            self._sim_rows(replicas, len(sessions), results)
+
+    def _sim_rows(self, replicas: int, sessions: int, results: dict[str, SimResult]) -> None:
+        ours = results[KVRELAY]
+        for policy, result in results.items():
+            self.metrics[f"sim_ttft_p50_ms_{policy}_{replicas}"] = result.ttft_p50_ms
+            self.metrics[f"sim_hit_rate_{policy}_{replicas}"] = result.hit_rate
+        best = min(results[b].ttft_p50_ms for b in BASELINES)
+        self.metrics[f"sim_ttft_p50_ratio_vs_least_loaded_{replicas}"] = \
+            results["least_loaded"].ttft_p50_ms / ours.ttft_p50_ms
+        self.metrics[f"sim_ttft_p50_ratio_vs_best_{replicas}"] = best / ours.ttft_p50_ms
+        for policy in POLICIES[1:]:
+            result = results[policy]
+            self.rows.append((f"simulated, {replicas} replicas, {sessions} sessions: TTFT p50 ms, vs {policy}",
+                              f"{ours.ttft_p50_ms:.0f}", f"{result.ttft_p50_ms:.0f}",
+                              f"{result.ttft_p50_ms / ours.ttft_p50_ms:.3f}"))
+            self.rows.append((f"simulated, {replicas} replicas: prompt share from cache, vs {policy}",
+                              f"{ours.hit_rate:.3f}", f"{result.hit_rate:.3f}", ""))
 
     def _score(self, level: int, cells: dict[str, Cell]) -> None:
         ours = cells[KVRELAY]

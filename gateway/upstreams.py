@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.routing.cache_map import CHARS_PER_TOKEN, CacheMap
-from gateway.routing.policies import Route, SessionHomes, build_policy
+from gateway.routing.cache_map import CacheMap
+from gateway.routing.policies import Route, SessionHomes, build_policy, plan_route
 from gateway.routing.prefix_keys import prefix_keys
 from gateway.settings import Breaker, RoutingSettings
 
@@ -82,11 +82,7 @@ class UpstreamPool:
         it is predicted to start with, its size); None for a policy that reads none."""
         if not self.policy.reads_prompt:
             return None
-        keys = tuple(prefix_keys(view, cache_salt))
-        predicted = tuple(self.cache.predict(keys)) if self.policy.reads_cache else ()
-        chars = keys[-1].chars if keys else 0
-        tokens = max(chars // CHARS_PER_TOKEN, len(predicted) * self.cache.block_size)
-        return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
+        return plan_route(tuple(prefix_keys(view, cache_salt)), self.cache, self.policy.reads_cache)
 
     def routed(self, route: Route | None, upstream: Upstream) -> None:
         """The request went to `upstream`: its predicted blocks (and keys) will be there."""

@@ -30,7 +30,7 @@ from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
-from gateway.routing.cache_map import CacheMap
+from gateway.routing.cache_map import CHARS_PER_TOKEN, CacheMap
 from gateway.routing.prefix_keys import PrefixKey
 from gateway.settings import RoutingSettings
 
@@ -48,6 +48,15 @@ class Route(NamedTuple):
     keys: tuple[PrefixKey, ...] = ()
     predicted: tuple[str, ...] = ()  # block digests the prompt is expected to start with
     prompt_tokens: int = 0  # estimated
+
+
+def plan_route(keys: tuple[PrefixKey, ...], cache: CacheMap, reads_cache: bool) -> Route:
+    """A prompt's Route (no session yet): its keys, the blocks the cache map predicts it
+    starts with (when the policy reads them) and its size, estimated without a tokenizer."""
+    predicted = tuple(cache.predict(keys)) if reads_cache else ()
+    chars = keys[-1].chars if keys else 0
+    tokens = max(chars // CHARS_PER_TOKEN, len(predicted) * cache.block_size)
+    return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
 
 
 class SessionHomes:

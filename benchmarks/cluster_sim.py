@@ -1,0 +1,344 @@
+"""A trace-driven model of routing across many replicas (`kvrelay bench cluster`'s simulator).
+
+Two one-core replicas are all this machine can run; the question the policies answer is
+what happens at 8, 16 or 64. This replays the same captured sessions, with the prompts a
+real replay rendered (tokenized by the model's own chat template, hashed into the
+engine's 16-token blocks) and the answer lengths it measured, against simulated replicas:
+
+- the router is the gateway's: the same policy classes (gateway/routing/policies.py),
+  the same prefix keys, the same CacheMap fed by the same reports (every `poll_s`) and
+  the same learning from each response's blocks; only the upstreams are simulated;
+- a replica is one core running engine steps: a step computes up to `chunk_tokens`
+  prompt tokens (first come, first served) and one token of every decoding sequence,
+  and costs `step_s` + `prefill_s_per_token` x its prompt tokens + `step_s_per_seq` x
+  its sequences; those costs are measured on this machine (`calibrate`);
+- a replica's cache is an LRU of blocks holding its device tier and the host tier the
+  engine sizes by default (twice the device tier); a prompt computes the part after the
+  longest run of its blocks there, counted when its prefill starts; the blocks of the
+  requests it is running take device room first.
+
+Sessions are closed loops as in the real replay: `concurrency` sessions at once, a
+request sent when the requests it waited for in the capture have ended. For more
+replicas than sessions captured, each session is copied; a copy shares its first
+message (the app's fixed system prompt) with the original and nothing after it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import heapq
+import itertools
+import statistics
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.agents.replay import Key, Outcome
+from benchmarks.agents.workload import Run
+from gateway.routing.cache_map import CacheMap
+from gateway.routing.policies import POLICIES, CacheAware, RoutingPolicy, SessionHomes, plan_route
+from gateway.routing.prefix_keys import PrefixKey, prefix_keys
+from kvrelay.wire.cache_report import CacheReport, digests
+
+BLOCK_SIZE = 16  # the embedded engine's
+HOST_MULTIPLE = 2  # the default host tier, in device tiers (engine_ext/tiers/sizing.py)
+LOAD_GUARD_FACTOR = 2.0  # the gateway's default (gateway/settings.py)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What an engine step costs on one core (seconds)."""
+
+    prefill_s_per_token: float
+    step_s: float
+    step_s_per_seq: float
+    chunk_tokens: int = 512
+    poll_s: float = 0.5  # how often the gateway reads each replica's blocks
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    index: int  # within its session
+    waits_for: tuple[int, ...]  # indices of the session's requests it is sent after
+    keys: tuple[PrefixKey, ...]  # the gateway's prefix keys of its prompt
+    blocks: tuple[bytes, ...]  # the hashes of its prompt's full blocks
+    shared_blocks: int  # of those, the first message's (what a copy of its session shares)
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class SimSession:
+    name: str
+    requests: tuple[SimRequest, ...]
+
+
+def build_trace(runs: Sequence[Run], outcomes: dict[Key, Outcome], encode: Callable[[dict[str, Any]], list[int]],
+                first_message_tokens: Callable[[dict[str, Any]], int]) -> list[SimSession]:
+    """The sessions of `runs` as the real replay sent them: `outcomes` holds each
+    request's rendered prompt and measured answer length; `encode` tokenizes a body's
+    prompt, `first_message_tokens` the part a copy shares (see `copies`)."""
+    sessions = []
+    for run in runs:
+        index = {r.seq: i for i, r in enumerate(run.requests)}
+        requests = []
+        for i, request in enumerate(run.requests):
+            outcome = outcomes[request.key]
+            ids = encode(outcome.body)
+            blocks = _block_hashes(ids)
+            requests.append(SimRequest(
+                i, tuple(index[r.seq] for r in run.waits_for(request)), tuple(prefix_keys(outcome.body, None)),
+                blocks, min(first_message_tokens(outcome.body) // BLOCK_SIZE, len(blocks)), len(ids),
+                max(outcome.completion_tokens, 1)))
+        sessions.append(SimSession("/".join(run.key), tuple(requests)))
+    return sessions
+
+
+def _block_hashes(ids: list[int]) -> tuple[bytes, ...]:
+    """Chained hashes of the prompt's full blocks: equal only where the prefixes are equal."""
+    out, parent = [], b""
+    for start in range(0, len(ids) - len(ids) % BLOCK_SIZE, BLOCK_SIZE):
+        data = b"".join(t.to_bytes(4, "little") for t in ids[start:start + BLOCK_SIZE])
+        parent = hashlib.blake2b(parent + data, digest_size=16).digest()
+        out.append(parent)
+    return tuple(out)
+
+
+def copies(sessions: list[SimSession], count: int) -> list[SimSession]:
+    """`count` sessions from the captured ones, round-robin; copy c > 0 shares its
+    prompts' first message (keys and blocks) with the original and nothing after it."""
+    out = []
+    for c in range(count):
+        base = sessions[c % len(sessions)]
+        salt = c // len(sessions)
+        out.append(base if salt == 0 else SimSession(f"{base.name}#{salt}", tuple(
+            _salted(r, salt) for r in base.requests)))
+    return out
+
+
+def _salted(request: SimRequest, salt: int) -> SimRequest:
+    tag = salt.to_bytes(4, "big")
+    keys = request.keys[:1] + tuple(PrefixKey(hashlib.blake2b(k.key + tag, digest_size=16).digest(), k.chars)
+                                    for k in request.keys[1:])
+    shared = request.shared_blocks
+    blocks = request.blocks[:shared] + tuple(hashlib.blake2b(b + tag, digest_size=16).digest()
+                                             for b in request.blocks[shared:])
+    return dataclasses.replace(request, keys=keys, blocks=blocks)
+
+
+@dataclass
+class _Job:
+    session: int
+    request: SimRequest
+    arrived: float
+    todo: int = -1  # prompt tokens left to compute; -1 until its prefill starts
+    decoded: int = 0
+    occupancy: int = 0  # what it added to the replica's in_flight_tokens
+    first_token: float | None = None
+
+
+@dataclass
+class SimReplica:
+    """A replica as the router sees it (`url`, `in_flight`, `in_flight_tokens`) and as
+    the model runs it (a queue of prefills, a batch of decodes, an LRU of blocks)."""
+
+    url: str
+    device_blocks: int
+    in_flight: int = 0
+    in_flight_tokens: int = 0
+    busy: bool = False
+    prefilling: deque[_Job] = field(default_factory=deque)
+    decoding: list[_Job] = field(default_factory=list)
+    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def start_prefill(self, job: _Job) -> None:
+        hit = 0
+        for block in job.request.blocks:
+            if block not in self.cache:
+                break
+            self.cache.move_to_end(block)
+            hit += 1
+        # The last prompt token is always computed (its logits give the first token).
+        cached = min(hit * BLOCK_SIZE, job.request.prompt_tokens - 1)
+        job.todo = job.request.prompt_tokens - cached
+        self.prompt_tokens += job.request.prompt_tokens
+        self.cached_tokens += cached
+
+    def keep(self, blocks: Sequence[bytes]) -> None:
+        for block in blocks:
+            self.cache[block] = None
+            self.cache.move_to_end(block)
+        running = sum(len(j.request.blocks) for j in (*self.prefilling, *self.decoding))
+        room = max(self.device_blocks * (1 + HOST_MULTIPLE) - running, 0)
+        while len(self.cache) > room:
+            self.cache.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    ttft_s: list[float]
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def ttft_p50_ms(self) -> float:
+        return statistics.median(self.ttft_s) * 1000
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class Simulation:
+    """One replay of `sessions` over `num_replicas` simulated replicas routed by `policy`."""
+
+    def __init__(self, costs: Costs, num_replicas: int, device_blocks: int, policy: str, concurrency: int) -> None:
+        self.costs = costs
+        self.replicas = [SimReplica(f"http://replica-{i}", device_blocks) for i in range(num_replicas)]
+        self.cache = CacheMap()
+        self.homes = SessionHomes()
+        self.policy: RoutingPolicy = (CacheAware(self.homes, LOAD_GUARD_FACTOR, self.cache) if policy == CacheAware.name
+                                      else POLICIES[policy](self.homes, LOAD_GUARD_FACTOR))
+        self.concurrency = concurrency
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.now = 0.0
+
+    def run(self, sessions: list[SimSession]) -> SimResult:
+        self._sessions = sessions
+        self._waiting = deque(range(len(sessions)))
+        self._done: list[set[int]] = [set() for _ in sessions]
+        self._sent: list[set[int]] = [set() for _ in sessions]
+        self._ttft: list[float] = []
+        self._remaining = sum(len(s.requests) for s in sessions)
+        for _ in range(min(self.concurrency, len(sessions))):
+            self._start_session()
+        self._at(0.0, self._poll)
+        while self._remaining and self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action()
+        return SimResult(self._ttft, sum(r.prompt_tokens for r in self.replicas),
+                         sum(r.cached_tokens for r in self.replicas))
+
+    # -- sessions and the router -------------------------------------------------------
+    def _start_session(self) -> None:
+        if self._waiting:
+            self._send_ready(self._waiting.popleft())
+
+    def _send_ready(self, session: int) -> None:
+        done, sent = self._done[session], self._sent[session]
+        for request in self._sessions[session].requests:
+            if request.index not in sent and all(w in done for w in request.waits_for):
+                sent.add(request.index)
+                self._route(_Job(session, request, self.now))
+
+    def _route(self, job: _Job) -> None:
+        route = plan_route(job.request.keys, self.cache, self.policy.reads_cache)
+        route = route._replace(session_id=self._sessions[job.session].name)
+        replica = self.policy.order(route, list(self.replicas))[0]  # type: ignore[arg-type]
+        assert isinstance(replica, SimReplica)
+        if self.policy.reads_cache:
+            self.cache.routed(replica.url, route.keys, route.predicted)
+        job.occupancy = max(route.prompt_tokens - int(self.cache.hits(replica.url, route.keys, route.predicted)), 0)
+        replica.in_flight += 1
+        replica.in_flight_tokens += job.occupancy
+        replica.prefilling.append(job)
+        if not replica.busy:
+            self._step(replica)
+
+    def _finished(self, replica: SimReplica, job: _Job) -> None:
+        replica.in_flight -= 1
+        self._remaining -= 1
+        self.cache.learn(job.request.keys, digests(job.request.blocks))
+        session = self._sessions[job.session]
+        self._done[job.session].add(job.request.index)
+        if len(self._done[job.session]) == len(session.requests):
+            self._start_session()
+        else:
+            self._send_ready(job.session)
+
+    def _poll(self) -> None:
+        for replica in self.replicas:
+            self.cache.replace(replica.url, CacheReport(block_size=BLOCK_SIZE, device=digests(replica.cache)))
+        self._at(self.now + self.costs.poll_s, self._poll)
+
+    # -- replicas ----------------------------------------------------------------------
+    def _step(self, replica: SimReplica) -> None:
+        """Start the replica's next step if it has work; its end is an event."""
+        if not replica.prefilling and not replica.decoding:
+            replica.busy = False
+            return
+        replica.busy = True
+        budget, chunk = self.costs.chunk_tokens, []
+        for job in replica.prefilling:
+            if budget == 0:
+                break
+            if job.todo < 0:
+                replica.start_prefill(job)
+            take = min(job.todo, budget)
+            chunk.append((job, take))
+            budget -= take
+        seqs = len(replica.decoding) + sum(1 for job, take in chunk if take == job.todo)
+        cost = (self.costs.step_s + self.costs.prefill_s_per_token * (self.costs.chunk_tokens - budget)
+                + self.costs.step_s_per_seq * seqs)
+        self._at(self.now + cost, lambda: self._end_step(replica, chunk))
+
+    def _end_step(self, replica: SimReplica, chunk: list[tuple[_Job, int]]) -> None:
+        ended = []
+        for job in replica.decoding:
+            job.decoded += 1
+            if job.decoded >= job.request.output_tokens:
+                ended.append(job)
+        replica.decoding = [j for j in replica.decoding if j not in ended]
+        for job, take in chunk:
+            job.todo -= take
+            if job.todo == 0:
+                replica.prefilling.remove(job)
+                job.first_token, job.decoded = self.now, 1
+                self._ttft.append(self.now - job.arrived)
+                replica.in_flight_tokens -= job.occupancy
+                replica.keep(job.request.blocks)
+                (ended if job.decoded >= job.request.output_tokens else replica.decoding).append(job)
+        for job in ended:
+            self._finished(replica, job)
+        self._step(replica)
+
+    def _at(self, when: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (when, next(self._order), action))
+
+
+def calibrate(model_dir: Path, prompt_tokens: int = 512, batch: int = 8, repeats: int = 3) -> Costs:
+    """Step costs of the embedded engine on one thread (a replica's one core), measured here:
+    a prefill of `prompt_tokens` fresh tokens, and decode steps at batch 1 and `batch`."""
+    import torch
+
+    from benchmarks.engine import PromptSource, engine_decode_tps, engine_prefill
+    from engine_ext.config import EngineConfig
+    from engine_ext.engine import LLMEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=256 * 2**20))
+        prompts = PromptSource(engine.model_config.vocab_size, seed=7)
+        one = min(_seconds(lambda: engine_prefill(engine, prompts, prompt_tokens)) for _ in range(repeats))
+        step_1 = 1 / engine_decode_tps(engine, prompts, 1, 64, 16)
+        step_b = batch / engine_decode_tps(engine, prompts, batch, 64, 16)
+    finally:
+        torch.set_num_threads(threads)
+    per_seq = max((step_b - step_1) / (batch - 1), 0.0)
+    step = max(step_1 - per_seq, 0.0)
+    return Costs(prefill_s_per_token=max(one - step - per_seq, 0.0) / prompt_tokens, step_s=step,
+                 step_s_per_seq=per_seq)
+
+
+def _seconds(action: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started

@@ -1,0 +1,88 @@
+"""The cluster simulator: its cost model, its caches, and the gateway's policies driving it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from benchmarks.cluster_sim import BLOCK_SIZE, Costs, SimRequest, SimSession, Simulation, copies
+from gateway.routing.prefix_keys import PrefixKey
+
+COSTS = Costs(prefill_s_per_token=0.001, step_s=0.01, step_s_per_seq=0.002, chunk_tokens=256, poll_s=0.5)
+
+
+def _hashes(tag: str, n: int, parent: bytes = b"") -> tuple[bytes, ...]:
+    out = []
+    for i in range(n):
+        parent = hashlib.blake2b(parent + f"{tag}{i}".encode(), digest_size=16).digest()
+        out.append(parent)
+    return tuple(out)
+
+
+def _request(index: int, blocks: tuple[bytes, ...], keys: tuple[PrefixKey, ...], output: int = 4,
+             waits_for: tuple[int, ...] = ()) -> SimRequest:
+    return SimRequest(index, waits_for if waits_for or index == 0 else (index - 1,), keys, blocks, 1,
+                      len(blocks) * BLOCK_SIZE, output)
+
+
+def _session(name: str, turns: int, blocks_per_turn: int = 8, shared: tuple[bytes, ...] = ()) -> SimSession:
+    """A session whose every prompt extends the last one (an agent chain)."""
+    requests = []
+    blocks = shared
+    keys: tuple[PrefixKey, ...] = (PrefixKey(b"sys" + bytes(13), 100),)
+    for i in range(turns):
+        blocks = blocks + _hashes(f"{name}-{i}-", blocks_per_turn, blocks[-1] if blocks else b"")
+        keys = keys + (PrefixKey(hashlib.blake2b(keys[-1].key + name.encode() + bytes([i]), digest_size=16).digest(),
+                                 len(blocks) * BLOCK_SIZE * 4),)
+        requests.append(_request(i, blocks, keys))
+    return SimSession(name, tuple(requests))
+
+
+def test_one_request_costs_its_steps() -> None:
+    """A 256-token prompt is one chunk; then three decode steps of one sequence."""
+    blocks = _hashes("a", 16)
+    session = SimSession("s", (_request(0, blocks, (PrefixKey(b"k" * 16, 1024),)),))
+    result = Simulation(COSTS, 1, 1000, "session", 1).run([session])
+    first = COSTS.step_s + 256 * COSTS.prefill_s_per_token + COSTS.step_s_per_seq
+    assert result.ttft_s == [pytest.approx(first)]
+    assert result.prompt_tokens == 256 and result.cached_tokens == 0
+
+
+def test_a_chain_reuses_its_own_prefix_and_concurrency_bounds_the_sessions() -> None:
+    sessions = [_session("a", 3), _session("b", 3)]
+    result = Simulation(COSTS, 1, 1000, "session", 1).run(sessions)
+    # Each turn after the first finds the previous prompt (8 blocks per turn) cached.
+    assert result.cached_tokens == 2 * (8 + 16) * BLOCK_SIZE
+    assert len(result.ttft_s) == 6
+    # One session at a time: no TTFT ever includes another request's prefill.
+    assert max(result.ttft_s) < COSTS.step_s + 256 * COSTS.prefill_s_per_token + 2 * COSTS.step_s_per_seq + 1e-9
+
+
+def test_a_small_cache_evicts_least_recently_used_blocks() -> None:
+    sessions = [_session("a", 3)]
+    result = Simulation(COSTS, 1, 4, "session", 1).run(sessions)  # 4 device + 8 host blocks
+    assert result.cached_tokens < (8 + 16) * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("policy", ["session", "cache_aware"])
+def test_cache_knowing_policies_keep_a_session_with_its_blocks(policy: str) -> None:
+    sessions = [_session(f"s{i}", 4) for i in range(3)]  # odd: round-robin cannot align with a session
+    ours = Simulation(COSTS, 2, 1000, policy, 3).run(sessions)
+    spread = Simulation(COSTS, 2, 1000, "round_robin", 3).run(sessions)
+    assert ours.hit_rate == pytest.approx(24 / 40)  # every turn after the first hits its whole last prompt
+    assert spread.hit_rate < ours.hit_rate
+    assert len(ours.ttft_s) == len(spread.ttft_s) == 12
+
+
+def test_a_copy_shares_only_its_first_message() -> None:
+    system = _hashes("sys", 2)
+    base = _session("a", 2, shared=system)
+    base = SimSession(base.name, tuple(SimRequest(r.index, r.waits_for, r.keys, r.blocks, 2, r.prompt_tokens,
+                                                  r.output_tokens) for r in base.requests))
+    original, copy = copies([base], 2)
+    assert original is base
+    for a, b in zip(original.requests, copy.requests):
+        assert a.blocks[:2] == b.blocks[:2] and not set(a.blocks[2:]) & set(b.blocks[2:])
+        assert a.keys[0] == b.keys[0] and not set(a.keys[1:]) & set(b.keys[1:])
+        assert (a.prompt_tokens, a.output_tokens, a.waits_for) == (b.prompt_tokens, b.output_tokens, b.waits_for)
