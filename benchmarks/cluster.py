@@ -68,6 +68,7 @@ REPLAYS = 2  # the quick run's per policy; the second pass runs the policies in 
 FULL_REPLAYS = 1  # the full run's: 283 requests per replay
 SIM_REPLICAS = (8, 16, 64)
 ADMIN_KEY = "bench-cluster-admin-key-0123456789"
+RENDER = "least_loaded"  # the policy of the live replay that renders the prompts (and fits the simulator)
 
 
 class ClusterBench:
@@ -81,7 +82,8 @@ class ClusterBench:
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
         self._t0 = time.monotonic()
-        self._traces: dict[int, tuple[list[SimSession], int, dict[str, Cell]]] = {}
+        self._traces: dict[int, tuple[list[SimSession], int, dict[str, Cell], Cell]] = {}  # level -> (trace,
+        # KV tokens per replica, the policies' cells, the render replay's)
         self._sim_costs: Costs | None = None
 
     def run(self) -> BenchResult:
@@ -105,7 +107,7 @@ class ClusterBench:
         budget = working_set(self.runs, level, {})
         per_replica = max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
         self._progress(f"{level} sessions at once: {per_replica} KV tokens per replica")
-        with self._cluster("least_loaded", per_replica) as url:  # the live render, a warm-up
+        with self._cluster(RENDER, per_replica) as url:  # the live render, a warm-up
             rendered = self._replay(url, level, None)
         prompts: Prompts = {k: (o.body, o.quotes) for k, o in rendered.outcomes.items()}
         cells: dict[str, Cell] = {}
@@ -118,7 +120,7 @@ class ClusterBench:
                            f"{c.errors} errors")
             cells[policy] = cells[policy].merged(c) if policy in cells else c
         self._score(level, cells)
-        self._traces[level] = (self._trace(rendered), per_replica, cells)
+        self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
 
     # -- the simulator ---------------------------------------------------------------------
     def _trace(self, rendered: Cell) -> list[SimSession]:
@@ -135,11 +137,18 @@ class ClusterBench:
 
     def _simulate(self, level: int) -> None:
         """The simulator against this level's measured run (2 replicas), then at scale."""
-        trace, per_replica, cells = self._traces[level]
-        costs = self._sim_costs = calibrate(self.model_dir)
-        self._progress(f"simulator costs (one core): {costs.prefill_s_per_token * 1000:.2f} ms a prompt token, "
-                       f"decode step {costs.step_s * 1000:.1f} + {costs.step_s_per_seq * 1000:.1f} ms a sequence")
+        trace, per_replica, cells, rendered = self._traces[level]
+        measured = calibrate(self.model_dir)
         blocks = per_replica // BLOCK_SIZE
+        # One factor for what a real run adds to the engine measured alone, fitted to the
+        # render replay: a replay of its own, not one of those the simulator is checked on.
+        render = Simulation(measured, NUM_REPLICAS, blocks, RENDER, level).run(trace)
+        factor = rendered.ttft_ms(0.5) / render.ttft_p50_ms
+        costs = self._sim_costs = measured.scaled(factor)
+        self.metrics["sim_cost_factor"] = factor
+        self._progress(f"simulator costs (one core, measured x {factor:.2f}): {costs.prefill_s_per_token * 1000:.2f} "
+                       f"ms a prompt token, decode step {costs.step_s * 1000:.1f} + "
+                       f"{costs.step_s_per_seq * 1000:.1f} ms a sequence")
         errors = []
         for policy in POLICIES:
             sim = Simulation(costs, NUM_REPLICAS, blocks, policy, level).run(trace)

@@ -8,10 +8,13 @@ engine's 16-token blocks) and the answer lengths it measured, against simulated 
 - the router is the gateway's: the same policy classes (gateway/routing/policies.py),
   the same prefix keys, the same CacheMap fed by the same reports (every `poll_s`) and
   the same learning from each response's blocks; only the upstreams are simulated;
-- a replica is one core running engine steps: a step computes up to `chunk_tokens`
-  prompt tokens (first come, first served) and one token of every decoding sequence,
-  and costs `step_s` + `prefill_s_per_token` x its prompt tokens + `step_s_per_seq` x
-  its sequences; those costs are measured on this machine (`calibrate`);
+- a replica is one core running the engine's steps: a step takes one token of every
+  decoding sequence, then prompt tokens (first come, first served) up to
+  `step_tokens` in all (the engine's `max_num_batched_tokens`), and costs `step_s` +
+  `prefill_s_per_token` x its prompt tokens + `step_s_per_seq` x its sequences; those
+  costs are measured on this machine (`calibrate`), and scaled by one factor fitted to
+  a real replay (`Costs.scaled`: the gateway, the client and the HTTP path share the
+  cores in a real run, which an engine measured alone does not see);
 - a replica's cache is an LRU of blocks holding its device tier and the host tier the
   engine sizes by default (twice the device tier); a prompt computes the part after the
   longest run of its blocks there, counted when its prefill starts; the blocks of the
@@ -39,6 +42,7 @@ from typing import Any
 
 from benchmarks.agents.replay import Key, Outcome
 from benchmarks.agents.workload import Run
+from engine_ext.config import EngineConfig
 from gateway.routing.cache_map import CacheMap
 from gateway.routing.policies import POLICIES, CacheAware, RoutingPolicy, SessionHomes, plan_route
 from gateway.routing.prefix_keys import PrefixKey, prefix_keys
@@ -56,8 +60,13 @@ class Costs:
     prefill_s_per_token: float
     step_s: float
     step_s_per_seq: float
-    chunk_tokens: int = 512
+    step_tokens: int = EngineConfig.max_num_batched_tokens
     poll_s: float = 0.5  # how often the gateway reads each replica's blocks
+
+    def scaled(self, factor: float) -> Costs:
+        """Every time `factor` x as long."""
+        return dataclasses.replace(self, prefill_s_per_token=self.prefill_s_per_token * factor,
+                                   step_s=self.step_s * factor, step_s_per_seq=self.step_s_per_seq * factor)
 
 
 @dataclass(frozen=True)
@@ -174,8 +183,9 @@ class SimReplica:
         for block in blocks:
             self.cache[block] = None
             self.cache.move_to_end(block)
+        # The running requests' blocks take device room; the host tier holds only cached ones.
         running = sum(len(j.request.blocks) for j in (*self.prefilling, *self.decoding))
-        room = max(self.device_blocks * (1 + HOST_MULTIPLE) - running, 0)
+        room = self.device_blocks * HOST_MULTIPLE + max(self.device_blocks - running, 0)
         while len(self.cache) > room:
             self.cache.popitem(last=False)
 
@@ -275,9 +285,9 @@ class Simulation:
             replica.busy = False
             return
         replica.busy = True
-        budget, chunk = self.costs.chunk_tokens, []
+        budget, chunk = self.costs.step_tokens - len(replica.decoding), []
         for job in replica.prefilling:
-            if budget == 0:
+            if budget <= 0:
                 break
             if job.todo < 0:
                 replica.start_prefill(job)
@@ -285,7 +295,7 @@ class Simulation:
             chunk.append((job, take))
             budget -= take
         seqs = len(replica.decoding) + sum(1 for job, take in chunk if take == job.todo)
-        cost = (self.costs.step_s + self.costs.prefill_s_per_token * (self.costs.chunk_tokens - budget)
+        cost = (self.costs.step_s + self.costs.prefill_s_per_token * sum(take for _, take in chunk)
                 + self.costs.step_s_per_seq * seqs)
         self._at(self.now + cost, lambda: self._end_step(replica, chunk))
 
@@ -319,13 +329,13 @@ def calibrate(model_dir: Path, prompt_tokens: int = 512, batch: int = 8, repeats
     import torch
 
     from benchmarks.engine import PromptSource, engine_decode_tps, engine_prefill
-    from engine_ext.config import EngineConfig
     from engine_ext.engine import LLMEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=256 * 2**20))
+        prompt_tokens = min(prompt_tokens, engine.max_model_len // 2)  # a test model's context is short
         prompts = PromptSource(engine.model_config.vocab_size, seed=7)
         one = min(_seconds(lambda: engine_prefill(engine, prompts, prompt_tokens)) for _ in range(repeats))
         step_1 = 1 / engine_decode_tps(engine, prompts, 1, 64, 16)

@@ -17,10 +17,10 @@ size). Registered by name in `POLICIES`; `routing.policy` picks one.
   tokens it would compute there (those not among the blocks the replica holds) plus
   `load_weight` x the work already in flight there (the prompt tokens its requests have
   still to compute, and `decode_tokens` for each; gateway/settings.py says why). The
-  cheapest wins; a request that would hit nowhere goes to its session's home, as
-  `session` would send it, and so does one whose hits cover less than `min_hit_share`
-  of its prompt anywhere (SGLang's cache-aware router has the same threshold) or only on
-  replicas past the load guard. Requests of a round go home.
+  cheapest wins; a request that would hit nowhere goes where the least work is queued
+  (its session's home on a tie), and so does one whose hits cover less than
+  `min_hit_share` of its prompt anywhere (SGLang's cache-aware router has the same
+  threshold) or only on replicas past the load guard. Requests of a round go home.
 """
 
 from __future__ import annotations
@@ -196,13 +196,18 @@ class CacheAware(RoutingPolicy):
         # carrying them (bench cluster, 32 sessions, before this rule: one replica's queue
         # wait summed to 862 s, the other's to 207 s).
         worth = [u for u in usable if hits[u.url] > 0 and hits[u.url] >= floor and not self._overloaded(u, usable)]
-        fallback = home if home is not None else min(usable, key=lambda u: u.in_flight)  # where `session` sends it
-        if not worth:
-            return self._first(fallback, usable)
-        contenders = worth if fallback in worth else [*worth, fallback]
-        costs = {u.url: self.cost(u, route.prompt_tokens, hits[u.url]) for u in contenders}
-        # Ties go home, then to the upstream home to fewer sessions.
-        best = min(contenders, key=lambda u: (costs[u.url], u is not home, self.homes.counts[u.url]))
+        # No hit worth following: the replica with the least work queued, home on a tie. Sending
+        # it home regardless (as `session` would) stacked sessions of unequal size on one replica
+        # while the other idled: in the simulator (benchmarks/cluster_sim.py, the quick trace)
+        # that made cache_aware 1.3-1.7x slower at TTFT p50 than round-robin on 2-64 replicas.
+        fallback = min(usable, key=lambda u: (self.cost(u, route.prompt_tokens, 0.0), u is not home,
+                                              self.homes.counts[u.url]))
+        best = fallback
+        if worth:
+            contenders = worth if fallback in worth else [*worth, fallback]
+            costs = {u.url: self.cost(u, route.prompt_tokens, hits[u.url]) for u in contenders}
+            # Ties go home, then to the upstream home to fewer sessions.
+            best = min(contenders, key=lambda u: (costs[u.url], u is not home, self.homes.counts[u.url]))
         if route.session_id is not None:
             self.homes.settle(route.session_id, best)
         return self._first(best, usable)

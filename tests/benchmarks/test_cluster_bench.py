@@ -32,3 +32,14 @@ def test_cluster_bench_routes_the_same_prompts_by_every_policy(llama_dir, tmp_pa
         assert metrics[name] == metrics[f"{name}_2"] and metrics[name] > 0
     assert metrics["greedy_match_min"] == 1.0
     assert metrics["hit_rate_cache_aware_2"] > 0  # a session's agents find their earlier turns' blocks
+    # The simulator: fitted to the render replay, checked against each policy, then at scale.
+    assert payload["config"]["sim_costs"]["prefill_s_per_token"] > 0 and metrics["sim_cost_factor"] > 0
+    for replicas in (2, *bench_cluster.SIM_REPLICAS):
+        for policy in bench_cluster.POLICIES:
+            assert metrics[f"sim_ttft_p50_ms_{policy}_{replicas}"] > 0, (policy, replicas)
+            assert 0 <= metrics[f"sim_hit_rate_{policy}_{replicas}"] < 1, (policy, replicas)
+    errors = [abs(metrics[f"sim_ttft_p50_ms_{p}_2"] - metrics[f"ttft_p50_ms_{p}_2"]) / metrics[f"ttft_p50_ms_{p}_2"]
+              for p in bench_cluster.POLICIES]
+    assert metrics["sim_vs_real_error"] == pytest.approx(max(errors))
+    assert metrics["sim_ttft_p50_ratio_vs_least_loaded_64"] == pytest.approx(
+        metrics["sim_ttft_p50_ms_least_loaded_64"] / metrics["sim_ttft_p50_ms_cache_aware_64"])

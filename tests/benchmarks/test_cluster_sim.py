@@ -9,7 +9,7 @@ import pytest
 from benchmarks.cluster_sim import BLOCK_SIZE, Costs, SimRequest, SimSession, Simulation, copies
 from gateway.routing.prefix_keys import PrefixKey
 
-COSTS = Costs(prefill_s_per_token=0.001, step_s=0.01, step_s_per_seq=0.002, chunk_tokens=256, poll_s=0.5)
+COSTS = Costs(prefill_s_per_token=0.001, step_s=0.01, step_s_per_seq=0.002, step_tokens=256, poll_s=0.5)
 
 
 def _hashes(tag: str, n: int, parent: bytes = b"") -> tuple[bytes, ...]:
@@ -67,9 +67,11 @@ def test_a_small_cache_evicts_least_recently_used_blocks() -> None:
 
 @pytest.mark.parametrize("policy", ["session", "cache_aware"])
 def test_cache_knowing_policies_keep_a_session_with_its_blocks(policy: str) -> None:
-    sessions = [_session(f"s{i}", 4) for i in range(3)]  # odd: round-robin cannot align with a session
-    ours = Simulation(COSTS, 2, 1000, policy, 3).run(sessions)
-    spread = Simulation(COSTS, 2, 1000, "round_robin", 3).run(sessions)
+    # One session at a time, so no queue ever outweighs a hit; three, so round-robin's turns
+    # cannot line up with a session's.
+    sessions = [_session(f"s{i}", 4) for i in range(3)]
+    ours = Simulation(COSTS, 2, 1000, policy, 1).run(sessions)
+    spread = Simulation(COSTS, 2, 1000, "round_robin", 1).run(sessions)
     assert ours.hit_rate == pytest.approx(24 / 40)  # every turn after the first hits its whole last prompt
     assert spread.hit_rate < ours.hit_rate
     assert len(ours.ttft_s) == len(spread.ttft_s) == 12
@@ -86,3 +88,10 @@ def test_a_copy_shares_only_its_first_message() -> None:
         assert a.blocks[:2] == b.blocks[:2] and not set(a.blocks[2:]) & set(b.blocks[2:])
         assert a.keys[0] == b.keys[0] and not set(a.keys[1:]) & set(b.keys[1:])
         assert (a.prompt_tokens, a.output_tokens, a.waits_for) == (b.prompt_tokens, b.output_tokens, b.waits_for)
+
+
+def test_a_prompt_longer_than_a_step_takes_several_and_scaling_scales_every_cost() -> None:
+    session = SimSession("s", (_request(0, _hashes("a", 32), (PrefixKey(b"k" * 16, 2048),)),))
+    result = Simulation(COSTS.scaled(2.0), 1, 1000, "session", 1).run([session])
+    one = 2 * COSTS.step_s + 512 * COSTS.prefill_s_per_token + COSTS.step_s_per_seq  # two steps of 256
+    assert result.ttft_s == [pytest.approx(2 * one)]

@@ -83,13 +83,15 @@ def test_cache_aware_leaves_a_replica_whose_queue_costs_more_than_its_cache_save
     assert first(p, route) != "http://c"
 
 
-def test_cache_aware_without_a_hit_keeps_the_session_home_and_spreads_new_sessions():
+def test_cache_aware_without_a_hit_goes_where_least_work_is_queued_and_home_on_a_tie():
     p = pool("cache_aware", n=2)
     route = Route(None, predicted=(), prompt_tokens=300)
     assert first(p, route, session="s1") == "http://a"
     assert first(p, route, session="s2") == "http://b"  # equal load: the upstream home to fewer sessions
+    assert first(p, route, session="s1") == "http://a"  # equal load: home
     p.upstreams[0].in_flight = 1
-    assert first(p, route, session="s1") == "http://a"  # a miss everywhere: stay where its KV is
+    assert first(p, route, session="s1") == "http://b"  # a miss everywhere: the replica with less queued
+    assert p.homes.get("s1").url == "http://b"
 
 
 def test_cache_aware_keeps_a_round_home_even_where_another_replica_holds_more():
