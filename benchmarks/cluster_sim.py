@@ -211,9 +211,9 @@ class Simulation:
     def __init__(self, costs: Costs, num_replicas: int, device_blocks: int, policy: str, concurrency: int) -> None:
         self.costs = costs
         self.replicas = [SimReplica(f"http://replica-{i}", device_blocks) for i in range(num_replicas)]
-        self.cache = CacheMap()
+        self.cache_map = CacheMap()  # the gateway's view of every replica
         self.homes = SessionHomes()
-        self.policy: RoutingPolicy = (CacheAware(self.homes, LOAD_GUARD_FACTOR, self.cache) if policy == CacheAware.name
+        self.policy: RoutingPolicy = (CacheAware(self.homes, LOAD_GUARD_FACTOR, self.cache_map) if policy == CacheAware.name
                                       else POLICIES[policy](self.homes, LOAD_GUARD_FACTOR))
         self.concurrency = concurrency
         self._events: list[tuple[float, int, Callable[[], None]]] = []
@@ -249,13 +249,13 @@ class Simulation:
                 self._route(_Job(session, request, self.now))
 
     def _route(self, job: _Job) -> None:
-        route = plan_route(job.request.keys, self.cache, self.policy.reads_cache)
+        route = plan_route(job.request.keys, self.cache_map, self.policy.reads_cache)
         route = route._replace(session_id=self._sessions[job.session].name)
         replica = self.policy.order(route, list(self.replicas))[0]  # type: ignore[arg-type]
         assert isinstance(replica, SimReplica)
         if self.policy.reads_cache:
-            self.cache.routed(replica.url, route.keys, route.predicted)
-        job.occupancy = max(route.prompt_tokens - int(self.cache.hits(replica.url, route.keys, route.predicted)), 0)
+            self.cache_map.routed(replica.url, route.keys, route.predicted)
+        job.occupancy = max(route.prompt_tokens - int(self.cache_map.hits(replica.url, route.keys, route.predicted)), 0)
         replica.in_flight += 1
         replica.in_flight_tokens += job.occupancy
         replica.prefilling.append(job)
@@ -265,7 +265,7 @@ class Simulation:
     def _finished(self, replica: SimReplica, job: _Job) -> None:
         replica.in_flight -= 1
         self._remaining -= 1
-        self.cache.learn(job.request.keys, digests(job.request.blocks))
+        self.cache_map.learn(job.request.keys, digests(job.request.blocks))
         session = self._sessions[job.session]
         self._done[job.session].add(job.request.index)
         if len(self._done[job.session]) == len(session.requests):
@@ -275,7 +275,7 @@ class Simulation:
 
     def _poll(self) -> None:
         for replica in self.replicas:
-            self.cache.replace(replica.url, CacheReport(block_size=BLOCK_SIZE, device=digests(replica.cache)))
+            self.cache_map.replace(replica.url, CacheReport(block_size=BLOCK_SIZE, device=digests(replica.cache)))
         self._at(self.now + self.costs.poll_s, self._poll)
 
     # -- replicas ----------------------------------------------------------------------
