@@ -333,14 +333,15 @@ def calibrate(model_dir: Path, prompt_tokens: int = 512, batch: int = 8, repeats
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=256 * 2**20))
     try:
-        engine = LLMEngine(model_dir, EngineConfig(kv_cache_bytes=256 * 2**20))
         prompt_tokens = min(prompt_tokens, engine.max_model_len // 2)  # a test model's context is short
         prompts = PromptSource(engine.model_config.vocab_size, seed=7)
         one = min(_seconds(lambda: engine_prefill(engine, prompts, prompt_tokens)) for _ in range(repeats))
         step_1 = 1 / engine_decode_tps(engine, prompts, 1, 64, 16)
         step_b = batch / engine_decode_tps(engine, prompts, batch, 64, 16)
     finally:
+        engine.close()  # its transfer thread and its host tier, before the bench goes on
         torch.set_num_threads(threads)
     per_seq = max((step_b - step_1) / (batch - 1), 0.0)
     step = max(step_1 - per_seq, 0.0)
