@@ -44,13 +44,13 @@ from benchmarks.agents.replay import Key, Outcome
 from benchmarks.agents.workload import Run
 from engine_ext.config import EngineConfig
 from gateway.routing.cache_map import CacheMap
-from gateway.routing.policies import POLICIES, CacheAware, RoutingPolicy, SessionHomes, plan_route
+from gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, plan_route
 from gateway.routing.prefix_keys import PrefixKey, prefix_keys
+from gateway.settings import GatewaySettings, RoutingSettings
 from kvrelay.wire.cache_report import CacheReport, digests
 
 BLOCK_SIZE = 16  # the embedded engine's
 HOST_MULTIPLE = 2  # the default host tier, in device tiers (engine_ext/tiers/sizing.py)
-LOAD_GUARD_FACTOR = 2.0  # the gateway's default (gateway/settings.py)
 
 
 @dataclass(frozen=True)
@@ -213,8 +213,10 @@ class Simulation:
         self.replicas = [SimReplica(f"http://replica-{i}", device_blocks) for i in range(num_replicas)]
         self.cache_map = CacheMap()  # the gateway's view of every replica
         self.homes = SessionHomes()
-        self.policy: RoutingPolicy = (CacheAware(self.homes, LOAD_GUARD_FACTOR, self.cache_map) if policy == CacheAware.name
-                                      else POLICIES[policy](self.homes, LOAD_GUARD_FACTOR))
+        # Built as the gateway builds it, with the gateway's defaults.
+        load_guard_factor = GatewaySettings.model_fields["load_guard_factor"].default
+        self.policy: RoutingPolicy = build_policy(RoutingSettings(policy=policy), self.homes, load_guard_factor,
+                                                  self.cache_map)
         self.concurrency = concurrency
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()

@@ -50,8 +50,9 @@ class RoutingSettings(BaseModel):
     about half a prompt token's time per extra sequence per step; 8 covers the steps a
     new prompt shares with it. A lower-tier block counts `lower_tier_weight` of a device
     one (it is copied back, not computed). A replica is a contender only where its hit
-    covers `min_hit_share` of the prompt; otherwise the request goes where `session`
-    would send it. Engines' reports are polled every `cache_poll_interval_s`."""
+    covers `min_hit_share` of the prompt; otherwise the request goes where the least
+    work is queued (its session's home on a tie). Engines' reports are polled every
+    `cache_poll_interval_s`."""
 
     model_config = ConfigDict(extra="forbid")
 
