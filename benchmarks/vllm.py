@@ -30,7 +30,6 @@ answer can differ from the ids the model sampled).
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -62,9 +61,9 @@ def stack(name: str, model_dir: Path, num_blocks: int, log_dir: Path,
           connector_extra: dict[str, Any] | None = None) -> Iterator[tuple[str, VllmServer, Path]]:
     """vLLM (with the connector unless `vllm_apc`, `connector_extra` added to its settings)
     and a gateway in front of it; yields the gateway's URL, the vLLM server and the
-    gateway's SQLite file. `log_dir` is this stack's own: the connector's disk tier lives
-    there, and its host tier (in tmpfs) is removed with the stack, so no later stack
-    starts from its blocks."""
+    gateway's SQLite file. `log_dir` and the host tier's directory are this stack's own:
+    the connector adopts blocks it finds in its tiers at start, and no stack may start from
+    another's."""
     python = find_vllm_python()
     if python is None:
         raise ValueError("kvrelay bench vllm needs vLLM's venv: run `make vllm-venv` or set KVRELAY_VLLM_PYTHON")
@@ -94,8 +93,7 @@ def stack(name: str, model_dir: Path, num_blocks: int, log_dir: Path,
         raise ValueError(f"bench vllm: {name}: {exc} (logs in {log_dir})") from exc
     finally:
         gateway.stop()
-        server.kill()
-        shutil.rmtree(host_dir, ignore_errors=True)
+        server.kill()  # and removes its host tier
 
 
 class VllmBench:
