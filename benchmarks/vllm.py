@@ -68,10 +68,9 @@ def stack(name: str, model_dir: Path, num_blocks: int, log_dir: Path,
     if python is None:
         raise ValueError("kvrelay bench vllm needs vLLM's venv: run `make vllm-venv` or set KVRELAY_VLLM_PYTHON")
     log_dir.mkdir(parents=True, exist_ok=True)
-    host_dir = Path(tempfile.mkdtemp(prefix=f"kvrelay-bench-{name}-", dir="/dev/shm"))
     connector = None if name == "vllm_apc" else {
-        "host_dir": str(host_dir), "disk_dir": str(log_dir / "disk"), "host_mb": 1024, "disk_mb": 2048,
-        **(connector_extra or {})}
+        "host_dir": tempfile.mkdtemp(prefix=f"kvrelay-bench-{name}-", dir="/dev/shm"), "disk_dir": str(log_dir / "disk"),
+        "host_mb": 1024, "disk_mb": 2048, **(connector_extra or {})}
     server = VllmServer(python, model_dir, free_port(), log_dir / f"{name}-vllm.log", served_model_name=MODEL,
                         cpus="0-1", num_blocks=num_blocks, connector=connector, extra_args=TOOL_ARGS,
                         max_model_len=min(MAX_MODEL_LEN, (num_blocks - 1) * VLLM_BLOCK))
