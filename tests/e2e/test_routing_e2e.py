@@ -8,6 +8,9 @@ them, where session affinity alone sends it to the idle replica to compute them 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvrelay.wire.cache_report import BLOCKS_HEADER, BLOCKS_KEY, CACHE_PATH, CacheReport
@@ -63,22 +66,39 @@ def test_a_second_session_goes_where_its_prefix_is_only_under_cache_aware_routin
         assert there != home and cached == 0  # a new session goes to the idle replica
 
 
-def test_work_in_flight_is_counted_until_the_first_token_and_released(replicas, start_gateway):
+def test_work_in_flight_is_counted_until_the_first_token_and_released(fake_upstream, start_gateway):
     """The load cache_aware weighs: a stream's prompt tokens count on its replica until its
-    first token, its slot until its end; nothing is left counted afterwards."""
-    gw = start_gateway([srv.base_url for srv in replicas], routing={"policy": "cache_aware"})
+    first token, its slot until its end; nothing is left counted afterwards.
+
+    The upstream is a fake that waits between its events, so each phase lasts long
+    enough to be seen whatever the machine's speed (a real engine can finish a short
+    stream before the client reads its first line)."""
+    fake = fake_upstream(first_byte_delay=0.3, first_content_delay=0.3, chunk_delay=0.3)
+    gw = start_gateway([fake.url], routing={"policy": "cache_aware"})
+    upstream = gw.pool.upstreams[0]
     seen: list[tuple[int, int]] = []
-    with gw.client(timeout=60) as http:
-        body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
-                "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count."}]}
-        with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "w"}) as response:
-            assert response.status_code == 200
-            for line in response.iter_lines():
-                if line.startswith("data: {"):
-                    seen.append(max((u.in_flight, u.in_flight_tokens) for u in gw.pool.upstreams))
-        _ask(http, "w", "And now?")
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            seen.append((upstream.in_flight, upstream.in_flight_tokens))
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        with gw.client(timeout=60) as http:
+            body = {"model": "fake", "stream": True, "messages": [
+                {"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count."}]}
+            with http.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": "w"}) as response:
+                assert response.status_code == 200
+                assert any(line == "data: [DONE]" for line in response.iter_lines())
+    finally:
+        done.set()
+        sampler.join()
+    assert any(slots == 1 and tokens > 0 for slots, tokens in seen)  # before the first token
     assert (1, 0) in seen  # in flight while it streams, its prompt done from the first token on
-    assert all((u.in_flight, u.in_flight_tokens) == (0, 0) for u in gw.pool.upstreams)
+    assert (upstream.in_flight, upstream.in_flight_tokens) == (0, 0)
 
 
 def test_an_engine_reports_the_blocks_it_holds_and_each_prompts_blocks(replicas, start_gateway):
