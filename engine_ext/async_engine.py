@@ -115,14 +115,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while True:
-                # Nothing to step (KV transfers may be in flight: each one rings the queue
-                # as it lands): sleep until a command or a transfer. A step that could run
-                # nothing (a round held for its siblings) waits a moment instead of spinning.
-                idle = not self.engine.has_sequences and not self.probes.has_jobs and not self._woken
-                self._woken = False
-                waiting = self.engine.has_sequences and self.engine.last_step_empty
-                timeout = 0.5 if idle else (0.001 if waiting else 0.0)
-                if not self._drain_commands(timeout):
+                if not self._drain_commands(self._sleep_s()):
                     break
                 if self.probes.has_jobs:  # the scheduler runs a dense re-score only in steps no request wants
                     self.probes.tick(self.engine)
@@ -132,6 +125,24 @@ class AsyncEngine:
             logger.exception("engine thread died")
             self._dead = exc
             self._fail_all(EngineDeadError(f"the engine stopped: {exc}"))
+
+    def _sleep_s(self) -> float:
+        """How long the loop may wait on its command queue before stepping again; a command,
+        or a KV transfer landing (it rings the queue), ends the wait early.
+        - Nothing to step (transfers may be in flight): 0.5 s.
+        - Only a probe's dense score, waiting for the engine to be idle `probe_idle_ms`:
+          until then. Stepping meanwhile would run empty steps at ~1 kHz for the whole
+          window, on the cores (and the GIL) the next agent's request needs.
+        - A step that could run nothing (a round held for its siblings): 1 ms, not a spin."""
+        if self._woken:  # a ring `_commands_waiting` dropped: step once more before sleeping
+            self._woken = False
+            return 0.0
+        if not self.engine.has_sequences and not self.probes.has_jobs:
+            return 0.5
+        hold = self.engine.background_wait_s
+        if hold > 0.0:
+            return hold
+        return 0.001 if self.engine.last_step_empty else 0.0
 
     def _drain_commands(self, timeout: float) -> bool:
         """Apply queued commands, waiting up to `timeout` s for the first; False once asked to stop."""

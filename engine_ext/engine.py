@@ -251,6 +251,12 @@ class LLMEngine:
         """Requests or background sequences to step (`has_work` less the transfers)."""
         return self.scheduler.has_work
 
+    @property
+    def background_wait_s(self) -> float:
+        """Seconds before a waiting background sequence may run (Scheduler.background_wait_s):
+        a driver may sleep that long unless a command or a transfer wakes it."""
+        return self.scheduler.background_wait_s()
+
     def wake_on_transfers(self, notify: Callable[[], None]) -> None:
         """For a driver that sleeps on its own queue (AsyncEngine): each KV transfer that
         lands calls `notify` (on the transfer thread), and an empty step no longer waits

@@ -87,6 +87,14 @@ class Scheduler:
         """Whether any request (not background work) is waiting or running."""
         return bool(self.waiting or self.running)
 
+    def background_wait_s(self) -> float:
+        """Seconds before background work may run: what is left of the `probe_idle_ms`
+        window since the last request. 0.0 when there is none, when it may run now, or when
+        requests run (their steps come first; nothing is waiting on the clock)."""
+        if self.has_requests or not self.background:
+            return 0.0
+        return max(0.0, self.config.probe_idle_ms / 1000.0 - (time.monotonic() - self._requests_seen))
+
     def add(self, seq: Sequence) -> None:
         (self.background if seq.background else self.waiting).append(seq)
 

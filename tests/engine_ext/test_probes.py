@@ -4,6 +4,8 @@ stops the engine loop."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -189,6 +191,32 @@ def test_a_probe_waits_until_no_request_has_run_for_the_idle_grace(llama_dir, mo
     now[0] += 0.002
     _step(llm, probes)
     assert steps[-1] == [("probe-r", 16)]
+
+
+async def test_the_engine_thread_sleeps_through_the_idle_window_and_an_arrival_wakes_it(llama_dir):
+    """A probe waiting for `probe_idle_ms` without requests: the engine thread sleeps until
+    the window ends (no empty steps on the cores the next request needs), then scores; a
+    request arriving meanwhile is served at once, and the window starts again after it."""
+    llm = make_engine(llama_dir, num_blocks=64, tiers=NO_LOWER_TIER, probe_idle_ms=400.0)
+    job = _job(llm, prompt=_ids(40, 7), max_tokens=2)  # before the thread: only it may step the engine
+    eng = AsyncEngine(llm, Probes(chunk_tokens=16))
+    steps = _record_steps(llm)
+    eng.start()
+    try:
+        await _run(eng, "first", _ids(20, 8), None, probe=False)
+        del steps[:]
+        eng.probes._jobs.append(job)
+        eng._commands.put(async_engine_mod._Wake())  # the thread notices the job at once
+        await asyncio.sleep(0.25)
+        assert 1 <= len(steps) <= 3 and not any(steps)  # asleep in the window, not stepping at ~1 kHz
+        asked = time.monotonic()
+        await _run(eng, "second", _ids(20, 9), None, probe=False)
+        assert time.monotonic() - asked < 0.3  # the arrival woke it: it did not wait out the window
+        after = len(steps)
+        assert wait_until(lambda: eng.probes.results_after(0)[0], timeout=10)
+        assert steps[after:].count([]) <= 3 and any(("probe-r", 16) in step for step in steps[after:])
+    finally:
+        eng.stop()
 
 
 def test_an_arrival_stops_a_probe_chunk_between_layers_and_the_chunk_runs_again(llama_dir):
