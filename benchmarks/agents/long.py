@@ -135,6 +135,7 @@ class LongBench(Bench):
         self._default_pair(workload, runs, budget, prompts, outcomes)
         if set(GUARD_PAIR) <= set(stacks):
             self._guard_pair(runs, budget, outcomes, guards)
+            self.metrics.update(workload_guard(workload.name, GUARD_PAIR[0], guards[GUARD_PAIR[0]][-1]))
         for stack in stacks:
             if stack == "kvrelay":
                 continue  # in turns with prefix caching, above
@@ -149,6 +150,7 @@ class LongBench(Bench):
             outcomes[stack].update(cell.outcomes)
             if guard:
                 guards[stack].append(guard)
+                self.metrics.update(workload_guard(workload.name, stack, guard))
 
     def _in_turns(self, pair: tuple[tuple[str, StackName], tuple[str, StackName]], runs: list[Run], budget: int,
                   fixed: Prompts | None, outcomes: dict[str, dict[Key, Outcome]],
@@ -380,6 +382,16 @@ def default_budget(model_dir: str) -> int:
     per reader), so a budget cut to the prompts' working set would measure eviction,
     not reuse; every stack gets the same."""
     return EngineSettings().kv_cache_mb * 2**20 // kv_bytes_per_token(model_dir)
+
+
+def workload_guard(workload: str, stack: str, guard: dict[str, float]) -> dict[str, float]:
+    """A probed stack's guard figures on one workload (`board_openai_kl_kvcomm`, ...): the
+    pooled `kl_kvcomm` averages workloads whose fidelity differs severalfold."""
+    method = next((m for m, probed in PROBED.items() if probed == stack), None)
+    if method is None or not guard.get("scores"):
+        return {}
+    return {f"{workload}_top1_{method}": guard.get("top1", 0.0), f"{workload}_kl_{method}": guard.get("kl", 0.0),
+            f"{workload}_probe_scores_{method}": guard["scores"]}
 
 
 def pool(guards: list[dict[str, float]]) -> dict[str, float]:

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from benchmarks import run_benchmark
+from benchmarks.agents.long import workload_guard
 
 
 @pytest.mark.slow
@@ -66,3 +67,14 @@ def test_quick_long_family_defaults_are_exact_and_the_warm_task_reuses(smollm2_d
     # kvcomm replays live (its own answers quoted): its greedy match is over the prompts
     # that came out identical to prefix's, agent 1's at least.
     assert metrics["greedy_compared_kvcomm"] >= 1
+
+
+def test_each_probed_stack_reports_its_guard_figures_per_workload():
+    """The pooled KL averages boards whose fidelity differs severalfold; each one's stays visible."""
+    guard = {"top1": 0.975, "kl": 0.054, "scores": 20.0, "switch_offs": 0.0}
+    assert workload_guard("board_openai", "kvrelay_kvcomm_probed", guard) == {
+        "board_openai_top1_kvcomm": 0.975, "board_openai_kl_kvcomm": 0.054, "board_openai_probe_scores_kvcomm": 20.0}
+    assert set(workload_guard("village_long", "kvrelay_blend_probed", guard)) == {
+        "village_long_top1_blend", "village_long_kl_blend", "village_long_probe_scores_blend"}
+    assert workload_guard("board_openai", "kvrelay_kvcomm", guard) == {}  # sampled at the shipped rate: not all
+    assert workload_guard("board_openai", "kvrelay_kvcomm_probed", {**guard, "scores": 0.0}) == {}
