@@ -100,11 +100,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = self._schedule_requests()
-        now = time.monotonic()
         if self.has_requests:
-            self._requests_seen = now
+            self._requests_seen = time.monotonic()
             return out  # background work is paused (its KV kept) while any request waits or runs
-        if (now - self._requests_seen) * 1000.0 < self.config.probe_idle_ms:
+        if self.background_wait_s() > 0.0:
             return out  # an agent app's next request is usually a few ms behind the last answer
         return self._schedule_background()
 
