@@ -66,10 +66,13 @@ def test_unknown_ambiguous_and_unauthorised_session_lookups_get_clear_errors(fak
 
 def test_a_session_no_longer_in_memory_is_shown_from_sql(fake_upstream, start_gateway):
     fake = fake_upstream()
-    first = start_gateway([fake.url], admin_key=ADMIN, inference={"session_ttl_s": 0.3})
+    # The app runs under the default TTL: a short one here would split the session whenever the
+    # machine is slow between two of its requests. Only the restarted gateway's TTL decides what
+    # it loads at start-up.
+    first = start_gateway([fake.url], admin_key=ADMIN)
     seen = run_loop(first, fake)
     first.server.stop()
-    time.sleep(0.4)  # idle past the TTL: not loaded at start-up
+    time.sleep(0.4)  # idle past the restarted gateway's TTL: not loaded at start-up
     gw = start_gateway([fake.url], admin_key=ADMIN, db_path=first.db_path, inference={"session_ttl_s": 0.3})
     session_id = seen[0][0].session_id
     with _admin(gw) as admin:
