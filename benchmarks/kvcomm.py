@@ -10,7 +10,9 @@ the way the engine registers a real answer: computed right after its agent's pro
 Side by side on every prompt of the stream:
 - dense: a second engine with reuse off and nothing cached (the baseline);
 - prefix: the prefix cache only (the role prompt hits);
-- kvcomm: anchors learn from the first questions and predict later ones.
+- kvcomm: anchors learn from the first questions and predict later ones (the paper's
+  `new_samples="predict"`; the engine's default serves answers from their first
+  reader's KV instead, measured on the product path by `kvrelay bench agents --family long`).
 TTFT per agent is the mean over the second half of the stream (warm pools). Fidelity
 compares logits teacher-forced over the dense engine's greedy continuation; the
 ablation rescoring the same prompts with rotation only / + placeholder offsets.
@@ -37,6 +39,7 @@ from engine_ext.request import EngineRequest
 
 ROLES = ("Knowledgeable Expert", "Critic", "Mathematician", "Psychologist", "Historian")
 ABLATION = ("rotation", "placeholder", "full")
+PAPER = AnchorConfig(new_samples="predict")
 
 
 @dataclass(frozen=True)
@@ -195,7 +198,7 @@ ENGINE_BASE = {"kv_cache_bytes": 3072 * 2**20, "max_num_batched_tokens": 8192}
 
 def kvcomm_engine(model: str | None) -> LLMEngine:
     """The embedded engine as this bench runs it: kvcomm for every planned segment."""
-    return LLMEngine(resolve_model(model), EngineConfig(**ENGINE_BASE, reuse=ReuseConfig(default_method="kvcomm")))
+    return LLMEngine(resolve_model(model), EngineConfig(**ENGINE_BASE, reuse=ReuseConfig(default_method="kvcomm", anchors=PAPER)))
 
 
 def _engines(model: str | None) -> tuple[LLMEngine, LLMEngine]:
@@ -263,7 +266,7 @@ def _result(records: list[Record], sizes: Sizes, reuse: LLMEngine, quick: bool, 
     metrics["anchor_mib"] = stats["anchor_bytes"] / 2**20
     return BenchResult("kvcomm", metrics, {
         "model": reuse.model_name, "quick": quick, "sizes": dataclasses.asdict(sizes),
-        "anchors": dataclasses.asdict(AnchorConfig()),
+        "anchors": dataclasses.asdict(PAPER),
         "baseline": "dense: a second engine with reuse off and nothing cached; prefix: the prefix cache only",
         "ttft": f"mean over questions {warm + 1}..{sizes.num_questions} (warm pools), max one forced token",
         "fidelity": f"teacher-forced over {sizes.num_fidelity_tokens} dense greedy tokens, warm half",

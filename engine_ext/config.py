@@ -175,6 +175,11 @@ def _attention_window(raw: dict[str, Any]) -> int | None:
 # What KVCOMM adds to a placed placeholder (the paper's ablation): the RoPE shift alone,
 # plus the placeholder offset, or plus the offset of the fixed segment that follows it.
 KvcommCorrection = Literal["rotation", "placeholder", "full"]
+# How KVCOMM serves a placeholder sample no anchor was measured for in this agent's prompt
+# (engine_ext/kvcomm/bank.py): "readers" places it from KV some prompt computed (another
+# reader's measured KV, or a base that is already a prompt's) and has an answer's first
+# reader measure it; "predict" predicts its offsets from other samples' anchors (the paper).
+KvcommNewSamples = Literal["readers", "predict"]
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,16 @@ class AnchorConfig:
     pool of its chunk position (engine_ext/kvcomm/bank.py): a new document longer than
     every anchor is still predicted, chunk by chunk.
 
+    `new_samples`: what a sample gets when no anchor holds this agent's offsets for it.
+    "readers" (the default): if another agent's prompt measured this very sample, its KV
+    from there (base plus that reader's offsets); else, if its base is a prompt's KV (a
+    question or document some prompt computed), the base alone, shifted; else (an answer
+    as its writer generated it) it is measured, so its first reader computes it and every
+    later reader is served from that. "predict": predicted from other samples' anchors
+    weighed by distance, as in the paper. Measured on the long review boards, an answer
+    predicted from other answers' anchors was off by 16-41% of its values against dense,
+    and two readers' own KV of one answer by 2-5%.
+
     `recompute_ratio`: of a placeholder predicted from other samples' anchors, the share
     of tokens whose keys deviate most on the check layers is recomputed, as blend does
     (0: the paper's method, offsets alone). A placeholder reproduced from its own exact
@@ -206,6 +221,7 @@ class AnchorConfig:
     correction: KvcommCorrection = "full"
     chunk_tokens: int = 16
     recompute_ratio: float = 0.0
+    new_samples: KvcommNewSamples = "readers"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.gamma <= 1.0:
@@ -222,6 +238,8 @@ class AnchorConfig:
             raise ValueError("anchors.recompute_ratio must be in [0, 1)")
         if self.correction not in get_args(KvcommCorrection):
             raise ValueError(f"unknown kvcomm correction {self.correction!r}")
+        if self.new_samples not in get_args(KvcommNewSamples):
+            raise ValueError(f"unknown kvcomm new_samples {self.new_samples!r}")
 
 
 CollectiveRecovery = Literal["blend"]

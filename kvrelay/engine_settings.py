@@ -75,6 +75,10 @@ class EngineSettings(YamlFileSettings):
                                                                    "distances")] = 1.0
     kvcomm_correction: Annotated[Literal["rotation", "placeholder", "full"], Field(
         description="kvcomm: what a placed placeholder gets besides its rotation (the paper's ablation)")] = "full"
+    kvcomm_new_samples: Annotated[Literal["readers", "predict"], Field(
+        description="kvcomm: a sample with no anchor for this agent is placed from another reader's KV or "
+                    "its prompt-computed base, an answer's first reader measuring it (readers), or predicted "
+                    "from other samples' anchors (predict, the paper)")] = "readers"
     anchor_chunk_tokens: Annotated[int, Field(ge=1, description="kvcomm: placeholders are predicted in chunks of "
                                                                 "this many tokens, each from its own anchors")] = 16
     kvcomm_recompute_ratio: Annotated[float, Field(ge=0.0, lt=1.0, description=(
@@ -159,7 +163,8 @@ class EngineSettings(YamlFileSettings):
                 anchors=AnchorConfig(gamma=self.anchor_gamma, max_anchors=self.anchor_pool_size,
                                      prune_window=self.anchor_prune_window, temperature=self.anchor_temperature,
                                      correction=self.kvcomm_correction, chunk_tokens=self.anchor_chunk_tokens,
-                                     recompute_ratio=self.kvcomm_recompute_ratio),
+                                     recompute_ratio=self.kvcomm_recompute_ratio,
+                                     new_samples=self.kvcomm_new_samples),
                 collective=CollectiveConfig(enabled=self.collective, window_ms=self.round_window_ms,
                                             diff_store=self.diff_store))
         except ValueError as exc:

@@ -52,6 +52,9 @@ class SegmentEntry(NamedTuple):
     token_ids: tuple[int, ...]
     blob: Blob  # the segment's KV, keys in the canonical frame
     version: int  # which registration wrote the KV (SegmentIndex numbers them from 1 on)
+    # True: the KV of an answer as its writer generated it (in an assistant turn), which no
+    # reader's prompt holds; False: a text as some prompt computed it (KVCOMM, bank.py).
+    generated: bool = False
 
     @property
     def key(self) -> bytes:
@@ -117,7 +120,7 @@ class SegmentIndex:
             return None
         self.blobs.acquire(full.blob)  # allocating the copy must not evict what it copies
         try:
-            self.register(list(tokens), self.slots(full)[dropped:], dropped, tenant)
+            self.register(list(tokens), self.slots(full)[dropped:], dropped, tenant, full.generated)
         finally:
             self.blobs.release(full.blob)
         return self._find(tokens, tenant)
@@ -146,11 +149,12 @@ class SegmentIndex:
 
     # -- registration ------------------------------------------------------------------
     def register(self, token_ids: list[int], src_slots: torch.Tensor, src_position: int,
-                 tenant: str = DEFAULT_TENANT) -> bool:
+                 tenant: str = DEFAULT_TENANT, generated: bool = False) -> bool:
         """Copy the KV at `src_slots` (tokens computed from position `src_position` on)
         into new blocks, keys shifted back to position 0, for `tenant` alone. The first
         registration of a token sequence wins; False when it is already held or no block
-        is free. Each registration gets a new version (see EntryIdentity)."""
+        is free. Each registration gets a new version (see EntryIdentity). `generated`:
+        the KV is an answer as its writer decoded it, not a prompt's."""
         tokens = tuple(token_ids)
         if not tokens or self._find(tokens, tenant) is not None:
             return False
@@ -161,7 +165,7 @@ class SegmentIndex:
             return False
         self.copy_shifted(src_slots, self.blobs.slots(blob), -src_position)
         self.blobs.seal(blob)
-        entry = SegmentEntry(tokens, blob, next(self._versions))
+        entry = SegmentEntry(tokens, blob, next(self._versions), generated)
         replaced = self._entries.get(key)  # only ever a hash collision: the valid ones were found above
         if replaced is not None:
             self._held.discard(replaced.version)

@@ -77,6 +77,11 @@ class Decision(NamedTuple):
     detail: dict[str, Any]  # reported per placeholder
     prefix_base: EntryIdentity | None = None  # the fixed segment's entry `prefix` was measured against
     num_tokens: int = 0  # the chunk's tokens, when predicted
+    source_agent: str | None = None  # whose offsets `anchors` apply (None: `agent_id`'s own)
+
+    @property
+    def offsets_agent(self) -> str:
+        return self.source_agent or self.agent_id
 
 
 class Measurement(NamedTuple):
@@ -142,6 +147,9 @@ class AnchorBank:
         if exact is not None and agent_id in exact.offsets:
             return self._predicted(pool_key, agent_id, [exact], torch.ones(1, len(token_ids)), torch.ones(1),
                                    prefix_token_ids, prefix_base, {"anchor": "exact", "anchors_used": 1})
+        if self.config.new_samples == "readers":
+            return self._from_readers(pool_key, agent_id, exact, base, len(token_ids), prefix_token_ids,
+                                      prefix_base, stale)
         eligible, source = self._eligible((pool_key, *fallback), agent_id, len(token_ids), (exact, refused))
         if not eligible:
             label = "measured" if exact is not None else "new"
@@ -162,6 +170,30 @@ class AnchorBank:
         detail = {"anchor": "hit", "anchors_used": len(used), **detail}
         return self._predicted(pool_key, agent_id, [eligible[i] for i in used], token_weights, pred.weights[used],
                                prefix_token_ids, prefix_base, detail)
+
+    def _from_readers(self, pool_key: PoolKey, agent_id: str, exact: Anchor | None, base: SegmentEntry,
+                      num_tokens: int, prefix_token_ids: tuple[int, ...] | None,
+                      prefix_base: EntryIdentity | None, stale: dict[str, int]) -> Decision:
+        """`new_samples="readers"`: serve a sample from KV that a prompt computed.
+
+        Why not predict from other samples' anchors: an answer's base is the KV its writer
+        decoded, in an assistant turn, far from what a reader's prompt computes, and the
+        offsets of other answers predicted only part of that (on the long review boards,
+        placed answers were off by 16-41% of their values against dense, guard KL 0.054),
+        while two readers' own KV of one answer differ by 2-5%. So: another reader's
+        measured KV of this very sample (its latest), else a base that a prompt computed,
+        shifted alone (anchors measured on other texts made such a base worse), else
+        measure: this agent computes the answer, and later readers take it from here."""
+        if exact is not None and exact.offsets:
+            reader = next(reversed(exact.offsets))
+            decision = self._predicted(pool_key, reader, [exact], torch.ones(1, num_tokens), torch.ones(1),
+                                       prefix_token_ids, prefix_base,
+                                       {"anchor": "reader", "anchors_used": 1, **stale})
+            return decision._replace(agent_id=agent_id, source_agent=reader)
+        if not base.generated:
+            return Decision(True, pool_key, agent_id, [], None, None,
+                            {"anchor": "shift", "anchors_used": 0, **stale}, num_tokens=num_tokens)
+        return self._measure(pool_key, agent_id, {"anchor": "new", "anchors_used": 0, **stale})
 
     def _pool(self, key: PoolKey) -> AnchorPool | None:
         """The pool of `key`, without the anchors whose blocks were evicted."""
@@ -228,7 +260,7 @@ class AnchorBank:
     def blobs_of(self, decision: Decision) -> list[Blob]:
         """The blobs a decision reads: pinned from admission until the prefill is done."""
         if decision.predicted:
-            return [b for a in decision.anchors for b in a.offsets[decision.agent_id].blobs()]
+            return [b for a in decision.anchors for b in a.offsets[decision.offsets_agent].blobs()]
         return []
 
     # -- committing --------------------------------------------------------------------

@@ -264,14 +264,15 @@ def _chunks(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
 def _summary(decisions: list[Decision]) -> dict[str, Any]:
     """What the anchor bank decided for a placeholder, reported on its outcome: a single
     chunk's detail as it is; for several, the first unpredicted chunk's verdict (or
-    `exact` / `hit` when all were predicted) and counts over the chunks."""
+    when all were predicted, their common verdict, `hit` for a mix) and counts over the chunks."""
     if len(decisions) == 1:
         return decisions[0].detail
     missed = next((d for d in decisions if not d.predicted), None)
     if missed is not None:
         anchor = missed.detail["anchor"]
     else:
-        anchor = "exact" if all(d.detail["anchor"] == "exact" for d in decisions) else "hit"
+        verdicts = {d.detail["anchor"] for d in decisions}
+        anchor = verdicts.pop() if len(verdicts) == 1 else "hit"
     detail: dict[str, Any] = {"anchor": anchor, "anchors_used": sum(d.detail["anchors_used"] for d in decisions),
                               "chunks": len(decisions), "chunks_predicted": sum(d.predicted for d in decisions)}
     fallbacks = sum("from_chunk" in d.detail for d in decisions)

@@ -127,4 +127,4 @@ class Keeper:
         if end > seq.num_computed_tokens and not compute(seq, end):
             return
         slots = self.kv.slots(seq, end)[start:]  # (n,)
-        index.register(seq.token_ids[start:end], slots, start, seq.tenant)
+        index.register(seq.token_ids[start:end], slots, start, seq.tenant, generated=True)

@@ -24,7 +24,8 @@ def reuse_metrics(engine: LLMEngine) -> str:
 
     bank = engine.anchor_bank
     if bank is not None:
-        counter("kvcomm_tokens_total", "KVCOMM placeholder tokens placed from anchors or computed to be measured",
+        counter("kvcomm_tokens_total", ("KVCOMM placeholder tokens placed (from anchors, another reader's KV or "
+                                         "shifted) or computed to be measured"),
                 [('{kind="predicted"}', bank.num_predicted_tokens), ('{kind="measured"}', bank.num_measured_tokens)])
     collective = engine.runner.collective
     if collective is not None:

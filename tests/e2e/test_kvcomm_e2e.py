@@ -1,6 +1,8 @@
 """KVCOMM end to end with SmolLM2: an unmodified OpenAI-client loop of three agents ->
-gateway (names the placeholders, app id) -> embedded engine (anchors learn on the first
-question, predict the second). Reuse must show in the response, the request row and the span."""
+gateway (names the placeholders, app id) -> embedded engine. In the paper's mode anchors
+learn on the first question and predict the second; in the default mode an answer's first
+reader computes it and the next reader is served that reader's KV. Reuse must show in the
+response, the request row and the span."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from engine_ext.config import EngineConfig, ReuseConfig
+from engine_ext.config import AnchorConfig, EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 
 MODEL = "smollm2"
@@ -28,11 +30,16 @@ QUESTIONS = (("A farmer has seventeen sheep and all but nine of them run away th
 pytestmark = pytest.mark.slow
 
 
+def _server(smollm2_dir, run_server, new_samples: str):
+    reuse = ReuseConfig(default_method="kvcomm", anchors=AnchorConfig(new_samples=new_samples))  # type: ignore[arg-type]
+    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=reuse), model_name=MODEL)
+    return run_server(llm, MODEL)
+
+
 @pytest.fixture(scope="module")
 def srv(smollm2_dir, run_server):
-    reuse = ReuseConfig(default_method="kvcomm")
-    llm = LLMEngine(smollm2_dir, EngineConfig(kv_cache_bytes=256 * 2**20, reuse=reuse), model_name=MODEL)
-    with run_server(llm, MODEL) as server:
+    """The paper's mode: a new sample is predicted from other samples' anchors."""
+    with _server(smollm2_dir, run_server, "predict") as server:
         yield server
 
 
@@ -83,3 +90,22 @@ def test_anchors_learned_on_one_question_predict_the_next(srv, start_gateway):
                     if s.attributes.get("kvrelay.request.id") == row.id]
     assert len(critic_spans) == 1
     assert critic_spans[0].attributes["gen_ai.usage.cache_read.input_tokens"] == cached
+
+
+def test_by_default_an_answers_first_reader_computes_it_and_the_next_reader_gets_that_kv(smollm2_dir, run_server,
+                                                                                      start_gateway):
+    with _server(smollm2_dir, run_server, "readers") as server:
+        gw = start_gateway([server.base_url])
+        with openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0, timeout=300) as client:
+            _run_workflow(client, QUESTIONS[0])
+            second = _run_workflow(client, QUESTIONS[1])
+
+    critic, judge = (r.model_extra["kv_transfer_params"]["kvrelay_reuse"] for r in second[1:])
+    question = next(s for s in critic["segments"] if s["name"] == "user_question")
+    assert question["method"] == "kvcomm" and question["kvcomm"]["anchor"] == "shift", json.dumps(question)
+    answers = [s for s in critic["segments"] if s["kind"] == "placeholder" and s["name"] != "user_question"]
+    assert [(s["method"], s["kvcomm"]["anchor"]) for s in answers] == [("dense", "new")], json.dumps(critic)
+    solver = answers[0]["name"]
+    placed = next(s for s in judge["segments"] if s["name"] == solver)
+    assert placed["method"] == "kvcomm" and placed["kvcomm"]["anchor"] == "reader", json.dumps(judge)
+    assert placed["tokens_reused"] > 10

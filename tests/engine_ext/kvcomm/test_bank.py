@@ -32,7 +32,9 @@ class Rig(NamedTuple):
     pool: BlockPool
 
 
-def rig(num_blocks: int = 48, gamma: float = 0.3) -> Rig:
+def rig(num_blocks: int = 48, gamma: float = 0.3, new_samples: str = "predict") -> Rig:
+    """Most tests here exercise the paper's prediction from other samples' anchors; the
+    default ("readers") is tested at the end."""
     model = ModelConfig(model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_layers=3,
                         num_heads=2, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=512,
                         tie_word_embeddings=False, qkv_bias=False, qk_norm=False)
@@ -40,7 +42,8 @@ def rig(num_blocks: int = 48, gamma: float = 0.3) -> Rig:
                                            block_size=BLOCK))
     pool = BlockPool(kv_cache.num_blocks)
     index = SegmentIndex(pool, kv_cache, RopeShifter.for_model(model), "test")
-    return Rig(index, AnchorBank(AnchorConfig(gamma=gamma), index, kv_cache, "test"), kv_cache, pool)
+    config = AnchorConfig(gamma=gamma, new_samples=new_samples)  # type: ignore[arg-type]
+    return Rig(index, AnchorBank(config, index, kv_cache, "test"), kv_cache, pool)
 
 
 class Prompt(NamedTuple):
@@ -64,11 +67,11 @@ def done(r: Rig, p: Prompt) -> None:
     r.pool.release(list(reversed(p.blocks)))
 
 
-def produce(r: Rig, tokens: tuple[int, ...], seed: int) -> SegmentEntry:
+def produce(r: Rig, tokens: tuple[int, ...], seed: int, generated: bool = False) -> SegmentEntry:
     """Register `tokens` from a prompt of its own (its KV depends on `seed`: another
-    context gives other KV) and return the index's entry."""
+    context gives other KV) and return the index's entry; `generated`: as an answer."""
     p = prompt(r, 5 + len(tokens), seed)
-    assert r.index.register(list(tokens), p.slots[5:], 5)
+    assert r.index.register(list(tokens), p.slots[5:], 5, generated=generated)
     done(r, p)
     entry = r.index.lookup(tokens)
     assert entry is not None
@@ -210,3 +213,65 @@ def test_prefix_offsets_of_another_version_of_the_fixed_segment_are_refused():
         # The placeholder's own offsets still apply (its base is unchanged); the prefix's do not.
         assert d.predicted and d.detail["anchor"] == kind and d.placeholder is not None
         assert d.prefix is None and d.prefix_base is None and d.detail["stale_prefix_offsets"] == 1
+
+
+# -- new_samples="readers" (the default) ------------------------------------------------
+def test_an_answer_is_measured_by_its_first_reader_and_later_readers_get_that_readers_kv():
+    r = rig(new_samples="readers")
+    produce(r, INSTRUCTION, seed=3)
+    entry = produce(r, SAMPLE, seed=1, generated=True)
+    first = r.bank.decide(POOL, "a", SAMPLE, entry, INSTRUCTION)
+    assert not first.predicted and first.detail["anchor"] == "new"
+    reader = prompt(r, SYSTEM + len(SAMPLE) + TEMPLATE + len(INSTRUCTION), seed=10)
+    r.index.acquire(entry)
+    assert r.bank.record(Measurement(first, SAMPLE, SYSTEM, entry, INSTRUCTION, SYSTEM + len(SAMPLE) + TEMPLATE),
+                         reader.slots)
+    r.index.release(entry)
+
+    later = r.bank.decide(POOL, "b", SAMPLE, entry, INSTRUCTION)
+    assert later.predicted and later.detail["anchor"] == "reader"
+    assert (later.agent_id, later.source_agent, later.anchors) == ("b", "a", [the_anchor(r)])
+    assert r.bank.blobs_of(later) == the_anchor(r).offsets["a"].blobs()
+    assert later.prefix is not None  # the same instruction follows: a's offsets for it too
+
+    # Placed at another position, the sample's KV is the first reader's, moved there.
+    position = 9
+    dst = prompt(r, len(SAMPLE), seed=99).slots
+    r.index.copy_shifted(r.index.slots(entry), dst, position)
+    later.placeholder.apply(r.kv_cache, r.index.shifter, dst, position)
+    for k_cache, v_cache in r.kv_cache.layers[1:]:
+        theirs = reader.slots[SYSTEM : SYSTEM + len(SAMPLE)]
+        expected_k = r.index.shifter.shift(k_cache[theirs].float(), position - SYSTEM)
+        torch.testing.assert_close(k_cache[dst].float(), expected_k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_cache[dst].float(), v_cache[theirs].float(), atol=1e-5, rtol=1e-5)
+
+    # Measuring it anyway (another chunk of its placeholder must be) records b's own offsets.
+    assert r.bank.measuring(later).agent_id == "b"
+    assert r.bank.num_measured == 1
+
+
+def test_a_text_a_prompt_computed_is_placed_by_its_shift_alone_and_never_measured():
+    r = rig(new_samples="readers")
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=1)  # a question or document: its base is a prompt's KV already
+    for agent in ("a", "b"):
+        decision = run_agent(r, SAMPLE, seed=10, agent=agent)
+        assert decision.predicted and decision.detail == {"anchor": "shift", "anchors_used": 0}
+        assert (decision.anchors, decision.placeholder, decision.prefix) == ([], None, None)
+        assert r.bank.blobs_of(decision) == []
+    assert r.bank.num_measured == 0 and POOL not in r.bank.pools
+
+
+def test_an_agents_own_measurement_stays_exact_and_a_stale_one_is_measured_again():
+    r = rig(new_samples="readers")
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=1, generated=True)
+    assert run_agent(r, SAMPLE, seed=10, agent="a").detail["anchor"] == "new"
+    assert run_agent(r, SAMPLE, seed=10, agent="a").detail["anchor"] == "exact"
+    anchor = the_anchor(r)
+    evict(r, keep=anchor.blobs())
+    produce(r, INSTRUCTION, seed=3)
+    produce(r, SAMPLE, seed=2, generated=True)  # the answer again, other KV: a new version
+    again = run_agent(r, SAMPLE, seed=11, agent="b")
+    assert not again.predicted and again.detail == {"anchor": "new", "anchors_used": 0, "stale_anchors": 1}
+    assert the_anchor(r).offsets.keys() == {"b"}  # replaced: a's offsets were for the old version

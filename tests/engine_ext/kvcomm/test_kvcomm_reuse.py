@@ -28,8 +28,11 @@ def deep_llama(tiny_model_dir):
 
 
 def engine(model_dir, num_blocks=160, **anchors) -> LLMEngine:
-    """Samples here are at most 32 tokens: one chunk each, unless a test sets `chunk_tokens`."""
+    """Samples here are at most 32 tokens: one chunk each, unless a test sets `chunk_tokens`.
+    Most tests exercise the paper's prediction from other samples' anchors
+    (`new_samples="predict"`); the default, "readers", is tested at the end."""
     anchors.setdefault("chunk_tokens", 32)
+    anchors.setdefault("new_samples", "predict")
     reuse = ReuseConfig(default_method="kvcomm", min_segment_tokens=4, anchors=AnchorConfig(**anchors))
     return LLMEngine(model_dir, EngineConfig(kv_cache_bytes=2 * kv_bytes(num_blocks), reuse=reuse))
 
@@ -406,3 +409,53 @@ def test_a_placeholder_reproduced_from_its_exact_anchor_recomputes_nothing(deep_
     _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
     ph = outcome_of(seq, segs[1].start)
     assert ph.kvcomm["anchor"] == "exact" and ph.num_reused == len(sample) and ph.num_recomputed == 0
+
+
+# -- new_samples="readers" (the default) ------------------------------------------------
+def answer_of(eng: LLMEngine, writer: Agent, question: list[int], num_tokens: int = 24) -> list[int]:
+    """A writer's answer, kept by the engine as generated KV (as every agent's answer is);
+    returns the tokens the index holds for it."""
+    ids = writer.system + question
+    seq = eng.generate(ids, SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True),
+                       segments=[TokenSegment(0, len(writer.system), "fixed_prefix", "writer")], publish=False)
+    out = list(seq.output_token_ids)
+    kept = next(out[:n] for n in range(len(out), 3, -1) if eng.segment_index.peek(out[:n], scope_tenant()))
+    assert eng.segment_index.peek(kept, scope_tenant()).generated
+    return kept
+
+
+def scope_tenant() -> str:
+    return SCOPE_A.tenant
+
+
+def test_readers_an_answer_is_computed_by_its_first_reader_and_placed_from_that_kv_for_the_next(deep_llama):
+    eng = engine(deep_llama, new_samples="readers", chunk_tokens=8)
+    a, b = Agent(80), Agent(81)
+    answer = answer_of(eng, Agent(82), tokens(20, 83))
+    ids_a, segs_a = a.prompt(answer)
+    kv_a, seq_a = prefill_kv(eng, ids_a, segs_a, SCOPE_A)
+    first = outcome_of(seq_a, segs_a[1].start)
+    assert first.method == "dense" and first.kvcomm["anchor"] == "new"  # measured: computed here
+    measured = eng.anchor_bank.stats()["measured_tokens"]
+    assert measured == len(answer)
+
+    ids_b, segs_b = b.prompt(answer)
+    kv_b, seq_b = prefill_kv(eng, ids_b, segs_b, ReuseScope("app", "agent-b"))
+    later = outcome_of(seq_b, segs_b[1].start)
+    assert later.method == "kvcomm" and later.kvcomm["anchor"] == "reader" and later.num_reused == len(answer)
+    assert eng.anchor_bank.stats()["measured_tokens"] == measured  # not measured again
+    span = slice(segs_b[1].start, segs_b[1].end)  # both systems are 19 tokens: the same positions
+    for (k_a, v_a), (k_b, v_b) in zip(kv_a, kv_b):
+        torch.testing.assert_close(k_b[span], k_a[span], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(v_b[span], v_a[span], atol=1e-5, rtol=1e-5)
+
+
+def test_readers_a_text_a_prompt_computed_is_placed_by_its_shift_and_never_measured(deep_llama):
+    eng = engine(deep_llama, new_samples="readers")
+    agent, question = Agent(84), tokens(30, 85)
+    produce(eng, question)  # registered from a prompt, as a task's question is
+    ids, segs = agent.prompt(question)
+    _, seq = prefill_kv(eng, ids, segs, SCOPE_A)
+    ph = outcome_of(seq, segs[1].start)
+    assert ph.method == "kvcomm" and ph.kvcomm == {"anchor": "shift", "anchors_used": 0}
+    assert ph.num_reused == len(question) and eng.anchor_bank.stats()["measured_tokens"] == 0
