@@ -177,9 +177,10 @@ class SegmentIndex:
         self._prune()
         return True
 
-    def copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, delta: int) -> None:
+    def copy_shifted(self, src: torch.Tensor, dst: torch.Tensor, delta: int | torch.Tensor) -> None:
         """Copy K and V of every layer from slots `src` to slots `dst` (both (n,)), keys
-        moved `delta` positions: into the canonical frame at registration, out of it at use."""
+        moved `delta` positions (one for all, or (n,) per key): into the canonical frame
+        at registration, out of it at use."""
         for k_cache, v_cache in self.kv_cache.layers:
             keys = self.shifter.shift(k_cache.index_select(0, src), delta)  # (n, kv_heads, D)
             k_cache.index_copy_(0, dst, keys)

@@ -42,14 +42,18 @@ def sample_distances(token_dist: torch.Tensor) -> torch.Tensor:
     return token_dist.pow(2).sum(dim=1).sqrt()
 
 
-def measure(kv_cache: KVCache, shifter: RopeShifter, real: torch.Tensor, position: int,
+def measure(kv_cache: KVCache, shifter: RopeShifter, real: torch.Tensor, positions: torch.Tensor,
             base: torch.Tensor, out: torch.Tensor) -> None:
-    """Write real - base into slots `out` (all (n,)): `real` holds the text's KV computed
-    at `position` in a prompt, `base` its canonical KV. Keys are rotated back to the
-    canonical frame first, so what is stored is the offset alone, free of position."""
-    for layer in range(len(kv_cache.layers)):
-        k_cache, v_cache = kv_cache.layers[layer]
-        keys = shifter.shift(k_cache.index_select(0, real).float(), -position)  # (n, kv_heads, D)
+    """Write real - base into slots `out` (all (N,)): `real` holds texts' KV computed in
+    a prompt, token t's text starting at `positions[t]`, `base` their canonical KV. Keys
+    are rotated back to the canonical frame first (each by its own text's start), so what
+    is stored is the offset alone, free of position. Many chunks go in one call: one pass
+    of a few tensor ops per layer, whatever their number."""
+    device = kv_cache.layers[0][0].device
+    cos, sin = rope_cos_sin(shifter.inv_freq.to(device), -positions.to(device))  # each (N, rotary_dim)
+    real, base, out = real.to(device), base.to(device), out.to(device)
+    for k_cache, v_cache in kv_cache.layers:
+        keys = apply_rotary(k_cache.index_select(0, real).float(), cos, sin)  # (N, kv_heads, D)
         k_cache.index_copy_(0, out, (keys - k_cache.index_select(0, base).float()).to(k_cache.dtype))
         values = v_cache.index_select(0, real).float() - v_cache.index_select(0, base).float()
         v_cache.index_copy_(0, out, values.to(v_cache.dtype))

@@ -252,8 +252,8 @@ class Assembler:
             return
         for decision in assembly.decisions:
             self.bank.commit(decision)
-        for measurement in assembly.measurements:
-            self.bank.record(measurement, prompt_slots)
+        if assembly.measurements:
+            self.bank.record_all(assembly.measurements, prompt_slots)
 
 
 def _chunks(num_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:

@@ -275,3 +275,86 @@ def test_an_agents_own_measurement_stays_exact_and_a_stale_one_is_measured_again
     again = run_agent(r, SAMPLE, seed=11, agent="b")
     assert not again.predicted and again.detail == {"anchor": "new", "anchors_used": 0, "stale_anchors": 1}
     assert the_anchor(r).offsets.keys() == {"b"}  # replaced: a's offsets were for the old version
+
+
+def chunk_measurements(r: Rig, entry: SegmentEntry, agent: str = "a") -> list[Measurement]:
+    """SAMPLE cut into block-sized chunks, each decided in its own chunk position's pool
+    (a new text: measured), the instruction following the last chunk, as the assembler
+    cuts a placeholder."""
+    out = []
+    for c, start in enumerate(range(0, len(SAMPLE), BLOCK)):
+        tokens = SAMPLE[start : start + BLOCK]
+        follower = INSTRUCTION if start + BLOCK >= len(SAMPLE) else None
+        decision = r.bank.decide((*POOL[:3], c), agent, tokens, entry, follower, offset=start)
+        assert not decision.predicted
+        out.append(Measurement(decision, tokens, SYSTEM + start, entry, follower, SYSTEM + len(SAMPLE) + TEMPLATE,
+                               offset=start))
+    return out
+
+
+def recorded_kv(r: Rig) -> list[tuple[torch.Tensor, ...]]:
+    """Per chunk position: its anchor's base, and agent a's placeholder and prefix offsets, as (K, V) per layer."""
+    out = []
+    for c in range(len(SAMPLE) // BLOCK):
+        (anchor,) = r.bank.pools[(*POOL[:3], c)].anchors
+        blobs = [anchor.base, *anchor.offsets["a"].blobs()]
+        out.append(tuple(cache[r.index.blobs.slots(b)].clone() for b in blobs for kv in r.kv_cache.layers for cache in kv))
+    return out
+
+
+def test_a_prompts_chunks_recorded_together_equal_each_recorded_alone_and_the_definition():
+    together, alone = rig(), rig()
+    for r, batched in ((together, True), (alone, False)):
+        entry = produce(r, SAMPLE, seed=1)
+        produce(r, INSTRUCTION, seed=3)
+        p = prompt(r, SYSTEM + len(SAMPLE) + TEMPLATE + len(INSTRUCTION), seed=10)
+        measurements = chunk_measurements(r, entry)
+        r.index.acquire(entry)
+        if batched:
+            assert r.bank.record_all(measurements, p.slots) == 3
+        else:
+            assert all(r.bank.record(m, p.slots) for m in measurements)
+        r.index.release(entry)
+        assert r.bank.num_measured == 3 and r.bank.num_measured_tokens == len(SAMPLE)
+    for mine, theirs in zip(recorded_kv(together), recorded_kv(alone), strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+    # Against the definition: offset = real (keys rotated back by the chunk's start) - base chunk in its own frame.
+    r, shift = together, together.index.shifter
+    entry = r.index.lookup(SAMPLE)
+    assert entry is not None
+    for c in range(len(SAMPLE) // BLOCK):
+        (anchor,) = r.bank.pools[(*POOL[:3], c)].anchors
+        start = c * BLOCK
+        real = p.slots[SYSTEM + start : SYSTEM + start + BLOCK]
+        base = r.index.slots(entry)[start : start + BLOCK]
+        offset = r.index.blobs.slots(anchor.offsets["a"].placeholder)
+        for k_cache, v_cache in r.kv_cache.layers:
+            expected_k = shift.shift(k_cache[real].float(), -(SYSTEM + start)) - shift.shift(k_cache[base], -start)
+            torch.testing.assert_close(k_cache[offset], expected_k, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v_cache[offset], v_cache[real] - v_cache[base])
+
+
+def test_a_chunk_met_twice_in_one_prompt_is_recorded_once_and_a_chunk_without_room_gives_its_blocks_back():
+    r = rig()
+    entry = produce(r, SAMPLE, seed=1)
+    p = prompt(r, SYSTEM + len(SAMPLE) + TEMPLATE + len(INSTRUCTION), seed=10)
+    first, *_ = chunk_measurements(r, entry)
+    r.index.acquire(entry)
+    assert r.bank.record_all([first, first], p.slots) == 1
+    assert r.bank.num_measured == 1 and r.bank.num_measured_tokens == 2 * BLOCK
+
+    r = rig(num_blocks=16)
+    entry = produce(r, SAMPLE, seed=1)
+    p = prompt(r, SYSTEM + len(SAMPLE) + TEMPLATE, seed=10)
+    measurements = chunk_measurements(r, entry)[:2]  # each needs 2 blocks: its base and its offsets
+    r.index.acquire(entry)
+    hog = r.pool.allocate(r.pool.num_free - 3)  # room for one chunk's blobs and a block, not for two chunks'
+    assert r.bank.record_all(measurements, p.slots) == 1
+    assert r.bank.num_skipped == 1 and r.pool.num_free == 3  # sealed blobs are evictable; nothing leaked
+    r.index.release(entry)
+    done(r, p)
+    r.pool.release(hog)
+    assert r.index.lookup(SAMPLE) == entry  # still held: nothing it was measured against was evicted
+    (anchor,) = r.bank.pools[(*POOL[:3], 0)].anchors
+    assert r.index.blobs.valid(anchor.base) and r.index.blobs.valid(anchor.offsets["a"].placeholder)
