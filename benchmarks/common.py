@@ -61,6 +61,36 @@ def paired_best_of(fn_a: Callable[[], Any], fn_b: Callable[[], Any], repeats: in
     return min(times_a), min(times_b)
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(all CPU ticks, idle ticks) since boot, summed over the machine's CPUs (Linux)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(value) for value in stat.readline().split()[1:]]
+    return sum(ticks), ticks[3] + ticks[4]  # idle + iowait
+
+
+def wait_quiet(max_s: float = 10.0, window_s: float = 0.2, busy_share: float = 0.1,
+               ticks: Callable[[], tuple[int, int]] = cpu_ticks) -> float:
+    """Wait until the CPUs were at most `busy_share` busy over one `window_s`, or `max_s`
+    passed; the seconds waited.
+
+    Why: stacks that take turns on the same cores must not pay for each other. A vLLM
+    that has just answered keeps polling its message queue for a second (vLLM's
+    shm_broadcast busy loop). With three vLLM stacks taking turns on two cores, the next
+    stack's first request ran 0.6-1.2 s instead of 0.1-0.3 s, on whichever stack came
+    next, even after a warm-up request; waiting for quiet (1.0-1.2 s each time) removed
+    it, and adapts to however long a stack's background work lasts."""
+    start = time.monotonic()
+    total, idle = ticks()
+    while time.monotonic() - start < max_s:
+        time.sleep(window_s)
+        now_total, now_idle = ticks()
+        busy = 1.0 - (now_idle - idle) / max(1, now_total - total)
+        total, idle = now_total, now_idle
+        if busy <= busy_share:
+            break
+    return time.monotonic() - start
+
+
 def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"

@@ -71,6 +71,7 @@ def test_the_stacks_take_turns_session_by_session_each_going_first_equally_often
     bench.runs = bench.runs * 3  # three sessions, so the order rotates through every stack
     turns: list[tuple[str, int]] = []
     up: list[str] = []
+    quiet_before: list[int] = []  # how many turns had run when the bench waited for a quiet machine
 
     @contextmanager
     def fake_stack(name, model_dir, num_blocks, log_dir):
@@ -89,8 +90,10 @@ def test_the_stacks_take_turns_session_by_session_each_going_first_equally_often
 
     monkeypatch.setattr(bench_vllm, "stack", fake_stack)
     monkeypatch.setattr(bench_vllm, "Replay", FakeReplay)
+    monkeypatch.setattr(bench_vllm, "wait_quiet", lambda: quiet_before.append(len(turns)))
     monkeypatch.setattr(bench, "_top1", lambda cell, server, db, name: 1.0)
     cells, top1 = bench._in_turns(10, "prompts")
+    assert quiet_before == list(range(9))  # before every turn, the first included
     firsts = [turns[i][0] for i in range(0, len(turns), 3)]
     assert sorted(firsts) == sorted(bench_vllm.SYSTEMS)  # each stack first once over three sessions
     assert all(sorted(t[0] for t in turns[i:i + 3]) == sorted(bench_vllm.SYSTEMS) for i in range(0, 9, 3))
