@@ -17,9 +17,9 @@ cold, and take turns session by session over exactly those prompts, the order ro
 so each stack goes first, second and third equally often: two stacks run minutes apart
 differ here by more than the few percent measured, and taking turns puts that drift on
 all of them alike. Each turn starts once the machine is quiet: a vLLM that has just
-answered spins on the same two cores for about a second, and the next stack's first
-request paid for it (see `benchmarks.common.wait_quiet`). Every answer can be compared with vLLM's own. The budgets: one that
-holds a session's working set (every agent's largest prompt and answer) and one half
+answered polls its queue on the same two cores for about a second, and the next stack's
+first request paid for it (`benchmarks.common.wait_quiet`). Every answer can be compared
+with vLLM's own. The budgets: one that holds a session's working set (every agent's largest prompt and answer) and one half
 that size (the tight cache, where an agent's prefix is evicted before it speaks again).
 
 Fidelity of every approximate row, teacher-forced: each request's prompt followed by
@@ -142,7 +142,7 @@ class VllmBench:
                                                     self.log_dir / f"{num_blocks}-blocks" / name)) for name in SYSTEMS}
             for index, run in enumerate(self.runs):
                 for name in SYSTEMS[index % len(SYSTEMS):] + SYSTEMS[:index % len(SYSTEMS)]:
-                    wait_quiet()  # the stack before has stopped spinning on these cores
+                    wait_quiet()  # the stack before has stopped polling on these cores
                     replay = Replay(running[name][0], MODEL, [run], 1, prompts, max_tokens=self._max_tokens())
                     outcomes[name].update(replay.run())
             cells = {name: Cell(outcomes[name]) for name in SYSTEMS}
