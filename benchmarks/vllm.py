@@ -19,8 +19,9 @@ differ here by more than the few percent measured, and taking turns puts that dr
 all of them alike. Each turn starts once the machine is quiet: a vLLM that has just
 answered polls its queue on the same two cores for about a second, and the next stack's
 first request paid for it (`benchmarks.common.wait_quiet`). Every answer can be compared
-with vLLM's own. The budgets: one that holds a session's working set (every agent's largest prompt and answer) and one half
-that size (the tight cache, where an agent's prefix is evicted before it speaks again).
+with vLLM's own. The budgets: one that holds a session's working set (every agent's
+largest prompt and answer) and one half that size (the tight cache, where an agent's
+prefix is evicted before it speaks again).
 
 Fidelity of every approximate row, teacher-forced: each request's prompt followed by
 vLLM's own answer is sent back to the stack's vLLM with the plan the gateway recorded
