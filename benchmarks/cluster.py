@@ -33,6 +33,7 @@ and 64 replicas with as many sessions per replica as the real run had
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import secrets
 import sys
@@ -44,9 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.agents.bench import Cell, Prompts, interleaved, quick_subset, working_set
+from benchmarks.agents.long import LONG_CAPTURES
 from benchmarks.agents.replay import Replay
 from benchmarks.agents.stacks import MODEL, warm
-from benchmarks.agents.workload import load_all
+from benchmarks.agents.workload import CAPTURES, load_all
 from benchmarks.cluster_sim import (BLOCK_SIZE, Costs, SimResult, SimSession, Simulation, build_trace, calibrate,
                                     copies)
 from benchmarks.common import BenchResult
@@ -54,6 +56,7 @@ from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.model_store import resolve_model
 from engine_ext.tokenizer import Tokenizer
 
+FAMILIES = ("short", "long")  # `kvrelay bench cluster --family NAME`; short is the default
 POLICIES = ("cache_aware", "session", "round_robin", "least_loaded", "prefix_hash")
 BASELINES = ("round_robin", "least_loaded", "prefix_hash")  # what users run instead
 KVRELAY = "cache_aware"
@@ -69,16 +72,25 @@ FULL_REPLAYS = 1  # the full run's: 283 requests per replay
 SIM_REPLICAS = (8, 16, 64)
 ADMIN_KEY = "bench-cluster-admin-key-0123456789"
 RENDER = "least_loaded"  # the policy of the live replay that renders the prompts (and fits the simulator)
+# The long family: every request opted into KVCOMM by a gateway rule (the guard at its
+# shipped rate), so the texts agents share are placed, not computed, where they are held.
+LONG_METHOD = "kvcomm"
+LONG_QUICK_RUNS = {"board_autogen": 2, "board_openai": 2}
+LONG_LEVELS = (8,)
+LONG_MAX_TOKENS = 32  # later agents quote these answers: long enough to be worth placing
 
 
 class ClusterBench:
-    def __init__(self, quick: bool, model: str | None, log_dir: Path) -> None:
+    def __init__(self, quick: bool, model: str | None, log_dir: Path, family: str = "short") -> None:
         self.quick = quick
+        self.family = family
+        self.long = family == "long"
         self.model_dir = resolve_model(model)
         self.log_dir = log_dir
-        workloads = load_all(names=list(QUICK_RUNS)) if quick else load_all()
-        self.runs = interleaved(quick_subset(workloads, QUICK_RUNS) if quick else workloads)
-        self.levels = (len(self.runs),) if quick else FULL_LEVELS
+        directory, subset = (LONG_CAPTURES, LONG_QUICK_RUNS) if self.long else (CAPTURES, QUICK_RUNS)
+        workloads = load_all(directory, names=list(subset)) if quick else load_all(directory)
+        self.runs = interleaved(quick_subset(workloads, subset) if quick else workloads)
+        self.levels = (len(self.runs),) if quick else LONG_LEVELS if self.long else FULL_LEVELS
         self.metrics: dict[str, float] = {}
         self.rows: list[tuple[str, str, str, str]] = []
         self._t0 = time.monotonic()
@@ -92,9 +104,12 @@ class ClusterBench:
         top = max(self.levels)
         for name in ("hit_rate_ratio_vs_best", "ttft_p50_ratio_vs_best", "ttft_p50_ratio_vs_session"):
             self.metrics[name] = self.metrics[f"{name}_{top}"]
-        self._simulate(top)
-        self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items() if k.startswith("greedy_match_"))
-        config = {"quick": self.quick, "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
+        if not self.long:  # the simulator models prefix caching, not placed texts
+            self._simulate(top)
+            self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items()
+                                                   if k.startswith("greedy_match_"))
+        config = {"quick": self.quick, "family": self.family, "method": LONG_METHOD if self.long else "exact",
+                  "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
                   "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
@@ -109,7 +124,9 @@ class ClusterBench:
         self._progress(f"{level} sessions at once: {per_replica} KV tokens per replica")
         with self._cluster(RENDER, per_replica) as url:  # the live render, a warm-up
             rendered = self._replay(url, level, None)
-        prompts: Prompts = {k: (o.body, o.quotes) for k, o in rendered.outcomes.items()}
+        # An approximate answer differs from the exact one now and then, and an app quotes
+        # the answers it got: opted in, each policy replays live, quoting its own answers.
+        prompts: Prompts | None = None if self.long else {k: (o.body, o.quotes) for k, o in rendered.outcomes.items()}
         cells: dict[str, Cell] = {}
         replays = REPLAYS if self.quick else FULL_REPLAYS
         passes = [POLICIES if i % 2 == 0 else tuple(reversed(POLICIES)) for i in range(replays)]
@@ -120,7 +137,8 @@ class ClusterBench:
                            f"{c.errors} errors")
             cells[policy] = cells[policy].merged(c) if policy in cells else c
         self._score(level, cells)
-        self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
+        if not self.long:
+            self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
 
     # -- the simulator ---------------------------------------------------------------------
     def _trace(self, rendered: Cell) -> list[SimSession]:
@@ -190,7 +208,8 @@ class ClusterBench:
             self.metrics[f"ttft_p50_ms_{policy}_{level}"] = cell.ttft_ms(0.5)
             self.metrics[f"makespan_s_{policy}_{level}"] = cell.makespan_s(self.runs)
             self.metrics[f"errors_{policy}_{level}"] = float(cell.errors)
-            self.metrics[f"greedy_match_{policy}_{level}"] = cell.greedy_match(reference, same_prompt=True)
+            if not self.long:  # live replays of an approximate method: answers are not comparable
+                self.metrics[f"greedy_match_{policy}_{level}"] = cell.greedy_match(reference, same_prompt=True)
         best_hit = max(cells[b].cached_fraction() for b in BASELINES)
         best_ttft = min(cells[b].ttft_ms(0.5) for b in BASELINES)
         self.metrics[f"hit_rate_ratio_vs_best_{level}"] = ours.cached_fraction() / best_hit if best_hit else float("inf")
@@ -209,6 +228,8 @@ class ClusterBench:
         return Cell(Replay(url, MODEL, self.runs, level, prompts, max_tokens=self._max_tokens()).run())
 
     def _max_tokens(self) -> int:
+        if self.long:
+            return LONG_MAX_TOKENS
         return QUICK_MAX_TOKENS if self.quick else FULL_MAX_TOKENS
 
     @contextmanager
@@ -229,12 +250,18 @@ class ClusterBench:
                     "--log-level", "warning"]
             for engine in engines:
                 args += ["--upstream", engine.url]
-            env = {"KVRELAY_PLAN_SECRET": secret, "KVRELAY_ADMIN_KEY": ADMIN_KEY, "KVRELAY_HEALTH_INTERVAL_S": "0.5",
-                   "KVRELAY_ROUTING__POLICY": policy, "KVRELAY_ROUTING__CACHE_POLL_INTERVAL_S": "0.5"}
+            env = self._gateway_env(policy, secret)
             gateway = stack.enter_context(_running(Service(f"{policy}-gateway", args, env, self.log_dir), 120))
             for engine in engines:
                 warm(engine.url)
             yield gateway.url
+
+    def _gateway_env(self, policy: str, secret: str) -> dict[str, str]:
+        env = {"KVRELAY_PLAN_SECRET": secret, "KVRELAY_ADMIN_KEY": ADMIN_KEY, "KVRELAY_HEALTH_INTERVAL_S": "0.5",
+               "KVRELAY_ROUTING__POLICY": policy, "KVRELAY_ROUTING__CACHE_POLL_INTERVAL_S": "0.5"}
+        if self.long:  # what a user who accepts approximation configures
+            env["KVRELAY_APPROXIMATION__RULES"] = json.dumps([{"method": LONG_METHOD}])
+        return env
 
     def _progress(self, what: str) -> None:
         print(f"[bench cluster +{time.monotonic() - self._t0:.0f}s] {what}", file=sys.stderr, flush=True)
@@ -253,7 +280,9 @@ def _running(service: Service, timeout: float) -> Iterator[Service]:
         service.stop()
 
 
-def run(quick: bool = False, model: str | None = None) -> BenchResult:
+def run(quick: bool = False, model: str | None = None, family: str = "short") -> BenchResult:
+    if family not in FAMILIES:
+        raise ValueError(f"bench cluster: no family {family!r}; families: {', '.join(FAMILIES)}")
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-cluster-") as tmp:
-        return ClusterBench(quick, model, Path(tmp)).run()
+        return ClusterBench(quick, model, Path(tmp), family).run()
 

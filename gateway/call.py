@@ -39,7 +39,7 @@ from gateway.routing.policies import Route
 from gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
 from kvrelay.wire.seal import PlanSeal
-from kvrelay.wire.plan import RoundInfo
+from kvrelay.wire.plan import RoundInfo, Segment
 from kvrelay.wire.cache_report import BLOCKS_HEADER, read_prompt_blocks
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
@@ -108,6 +108,7 @@ class ProxiedCall:
         self._client_salt: str | None = None  # the client's cache_salt: mixed into its tenant's, never sent
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self._route: Route | None = None  # what the routing policy knows of the prompt
+        self._segments: list[Segment] = []  # the plan's, as sent: what routing may weigh
         self.span = start_call_span(state.tracer, endpoint, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
@@ -134,7 +135,8 @@ class ProxiedCall:
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
             body = self._infer(body, ident)
-            self._route = self.state.upstreams.pool.route(self.view, body.get(SALT_FIELD))
+            self._route = self.state.upstreams.pool.route(self.view, body.get(SALT_FIELD), self._segments,
+                                                          self.record.id)
             payload = self._prepare(body)
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
             if self._round is not None and self.state.round_hold is not None:
@@ -250,6 +252,7 @@ class ProxiedCall:
                 self.record.plan = plan.model_dump_json()  # the record says which method ran
                 if plan.probe:
                     self._probe = (tenant, ident.app_id, method)
+        self._segments = plan.segments
         body = with_plan(body, plan, self.state.plan_seal)
         # The tenant's salt replaces the client's: engines share cached KV within it only.
         namespace = plan.tenant or self.state.inference.tenants.namespace(ident.app_id)

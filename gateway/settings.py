@@ -51,8 +51,11 @@ class RoutingSettings(BaseModel):
     new prompt shares with it. A lower-tier block counts `lower_tier_weight` of a device
     one (it is copied back, not computed). A replica is a contender only where its hit
     covers `min_hit_share` of the prompt; otherwise the request goes where the least
-    work is queued (its session's home on a tie). Engines' reports are polled every
-    `cache_poll_interval_s`."""
+    work is queued (its session's home on a tie). For a request opted into an
+    approximate method, the texts it would place count as held where their KV was
+    computed, a placed token at `segment_weight` of a cached one: placing costs a few
+    percent of computing (KVCOMM's offsets), blend recomputes about 15% of the rows.
+    Engines' reports are polled every `cache_poll_interval_s`."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -61,6 +64,7 @@ class RoutingSettings(BaseModel):
     decode_tokens: Annotated[int, Field(ge=0, le=1_000_000)] = 8
     lower_tier_weight: Annotated[float, Field(ge=0, le=1)] = 0.7
     min_hit_share: Annotated[float, Field(ge=0, le=1)] = 0.5  # a smaller hit is not followed
+    segment_weight: Annotated[float, Field(ge=0, le=1)] = 0.9  # a placed token's worth of a cached one
     cache_poll_interval_s: Annotated[float, Field(gt=0, le=3600)] = 1.0
     max_prompts: Annotated[int, Field(ge=1, le=10_000_000)] = 200_000  # prefix keys remembered
     max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 200_000  # blocks or keys added between reports

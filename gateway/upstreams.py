@@ -12,13 +12,16 @@ together spread even when none of their requests is in flight yet.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.routing.cache_map import CacheMap
-from gateway.routing.policies import Route, SessionHomes, build_policy, plan_route
+from gateway.routing.policies import Route, SessionHomes, build_policy, held_tokens, plan_route
 from gateway.routing.prefix_keys import prefix_keys
+from gateway.routing.segment_map import SegmentMap
 from gateway.settings import Breaker, RoutingSettings
+from kvrelay.wire.plan import Segment
 
 
 
@@ -62,7 +65,9 @@ class UpstreamPool:
         self.upstreams = [Upstream(url, breaker) for url in urls]
         self.homes = SessionHomes()
         self.cache = CacheMap(routing.max_prompts, routing.max_blocks, routing.lower_tier_weight)
-        self.policy = build_policy(routing, self.homes, load_guard_factor, self.cache)
+        self.segments = SegmentMap(routing.max_blocks)
+        self.segment_weight = routing.segment_weight
+        self.policy = build_policy(routing, self.homes, load_guard_factor, self.cache, self.segments)
 
     def candidates(self, model: str, session_id: str | None, hold: bool = False,
                    route: Route | None = None) -> list[Upstream]:
@@ -77,17 +82,22 @@ class UpstreamPool:
         route = (route or Route(session_id))._replace(session_id=session_id, hold=hold)
         return self.policy.order(route, usable)
 
-    def route(self, view: dict[str, Any], cache_salt: str | None) -> Route | None:
+    def route(self, view: dict[str, Any], cache_salt: str | None, segments: Sequence[Segment] = (),
+              request_id: str | None = None) -> Route | None:
         """What the policy needs to know of a request's prompt (its prefix keys, the blocks
-        it is predicted to start with, its size); None for a policy that reads none."""
+        it is predicted to start with, the texts its plan would place, its size); None for
+        a policy that reads none."""
         if not self.policy.reads_prompt:
             return None
-        return plan_route(tuple(prefix_keys(view, cache_salt)), self.cache, self.policy.reads_cache)
+        return plan_route(tuple(prefix_keys(view, cache_salt)), self.cache, self.policy.reads_cache, segments,
+                          request_id)
 
     def routed(self, route: Route | None, upstream: Upstream) -> None:
-        """The request went to `upstream`: its predicted blocks (and keys) will be there."""
+        """The request went to `upstream`: its predicted blocks (and keys), the texts it
+        places and, when it opted in, its answer will be there."""
         if route is not None and self.policy.reads_cache:
             self.cache.routed(upstream.url, route.keys, route.predicted)
+            self.segments.routed(upstream.url, route.kept_request, route.placed)
 
     def learn(self, route: Route | None, url: str, digests: list[str]) -> None:
         """The engine at `url` reported the prompt's blocks: it holds them now, and a later
@@ -101,7 +111,8 @@ class UpstreamPool:
         predicted start the replica does not hold)."""
         if route is None:
             return 0
-        return max(route.prompt_tokens - int(self.cache.hits(upstream.url, route.keys, route.predicted)), 0)
+        held = held_tokens(route, upstream.url, self.cache, self.segments, self.segment_weight)
+        return max(route.prompt_tokens - int(held), 0)
 
     def knows_no(self, model: str) -> bool:
         """True when every upstream has listed its models and none lists this one."""

@@ -14,7 +14,8 @@ size). Registered by name in `POLICIES`; `routing.policy` picks one.
 - `prefix_hash`: a rendezvous hash of the prompt's head (vllm-router's and SGLang's
   consistent hashing): prompts that start alike land together, regardless of load.
 - `cache_aware`: kvrelay's. The cost of sending a request to an upstream is the prompt
-  tokens it would compute there (those not among the blocks the replica holds) plus
+  tokens it would compute there (those not among the blocks the replica holds, nor among
+  the texts an opted-in request would place from KV the replica computed) plus
   `load_weight` x the work already in flight there (the prompt tokens its requests have
   still to compute, and `decode_tokens` for each; gateway/settings.py says why). The
   cheapest wins; a request that would hit nowhere goes where the least work is queued
@@ -28,14 +29,17 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from gateway.routing.cache_map import CHARS_PER_TOKEN, CacheMap
 from gateway.routing.prefix_keys import PrefixKey
+from gateway.routing.segment_map import APPROXIMATE, PlacedText, SegmentMap, placed_texts
 from gateway.settings import RoutingSettings
 
 if TYPE_CHECKING:
     from gateway.upstreams import Upstream
+    from kvrelay.wire.plan import Segment
 
 MAX_SESSIONS = 100_000
 MIN_GUARDED_LOAD = 4  # below this many in-flight requests a session never leaves its upstream
@@ -48,15 +52,28 @@ class Route(NamedTuple):
     keys: tuple[PrefixKey, ...] = ()
     predicted: tuple[str, ...] = ()  # block digests the prompt is expected to start with
     prompt_tokens: int = 0  # estimated
+    placed: tuple[PlacedText, ...] = ()  # texts an opted-in request would place (gateway/routing/segment_map.py)
+    kept_request: str | None = None  # an opted-in request's id: where it runs, its answer is kept
 
 
-def plan_route(keys: tuple[PrefixKey, ...], cache: CacheMap, reads_cache: bool) -> Route:
+def plan_route(keys: tuple[PrefixKey, ...], cache: CacheMap, reads_cache: bool,
+               segments: Sequence[Segment] = (), request_id: str | None = None) -> Route:
     """A prompt's Route (no session yet): its keys, the blocks the cache map predicts it
-    starts with (when the policy reads them) and its size, estimated without a tokenizer."""
+    starts with and the texts its plan would place (when the policy reads them), and its
+    size, estimated without a tokenizer."""
     predicted = tuple(cache.predict(keys)) if reads_cache else ()
+    placed = placed_texts(segments) if reads_cache else ()
+    opted_in = reads_cache and any(s.method in APPROXIMATE for s in segments)
     chars = keys[-1].chars if keys else 0
     tokens = max(chars // CHARS_PER_TOKEN, len(predicted) * cache.block_size)
-    return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens)
+    return Route(None, keys=keys, predicted=predicted, prompt_tokens=tokens, placed=placed,
+                 kept_request=request_id if opted_in else None)
+
+
+def held_tokens(route: Route, url: str, cache: CacheMap, segments: SegmentMap, segment_weight: float) -> float:
+    """Prompt tokens the replica at `url` would not compute: the prefix blocks it holds,
+    and the texts it would place, each placed token counted at `segment_weight`."""
+    return cache.hits(url, route.keys, route.predicted) + segment_weight * segments.held_tokens(url, route.placed)
 
 
 class SessionHomes:
@@ -175,9 +192,12 @@ class CacheAware(RoutingPolicy):
     reads_cache = True
 
     def __init__(self, homes: SessionHomes, load_guard_factor: float, cache: CacheMap, load_weight: float = 1.0,
-                 decode_tokens: int = 8, min_hit_share: float = 0.5) -> None:
+                 decode_tokens: int = 8, min_hit_share: float = 0.5, segments: SegmentMap | None = None,
+                 segment_weight: float = 0.9) -> None:
         super().__init__(homes, load_guard_factor)
         self.cache = cache
+        self.segments = segments if segments is not None else SegmentMap()
+        self.segment_weight = segment_weight
         self.load_weight = load_weight
         self.decode_tokens = decode_tokens
         self.min_hit_share = min_hit_share
@@ -186,7 +206,7 @@ class CacheAware(RoutingPolicy):
         home = self._session_home(route, usable)
         if route.hold and home is not None:
             return self._first(home, usable)
-        hits = {u.url: self.cache.hits(u.url, route.keys, route.predicted) for u in usable}
+        hits = {u.url: held_tokens(route, u.url, self.cache, self.segments, self.segment_weight) for u in usable}
         # Only a hit covering much of the prompt is worth following: a small one (an app's
         # short persona) would gather the sessions of one app on one replica, whatever
         # their size, where spreading sessions keeps the replicas' work even.
@@ -223,8 +243,8 @@ POLICIES: dict[str, type[RoutingPolicy]] = {p.name: p for p in (SessionAffinity,
 
 
 def build_policy(settings: RoutingSettings, homes: SessionHomes, load_guard_factor: float,
-                 cache: CacheMap) -> RoutingPolicy:
+                 cache: CacheMap, segments: SegmentMap | None = None) -> RoutingPolicy:
     if settings.policy == CacheAware.name:
         return CacheAware(homes, load_guard_factor, cache, settings.load_weight, settings.decode_tokens,
-                          settings.min_hit_share)
+                          settings.min_hit_share, segments, settings.segment_weight)
     return POLICIES[settings.policy](homes, load_guard_factor)

@@ -43,3 +43,56 @@ def test_cluster_bench_routes_the_same_prompts_by_every_policy(llama_dir, tmp_pa
     assert metrics["sim_vs_real_error"] == pytest.approx(max(errors))
     assert metrics["sim_ttft_p50_ratio_vs_least_loaded_64"] == pytest.approx(
         metrics["sim_ttft_p50_ms_least_loaded_64"] / metrics["sim_ttft_p50_ms_cache_aware_64"])
+
+
+def test_the_long_family_opts_in_and_replays_every_policy_live(tmp_path, monkeypatch, llama_dir):
+    """The long captures, opted into KVCOMM: no prompt is rendered once for all (each
+    policy quotes its own answers), the gateway gets the rule, and the simulator, which
+    models prefix caching only, does not run. Engines are replaced by a recorder: the
+    captures' prompts are longer than the tiny model's context."""
+    from contextlib import contextmanager
+
+    from benchmarks.agents.bench import Cell
+    from benchmarks.agents.replay import Outcome
+
+    clusters: list[str] = []
+    replays: list[tuple[str, object]] = []
+
+    @contextmanager
+    def cluster(self, policy, kv_tokens):
+        clusters.append(policy)
+        yield policy
+
+    def replay(self, url, level, prompts):
+        replays.append((url, prompts))
+        cached = {"cache_aware": 0.6, "session": 0.5}.get(url, 0.2)
+        outcomes = {r.key: Outcome(r.key, r.body, (), "x", 200, None, None, 1000, int(1000 * cached), 4,
+                                   0.5 if url == "cache_aware" else 1.0, 1.0, 0.0, 1.0)
+                    for run in self.runs for r in run.requests}
+        return Cell(outcomes)
+
+    monkeypatch.setattr(bench_cluster.ClusterBench, "_cluster", cluster)
+    monkeypatch.setattr(bench_cluster.ClusterBench, "_replay", replay)
+    monkeypatch.setattr(bench_cluster, "REPLAYS", 1)
+    result = bench_cluster.run(quick=True, model=str(llama_dir), family="long")
+
+    assert result.config["family"] == "long" and result.config["method"] == "kvcomm"
+    assert result.config["sessions"] == 4 and result.config["requests"] == 20  # two runs of each board
+    assert clusters == [bench_cluster.RENDER, *bench_cluster.POLICIES]
+    assert all(prompts is None for _, prompts in replays)  # live: each policy quotes its own answers
+    metrics = result.metrics
+    assert metrics["hit_rate_ratio_vs_best"] == pytest.approx(0.6 / 0.2)
+    assert metrics["ttft_p50_ratio_vs_best"] == pytest.approx(2.0)
+    assert metrics["ttft_p50_ratio_vs_session"] == pytest.approx(2.0)
+    assert not any(k.startswith(("sim_", "greedy_match")) for k in metrics)
+    with pytest.raises(ValueError, match="no family 'tiny'"):
+        bench_cluster.run(quick=True, model=str(llama_dir), family="tiny")
+
+
+def test_the_long_family_gateway_is_opted_in_by_a_rule():
+    bench = bench_cluster.ClusterBench.__new__(bench_cluster.ClusterBench)
+    bench.long = True
+    assert json.loads(bench._gateway_env("cache_aware", "s")["KVRELAY_APPROXIMATION__RULES"]) == [
+        {"method": "kvcomm"}]
+    bench.long = False
+    assert "KVRELAY_APPROXIMATION__RULES" not in bench._gateway_env("cache_aware", "s")

@@ -8,6 +8,7 @@ them, where session affinity alone sends it to the idle replica to compute them 
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -142,3 +143,63 @@ def test_the_gateway_asks_for_prompt_blocks_only_under_cache_aware_routing(fake_
             {"role": "user", "content": "hello"}]}).status_code == 200
     assert fake.received[-1].path == "/v1/chat/completions"
     assert fake.received[-1].headers.get(BLOCKS_HEADER) == ("1" if policy == "cache_aware" else None)
+
+
+AGENTS = ("You are the writer. Answer the question at length.",
+          "You are the critic. Say what the writer got wrong.",
+          "You are the judge. Decide between the writer and the critic.")
+QUESTION = "Which of the two proposals in the attached report should the board fund, and why? " * 6
+
+
+def _board(http, session: str, before_judge) -> list[dict]:
+    """Three agents in turn, each reading the question and the answers before its own."""
+    answers: list[str] = []
+    out = []
+    for i, system in enumerate(AGENTS):
+        if i == 2:
+            before_judge()
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": QUESTION}]
+        messages += [{"role": "user", "content": text} for text in answers]
+        body = {"model": MODEL, "max_tokens": 32, "temperature": 0, "messages": messages}
+        response = http.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
+        assert response.status_code == 200, response.text
+        out.append(response.json())
+        answers.append(out[-1]["choices"][0]["message"]["content"])
+    return out
+
+
+@pytest.mark.parametrize("segment_weight", [0.9, 0.0])
+def test_an_opted_in_agent_goes_where_the_answers_it_places_were_computed(replicas, start_gateway, segment_weight):
+    """Opted into KVCOMM, the judge places the writer's and the critic's answers, whose KV
+    lives only on the replica that served them. With that replica busier than the other,
+    cache_aware still sends the judge there (its persona is its own: no prefix hit says
+    so); weighing placed texts at 0, it goes to the idle replica and computes them again."""
+    _reset(replicas)
+    urls = [srv.base_url for srv in replicas]
+    gw = start_gateway(urls, routing={"policy": "cache_aware", "cache_poll_interval_s": 0.05,
+                                      "segment_weight": segment_weight},
+                       approximation={"rules": [{"method": "kvcomm"}]})
+    busy: list = []
+
+    def occupy_home() -> None:  # a request of another app queued on the board's replica
+        home = next(u for u in gw.pool.upstreams if u.url == gw.rows(2)[-1].upstream)
+        home.in_flight += 1
+        busy.append(home)
+
+    try:
+        with gw.client(timeout=120) as http:
+            judge = _board(http, "board", occupy_home)[2]
+    finally:
+        for upstream in busy:
+            upstream.in_flight -= 1
+    rows = gw.rows(3)
+    assert rows[0].upstream == rows[1].upstream  # the critic went home (tie), reading the writer's answer
+    plan = json.loads(rows[2].plan)
+    placed = [s for s in plan["segments"] if s["kind"] == "placeholder" and s["method"] == "kvcomm"]
+    assert placed, plan  # the judge's plan places the two answers
+    segments = judge["kv_transfer_params"]["kvrelay_reuse"]["segments"]
+    reused = sum(s["tokens_reused"] for s in segments if s["method"] == "kvcomm")  # placed, not prefix hits
+    if segment_weight:
+        assert rows[2].upstream == rows[0].upstream and reused > 0, (rows[2].upstream, segments)
+    else:
+        assert rows[2].upstream != rows[0].upstream and reused == 0, (rows[2].upstream, segments)

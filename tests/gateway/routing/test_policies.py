@@ -11,6 +11,7 @@ from gateway.routing.prefix_keys import PrefixKey
 from gateway.settings import Breaker, RoutingPolicyName, RoutingSettings
 from gateway.upstreams import UpstreamPool
 from kvrelay.wire.cache_report import CacheReport
+from kvrelay.wire.plan import Segment
 
 URLS = ["http://a", "http://b", "http://c"]
 BLOCKS = tuple(f"{i:016x}" for i in range(40))
@@ -163,3 +164,58 @@ def test_cache_aware_does_not_follow_a_hit_onto_an_overloaded_replica():
     assert first(p, route, session="new") == "http://b"
     b.in_flight = 2  # 4 is not above 2.0 x 2
     assert first(p, route, session="newer") == "http://a"
+
+
+def _opted_in_view(answer: str, document: str, agent: str = "reviewer") -> tuple[dict, list[Segment]]:
+    """A board's agent: its own persona, then a document and an earlier agent's answer."""
+    system = f"You are the {agent}. " * 4
+    user = document + answer
+    view = {"model": "m", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+    segments = [Segment(message_index=1, char_start=0, char_end=len(document), kind="shared_block",
+                        content_hash="d" * 64, method="kvcomm"),
+                Segment(message_index=1, char_start=len(document), char_end=len(user), kind="placeholder",
+                        name="answer", content_hash="a" * 64, source_request="agent1", method="kvcomm")]
+    return view, segments
+
+
+def test_cache_aware_sends_an_opted_in_request_where_the_texts_it_places_were_computed():
+    """No prefix of the prompt is held anywhere (the persona is the agent's own), but the
+    document and the answer it quotes were computed on b: placing them there saves what
+    computing them again on a would cost, though a is idle."""
+    p = pool("cache_aware", n=2)
+    view, segments = _opted_in_view("The answer. " * 40, "A long shared document. " * 120)
+    writer, _ = _opted_in_view("Notes. ", "A long shared document. " * 120, agent="writer")
+    p.routed(p.route(writer, None, segments[:1], "agent1"), p.upstreams[1])  # agent 1 read it on b, answered there
+    later = p.route(view, None, segments, "agent2")
+    assert later.kept_request == "agent2" and len(later.placed) == 2
+    p.upstreams[1].in_flight = 1
+    assert first(p, later, session="s") == "http://b"
+    exact = p.route(view, None, [s.model_copy(update={"method": None}) for s in segments], "agent3")
+    assert exact.placed == () and exact.kept_request is None  # nothing is placed, nothing kept
+    assert first(p, exact, session="s2") == "http://a"  # so the least loaded
+    held = p.segment_weight * sum(t.tokens for t in later.placed)
+    assert p.expected_work(later, p.upstreams[1]) == max(later.prompt_tokens - int(held), 0)
+
+
+def test_cache_aware_weighs_placed_texts_against_the_queue_like_cached_blocks():
+    p = pool("cache_aware", n=2)
+    view, segments = _opted_in_view("The answer. " * 40, "A long shared document. " * 120)
+    writer, _ = _opted_in_view("Notes. ", "A long shared document. " * 120, agent="writer")
+    p.routed(p.route(writer, None, segments[:1], "agent1"), p.upstreams[1])
+    later = p.route(view, None, segments, "agent2")
+    saved = p.segment_weight * sum(t.tokens for t in later.placed)
+    b = p.upstreams[1]
+    b.in_flight, b.in_flight_tokens = 1, int(saved) - 8 - 2  # its queue costs less than placing saves
+    assert first(p, later) == "http://b"
+    b.in_flight_tokens = int(saved) + 2
+    assert first(p, later) == "http://a"
+    ignoring = pool("cache_aware", n=2, segment_weight=0.0)  # placed texts worth nothing: the least loaded
+    ignoring.routed(ignoring.route(writer, None, segments[:1], "agent1"), ignoring.upstreams[1])
+    ignoring.upstreams[1].in_flight = 1
+    assert first(ignoring, ignoring.route(view, None, segments, "agent2")) == "http://a"
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.5])
+def test_segment_weight_is_a_fraction(weight):
+    with pytest.raises(ValueError):
+        RoutingSettings(segment_weight=weight)
