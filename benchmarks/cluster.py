@@ -23,6 +23,14 @@ TTFT p50; `hit_rate_ratio_vs_best` (kvrelay / the best baseline's) and
 `ttft_p50_ratio_vs_best` (the best baseline's / kvrelay's: above 1, kvrelay is faster),
 at the largest level run; `greedy_match_min`: every policy's answers against the first.
 
+`--family long` replays the long captures instead (tests/data/agents/long: boards whose
+agents read a shared passage and each other's answers), every request opted into KVCOMM
+by a gateway rule, where cache_aware weighs the texts a request would place where their
+KV was computed. Each replica holds half the working set (a quarter holds about one
+board's prompt), answers are cut to 32 tokens, each policy replays live (an approximate
+answer can differ, and the app quotes what it got), and the simulator, which models
+prefix caching only, does not run.
+
 Then the simulator (benchmarks/cluster_sim.py), with step costs measured here on one
 thread: the same sessions on 2 simulated replicas, against the measured TTFT p50 of each
 policy (`sim_vs_real_error`: the largest relative error over the policies), and on 8, 16
@@ -113,14 +121,17 @@ class ClusterBench:
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
                   "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
-                  "model": str(self.model_dir), "sim_replicas": SIM_REPLICAS,
+                  "model": str(self.model_dir), "sim_replicas": () if self.long else SIM_REPLICAS,
                   "sim_costs": dataclasses.asdict(self._sim_costs) if self._sim_costs else None}
         return BenchResult("cluster", self.metrics, config, self.rows,
                            ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
 
     def _level(self, level: int) -> None:
         budget = working_set(self.runs, level, {})
-        per_replica = max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
+        # Short family: each replica holds a quarter of the working set. Long family: half,
+        # since a quarter holds about one board's prompt and leaves KVCOMM nothing to keep.
+        per_replica = budget.full // NUM_REPLICAS if self.long else \
+            max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
         self._progress(f"{level} sessions at once: {per_replica} KV tokens per replica")
         with self._cluster(RENDER, per_replica) as url:  # the live render, a warm-up
             rendered = self._replay(url, level, None)
