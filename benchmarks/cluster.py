@@ -28,8 +28,8 @@ agents read a shared passage and each other's answers), every request opted into
 by a gateway rule, where cache_aware weighs the texts a request would place where their
 KV was computed. Each replica holds half the working set (a quarter holds about one
 board's prompt), answers are cut to 32 tokens, each policy replays live (an approximate
-answer can differ, and the app quotes what it got), and the simulator, which models
-prefix caching only, does not run.
+answer can differ, and the app quotes what it got); the simulator reads the texts each
+request would place from the plans the render replay's gateway recorded.
 
 Then the simulator (benchmarks/cluster_sim.py), with step costs measured here on one
 thread: the same sessions on 2 simulated replicas, against the measured TTFT p50 of each
@@ -44,25 +44,28 @@ import dataclasses
 import json
 import os
 import secrets
+import sqlite3
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
 from benchmarks.agents.bench import Cell, Prompts, interleaved, quick_subset, working_set
 from benchmarks.agents.long import LONG_CAPTURES
-from benchmarks.agents.replay import Replay
+from benchmarks.agents.replay import Outcome, Replay
 from benchmarks.agents.stacks import MODEL, warm
 from benchmarks.agents.workload import CAPTURES, load_all
-from benchmarks.cluster_sim import (BLOCK_SIZE, Costs, SimResult, SimSession, Simulation, build_trace, calibrate,
-                                    copies)
+from benchmarks.cluster_sim import (BLOCK_SIZE, Costs, PlacedOf, SimResult, SimSession, SimText, Simulation,
+                                    build_trace, calibrate, copies)
 from benchmarks.common import BenchResult
 from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.model_store import resolve_model
 from engine_ext.tokenizer import Tokenizer
+from gateway.routing.segment_map import APPROXIMATE, PLACED_KINDS
+from kvrelay.wire.plan import SegmentPlan
 
 FAMILIES = ("short", "long")  # `kvrelay bench cluster --family NAME`; short is the default
 POLICIES = ("cache_aware", "session", "round_robin", "least_loaded", "prefix_hash")
@@ -112,8 +115,8 @@ class ClusterBench:
         top = max(self.levels)
         for name in ("hit_rate_ratio_vs_best", "ttft_p50_ratio_vs_best", "ttft_p50_ratio_vs_session"):
             self.metrics[name] = self.metrics[f"{name}_{top}"]
-        if not self.long:  # the simulator models prefix caching, not placed texts
-            self._simulate(top)
+        self._simulate(top)
+        if not self.long:  # live replays of an approximate method: answers are not comparable
             self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items()
                                                    if k.startswith("greedy_match_"))
         config = {"quick": self.quick, "family": self.family, "method": LONG_METHOD if self.long else "exact",
@@ -121,7 +124,7 @@ class ClusterBench:
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
                   "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
-                  "model": str(self.model_dir), "sim_replicas": () if self.long else SIM_REPLICAS,
+                  "model": str(self.model_dir), "sim_replicas": SIM_REPLICAS,
                   "sim_costs": dataclasses.asdict(self._sim_costs) if self._sim_costs else None}
         return BenchResult("cluster", self.metrics, config, self.rows,
                            ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
@@ -148,8 +151,7 @@ class ClusterBench:
                            f"{c.errors} errors")
             cells[policy] = cells[policy].merged(c) if policy in cells else c
         self._score(level, cells)
-        if not self.long:
-            self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
+        self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
 
     # -- the simulator ---------------------------------------------------------------------
     def _trace(self, rendered: Cell) -> list[SimSession]:
@@ -162,7 +164,34 @@ class ClusterBench:
             text = tokenizer.render_chat(body["messages"][:1], tools=body.get("tools"), add_generation_prompt=False)
             return len(tokenizer.encode(text))
 
-        return build_trace(self.runs, rendered.outcomes, encode, first_message)
+        return build_trace(self.runs, rendered.outcomes, encode, first_message,
+                           self._placed_of(tokenizer) if self.long else None)
+
+    def _placed_of(self, tokenizer: Tokenizer) -> PlacedOf:
+        """The texts each request of the render replay would place, from the plans its
+        gateway recorded (the same inference every policy's gateway runs)."""
+        with closing(sqlite3.connect(self.log_dir / f"{RENDER}.sqlite")) as db:
+            plans = {rid: SegmentPlan.model_validate_json(plan)
+                     for rid, plan in db.execute("SELECT id, plan FROM requests WHERE plan IS NOT NULL")}
+
+        def placed(outcome: Outcome, ids_of: dict[str, int]) -> tuple[SimText, ...]:
+            plan = plans.get(outcome.request_id or "")
+            messages = outcome.body.get("messages") or []
+            texts = []
+            for segment in plan.segments if plan else ():
+                content = messages[segment.message_index].get("content")
+                if segment.kind not in PLACED_KINDS or segment.method not in APPROXIMATE or \
+                        not isinstance(content, str):
+                    continue
+                head = [*messages[:segment.message_index],
+                        {**messages[segment.message_index], "content": content[:segment.char_start]}]
+                start = len(tokenizer.encode(tokenizer.render_chat(head, tools=outcome.body.get("tools"),
+                                                                   add_generation_prompt=False)))
+                tokens = len(tokenizer.encode(content[segment.char_start:segment.char_end]))
+                texts.append(SimText(segment.content_hash, start, tokens, ids_of.get(segment.source_request or "")))
+            return tuple(texts)
+
+        return placed
 
     def _simulate(self, level: int) -> None:
         """The simulator against this level's measured run (2 replicas), then at scale."""

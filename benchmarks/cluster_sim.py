@@ -20,6 +20,13 @@ engine's 16-token blocks) and the answer lengths it measured, against simulated 
   longest run of its blocks there, counted when its prefill starts; the blocks of the
   requests it is running take device room first.
 
+A request opted into an approximate method (the long family's KVCOMM) also places
+texts (`SimText`: a shared passage, an earlier agent's answer) that its replica holds:
+a replica holds a text once a prompt holding it was prefilled there (KVCOMM's default
+serves an answer's KV from its first reader, not from the request that wrote it), in
+the same LRU as its blocks. A held text counts as cached where it lies past the prefix
+hit; the router weighs it through the gateway's own SegmentMap.
+
 Sessions are closed loops as in the real replay: `concurrency` sessions at once, a
 request sent when the requests it waited for in the capture have ended. For more
 replicas than sessions captured, each session is copied; a copy shares its first
@@ -38,14 +45,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks.agents.replay import Key, Outcome
 from benchmarks.agents.workload import Run
 from engine_ext.config import EngineConfig
 from gateway.routing.cache_map import CacheMap
-from gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, plan_route
+from gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, held_tokens, plan_route
 from gateway.routing.prefix_keys import PrefixKey, prefix_keys
+from gateway.routing.segment_map import PlacedText, SegmentMap
 from gateway.settings import GatewaySettings, RoutingSettings
 from kvrelay.wire.cache_report import CacheReport, digests
 
@@ -69,6 +77,15 @@ class Costs:
                                    step_s=self.step_s * factor, step_s_per_seq=self.step_s_per_seq * factor)
 
 
+class SimText(NamedTuple):
+    """A text an opted-in request would place (a plan's placeholder or shared block)."""
+
+    key: str  # its content hash
+    start: int  # its first token's position in the prompt
+    tokens: int
+    source: int | None = None  # the session's request whose answer it is
+
+
 @dataclass(frozen=True)
 class SimRequest:
     index: int  # within its session
@@ -78,6 +95,7 @@ class SimRequest:
     shared_blocks: int  # of those, the first message's (what a copy of its session shares)
     prompt_tokens: int
     output_tokens: int
+    placed: tuple[SimText, ...] = ()  # opted in: the texts it would place where held
 
 
 @dataclass(frozen=True)
@@ -86,14 +104,22 @@ class SimSession:
     requests: tuple[SimRequest, ...]
 
 
+PlacedOf = Callable[[Outcome, dict[str, int]], tuple[SimText, ...]]  # (outcome, its session's request ids) -> texts
+
+
 def build_trace(runs: Sequence[Run], outcomes: dict[Key, Outcome], encode: Callable[[dict[str, Any]], list[int]],
-                first_message_tokens: Callable[[dict[str, Any]], int]) -> list[SimSession]:
+                first_message_tokens: Callable[[dict[str, Any]], int],
+                placed_of: PlacedOf | None = None) -> list[SimSession]:
     """The sessions of `runs` as the real replay sent them: `outcomes` holds each
     request's rendered prompt and measured answer length; `encode` tokenizes a body's
-    prompt, `first_message_tokens` the part a copy shares (see `copies`)."""
+    prompt, `first_message_tokens` the part a copy shares (see `copies`); `placed_of`,
+    for opted-in traffic, the texts a request's plan would place (given the gateway's
+    request ids of its session's requests, by index)."""
     sessions = []
     for run in runs:
         index = {r.seq: i for i, r in enumerate(run.requests)}
+        ids_of = {o.request_id: i for i, r in enumerate(run.requests)
+                  if (o := outcomes[r.key]).request_id is not None}
         requests = []
         for i, request in enumerate(run.requests):
             outcome = outcomes[request.key]
@@ -102,7 +128,7 @@ def build_trace(runs: Sequence[Run], outcomes: dict[Key, Outcome], encode: Calla
             requests.append(SimRequest(
                 i, tuple(index[r.seq] for r in run.waits_for(request)), tuple(prefix_keys(outcome.body, None)),
                 blocks, min(first_message_tokens(outcome.body) // BLOCK_SIZE, len(blocks)), len(ids),
-                max(outcome.completion_tokens, 1)))
+                max(outcome.completion_tokens, 1), placed_of(outcome, ids_of) if placed_of else ()))
         sessions.append(SimSession("/".join(run.key), tuple(requests)))
     return sessions
 
@@ -136,7 +162,9 @@ def _salted(request: SimRequest, salt: int) -> SimRequest:
     shared = request.shared_blocks
     blocks = request.blocks[:shared] + tuple(hashlib.blake2b(b + tag, digest_size=16).digest()
                                              for b in request.blocks[shared:])
-    return dataclasses.replace(request, keys=keys, blocks=blocks)
+    placed = tuple(t._replace(key=hashlib.blake2b(t.key.encode() + tag, digest_size=32).hexdigest())
+                   for t in request.placed)
+    return dataclasses.replace(request, keys=keys, blocks=blocks, placed=placed)
 
 
 @dataclass
@@ -162,7 +190,9 @@ class SimReplica:
     busy: bool = False
     prefilling: deque[_Job] = field(default_factory=deque)
     decoding: list[_Job] = field(default_factory=list)
-    cache: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+    # One LRU: a block's hash (room 1), or a placeable text's key (room: its blocks).
+    cache: OrderedDict[bytes | str, int] = field(default_factory=OrderedDict)
+    used: int = 0  # the room the cache takes, in blocks
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
@@ -173,21 +203,33 @@ class SimReplica:
                 break
             self.cache.move_to_end(block)
             hit += 1
+        # Texts past the prefix hit are placed where held; the rest is computed.
+        placed = 0
+        for text in job.request.placed:
+            if text.start >= hit * BLOCK_SIZE and text.key in self.cache:
+                self.cache.move_to_end(text.key)
+                placed += text.tokens
         # The last prompt token is always computed (its logits give the first token).
-        cached = min(hit * BLOCK_SIZE, job.request.prompt_tokens - 1)
+        cached = min(hit * BLOCK_SIZE + placed, job.request.prompt_tokens - 1)
         job.todo = job.request.prompt_tokens - cached
         self.prompt_tokens += job.request.prompt_tokens
         self.cached_tokens += cached
 
-    def keep(self, blocks: Sequence[bytes]) -> None:
-        for block in blocks:
-            self.cache[block] = None
-            self.cache.move_to_end(block)
+    def keep(self, request: SimRequest) -> None:
+        entries = [(block, 1) for block in request.blocks]
+        entries += [(text.key, -(-text.tokens // BLOCK_SIZE)) for text in request.placed]
+        for key, room in entries:
+            self.used += room - self.cache.get(key, 0)
+            self.cache[key] = room
+            self.cache.move_to_end(key)
         # The running requests' blocks take device room; the host tier holds only cached ones.
         running = sum(len(j.request.blocks) for j in (*self.prefilling, *self.decoding))
         room = self.device_blocks * HOST_MULTIPLE + max(self.device_blocks - running, 0)
-        while len(self.cache) > room:
-            self.cache.popitem(last=False)
+        while self.used > room:
+            self.used -= self.cache.popitem(last=False)[1]
+
+    def blocks(self) -> list[bytes]:
+        return [key for key in self.cache if isinstance(key, bytes)]
 
 
 @dataclass(frozen=True)
@@ -212,11 +254,13 @@ class Simulation:
         self.costs = costs
         self.replicas = [SimReplica(f"http://replica-{i}", device_blocks) for i in range(num_replicas)]
         self.cache_map = CacheMap()  # the gateway's view of every replica
+        self.segment_map = SegmentMap()  # and of the texts opted-in requests place
         self.homes = SessionHomes()
         # Built as the gateway builds it, with the gateway's defaults.
         load_guard_factor = GatewaySettings.model_fields["load_guard_factor"].default
-        self.policy: RoutingPolicy = build_policy(RoutingSettings(policy=policy), self.homes, load_guard_factor,
-                                                  self.cache_map)
+        self.settings = RoutingSettings(policy=policy)
+        self.policy: RoutingPolicy = build_policy(self.settings, self.homes, load_guard_factor, self.cache_map,
+                                                  self.segment_map)
         self.concurrency = concurrency
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
@@ -252,12 +296,19 @@ class Simulation:
 
     def _route(self, job: _Job) -> None:
         route = plan_route(job.request.keys, self.cache_map, self.policy.reads_cache)
-        route = route._replace(session_id=self._sessions[job.session].name)
+        name = self._sessions[job.session].name
+        route = route._replace(session_id=name)
+        if self.policy.reads_cache and job.request.placed:  # as the gateway reads an opted-in plan
+            placed = tuple(PlacedText(t.key, None if t.source is None else f"{name}/{t.source}", t.tokens)
+                           for t in job.request.placed)
+            route = route._replace(placed=placed, kept_request=f"{name}/{job.request.index}")
         replica = self.policy.order(route, list(self.replicas))[0]  # type: ignore[arg-type]
         assert isinstance(replica, SimReplica)
         if self.policy.reads_cache:
             self.cache_map.routed(replica.url, route.keys, route.predicted)
-        job.occupancy = max(route.prompt_tokens - int(self.cache_map.hits(replica.url, route.keys, route.predicted)), 0)
+            self.segment_map.routed(replica.url, route.kept_request, route.placed)
+        held = held_tokens(route, replica.url, self.cache_map, self.segment_map, self.settings.segment_weight)
+        job.occupancy = max(route.prompt_tokens - int(held), 0)
         replica.in_flight += 1
         replica.in_flight_tokens += job.occupancy
         replica.prefilling.append(job)
@@ -277,7 +328,7 @@ class Simulation:
 
     def _poll(self) -> None:
         for replica in self.replicas:
-            self.cache_map.replace(replica.url, CacheReport(block_size=BLOCK_SIZE, device=digests(replica.cache)))
+            self.cache_map.replace(replica.url, CacheReport(block_size=BLOCK_SIZE, device=digests(replica.blocks())))
         self._at(self.now + self.costs.poll_s, self._poll)
 
     # -- replicas ----------------------------------------------------------------------
@@ -315,7 +366,7 @@ class Simulation:
                 job.first_token, job.decoded = self.now, 1
                 self._ttft.append(self.now - job.arrived)
                 replica.in_flight_tokens -= job.occupancy
-                replica.keep(job.request.blocks)
+                replica.keep(job.request)
                 (ended if job.decoded >= job.request.output_tokens else replica.decoding).append(job)
         for job in ended:
             self._finished(replica, job)

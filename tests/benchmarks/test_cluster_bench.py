@@ -5,6 +5,7 @@ changes an answer, and every metric the bench promises is written."""
 from __future__ import annotations
 
 import json
+import sqlite3
 
 import pytest
 
@@ -47,9 +48,8 @@ def test_cluster_bench_routes_the_same_prompts_by_every_policy(llama_dir, tmp_pa
 
 def test_the_long_family_opts_in_and_replays_every_policy_live(tmp_path, monkeypatch, llama_dir):
     """The long captures, opted into KVCOMM: no prompt is rendered once for all (each
-    policy quotes its own answers), the gateway gets the rule, and the simulator, which
-    models prefix caching only, does not run. Engines are replaced by a recorder: the
-    captures' prompts are longer than the tiny model's context."""
+    policy quotes its own answers), and no greedy match is scored. Engines are replaced
+    by a recorder: the captures' prompts are longer than the tiny model's context."""
     from contextlib import contextmanager
 
     from benchmarks.agents.bench import Cell
@@ -71,8 +71,11 @@ def test_the_long_family_opts_in_and_replays_every_policy_live(tmp_path, monkeyp
                     for run in self.runs for r in run.requests}
         return Cell(outcomes)
 
+    simulated: list[int] = []
     monkeypatch.setattr(bench_cluster.ClusterBench, "_cluster", cluster)
     monkeypatch.setattr(bench_cluster.ClusterBench, "_replay", replay)
+    monkeypatch.setattr(bench_cluster.ClusterBench, "_trace", lambda self, rendered: [])
+    monkeypatch.setattr(bench_cluster.ClusterBench, "_simulate", lambda self, level: simulated.append(level))
     monkeypatch.setattr(bench_cluster, "REPLAYS", 1)
     result = bench_cluster.run(quick=True, model=str(llama_dir), family="long")
 
@@ -84,7 +87,8 @@ def test_the_long_family_opts_in_and_replays_every_policy_live(tmp_path, monkeyp
     assert metrics["hit_rate_ratio_vs_best"] == pytest.approx(0.6 / 0.2)
     assert metrics["ttft_p50_ratio_vs_best"] == pytest.approx(2.0)
     assert metrics["ttft_p50_ratio_vs_session"] == pytest.approx(2.0)
-    assert not any(k.startswith(("sim_", "greedy_match")) for k in metrics)
+    assert not any(k.startswith("greedy_match") for k in metrics)
+    assert simulated == [4]  # the simulator runs on the level's trace (tests/benchmarks/test_cluster_sim.py)
     with pytest.raises(ValueError, match="no family 'tiny'"):
         bench_cluster.run(quick=True, model=str(llama_dir), family="tiny")
 
@@ -96,3 +100,44 @@ def test_the_long_family_gateway_is_opted_in_by_a_rule():
         {"method": "kvcomm"}]
     bench.long = False
     assert "KVRELAY_APPROXIMATION__RULES" not in bench._gateway_env("cache_aware", "s")
+
+
+def test_the_simulator_reads_the_texts_each_request_places_from_the_recorded_plans(tmp_path, smollm2_dir):
+    """The render replay's gateway recorded each request's plan: its placeholder and shared
+    texts become the simulated request's placed texts, at their token positions, with the
+    request whose answer each one is; exact segments and the request's own text do not."""
+    from benchmarks.agents.replay import Outcome
+    from engine_ext.tokenizer import Tokenizer
+    from kvrelay.wire.plan import Segment, SegmentPlan
+
+    passage, answer = "The passage every agent reads. " * 20, "The writer's answer."
+    messages = [{"role": "system", "content": "You are the critic."}, {"role": "user", "content": passage + answer}]
+
+    def segment(kind, start, end, method="kvcomm", source=None):
+        return Segment(message_index=1, char_start=start, char_end=end, kind=kind, content_hash=("a" if kind == "shared_block" else "b") * 64,
+                       name="n" if kind == "placeholder" else None, source_request=source, method=method)
+
+    plan = SegmentPlan(session_id="s", agent_id="critic", request_id="req-2", segments=[
+        segment("shared_block", 0, len(passage)), segment("placeholder", len(passage), len(passage + answer),
+                                                           source="req-1")])
+    exact = plan.model_copy(update={"request_id": "req-3",
+                                    "segments": [s.model_copy(update={"method": None}) for s in plan.segments]})
+    with sqlite3.connect(tmp_path / f"{bench_cluster.RENDER}.sqlite") as db:
+        db.execute("CREATE TABLE requests (id TEXT, plan TEXT)")
+        db.executemany("INSERT INTO requests VALUES (?, ?)", [(p.request_id, p.model_dump_json()) for p in (plan, exact)])
+    bench = bench_cluster.ClusterBench.__new__(bench_cluster.ClusterBench)
+    bench.log_dir = tmp_path
+    tokenizer = Tokenizer(smollm2_dir)
+    placed_of = bench._placed_of(tokenizer)
+
+    def outcome(request_id):
+        return Outcome(("w", 0), {"messages": messages}, (), "", 200, None, request_id, 0, 0, 1, 0.1, 0.1, 0.0, 0.1)
+
+    texts = placed_of(outcome("req-2"), {"req-1": 0, "req-2": 1})
+    head = len(tokenizer.encode(tokenizer.render_chat(messages[:1], add_generation_prompt=False)))
+    assert [(t.key[0], t.source) for t in texts] == [("a", None), ("b", 0)]
+    assert texts[0].tokens == len(tokenizer.encode(passage)) and texts[1].tokens == len(tokenizer.encode(answer))
+    assert head < texts[0].start < head + 8  # after the system message, at the user turn's start
+    assert texts[0].start + texts[0].tokens - 2 <= texts[1].start <= texts[0].start + texts[0].tokens + 8
+    assert placed_of(outcome("req-3"), {}) == ()  # exact: nothing placed
+    assert placed_of(outcome("req-unknown"), {}) == ()

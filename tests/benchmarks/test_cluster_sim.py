@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
 
-from benchmarks.cluster_sim import BLOCK_SIZE, Costs, SimRequest, SimSession, Simulation, copies
+from benchmarks.cluster_sim import BLOCK_SIZE, Costs, SimRequest, SimSession, SimText, Simulation, copies
 from gateway.routing.prefix_keys import PrefixKey
 
 COSTS = Costs(prefill_s_per_token=0.001, step_s=0.01, step_s_per_seq=0.002, step_tokens=256, poll_s=0.5)
@@ -95,3 +96,56 @@ def test_a_prompt_longer_than_a_step_takes_several_and_scaling_scales_every_cost
     result = Simulation(COSTS.scaled(2.0), 1, 1000, "session", 1).run([session])
     one = 2 * COSTS.step_s + 512 * COSTS.prefill_s_per_token + COSTS.step_s_per_seq  # two steps of 256
     assert result.ttft_s == [pytest.approx(2 * one)]
+
+
+PASSAGE = SimText("p" * 64, start=16, tokens=400)
+
+
+def _board(name: str, agents: int = 5) -> SimSession:
+    """Opted-in agents in turn, each with its own one-block persona, reading one passage
+    (and the answers before theirs): no prompt shares a prefix with another's."""
+    requests = []
+    for i in range(agents):
+        answers = tuple(SimText(f"{name}-answer-{j}".ljust(64, "0"), 16 + 400 + 32 * j, 32, source=j) for j in range(i))
+        tokens = 16 + 400 + 32 * i + 16
+        blocks = _hashes(f"{name}-agent{i}-", tokens // BLOCK_SIZE)
+        keys = (PrefixKey(hashlib.blake2b(f"{name}{i}".encode(), digest_size=16).digest(), tokens * 4),)
+        requests.append(SimRequest(i, (i - 1,) if i else (), keys, blocks, 1, tokens, 4,
+                                   (PASSAGE._replace(key=f"{name}-passage".ljust(64, "0")), *answers)))
+    return SimSession(name, tuple(requests))
+
+
+def test_a_held_text_is_placed_past_the_prefix_hit_and_only_there() -> None:
+    board = _board("b", agents=2)
+    result = Simulation(COSTS, 1, 1000, "session", 1).run([board])
+    # Agent 2 places the passage agent 1's prompt held; agent 1's answer it reads first.
+    assert result.cached_tokens == 400
+    # A third prompt starting like agent 2's through the passage (26 blocks), then its own:
+    # the prefix hit covers the passage, so only agent 1's answer (read once since) is placed.
+    again = board.requests[1]
+    blocks = again.blocks[:26] + _hashes("own-", len(again.blocks) - 26, again.blocks[25])
+    covered = dataclasses.replace(again, index=2, waits_for=(1,), blocks=blocks)
+    result = Simulation(COSTS, 1, 1000, "session", 1).run([SimSession("b", (*board.requests, covered))])
+    assert result.cached_tokens == 400 + 26 * BLOCK_SIZE + 32  # the passage is not counted twice
+
+
+def test_held_texts_share_the_lru_with_blocks() -> None:
+    result = Simulation(COSTS, 1, 4, "session", 1).run([_board("b", agents=2)])  # 12 blocks in all: the passage needs 25
+    assert result.cached_tokens == 0
+
+
+def test_cache_aware_keeps_an_opted_in_board_where_its_texts_are_and_round_robin_spreads_it() -> None:
+    boards = [_board(f"b{i}") for i in range(2)]
+    ours = Simulation(COSTS, 4, 1000, "cache_aware", 1).run(boards)
+    spread = Simulation(COSTS, 4, 1000, "round_robin", 1).run(boards)
+    # One board at a time: agents 2-5 place the passage and every answer read before.
+    read = sum(r.placed[0].tokens + 32 * (len(r.placed) - 2) for r in boards[0].requests[1:] if len(r.placed) > 1)
+    assert ours.cached_tokens == 2 * read
+    assert spread.hit_rate < 0.5 * ours.hit_rate  # each agent of a board on another replica
+
+
+def test_a_copy_salts_its_texts() -> None:
+    original, copy = copies([_board("b")], 2)
+    keys = {t.key for r in original.requests for t in r.placed}
+    assert keys and not keys & {t.key for r in copy.requests for t in r.placed}
+    assert [t.tokens for r in original.requests for t in r.placed] == [t.tokens for r in copy.requests for t in r.placed]
