@@ -23,9 +23,12 @@ engine's 16-token blocks) and the answer lengths it measured, against simulated 
 A request opted into an approximate method (the long family's KVCOMM) also places
 texts (`SimText`: a shared passage, an earlier agent's answer) that its replica holds:
 a replica holds a text once a prompt holding it was prefilled there (KVCOMM's default
-serves an answer's KV from its first reader, not from the request that wrote it), in
-the same LRU as its blocks. A held text counts as cached where it lies past the prefix
-hit; the router weighs it through the gateway's own SegmentMap.
+serves an answer's KV from its first reader, not from the request that wrote it). A
+text's copy takes room of its own beside the prompt's blocks, in the same LRU, and on
+the device only (the engine keeps segment KV in blocks of its device pool; its host
+tier backs up prefix blocks). A held text counts as cached where it lies past the
+prefix hit and costs `placed_share` of computing it; the router weighs it through the
+gateway's own SegmentMap.
 
 Sessions are closed loops as in the real replay: `concurrency` sessions at once, a
 request sent when the requests it waited for in the capture have ended. For more
@@ -39,6 +42,7 @@ import dataclasses
 import hashlib
 import heapq
 import itertools
+import math
 import statistics
 import time
 from collections import OrderedDict, deque
@@ -70,6 +74,9 @@ class Costs:
     step_s_per_seq: float
     step_tokens: int = EngineConfig.max_num_batched_tokens
     poll_s: float = 0.5  # how often the gateway reads each replica's blocks
+    # A placed token costs this share of a computed one (the embedded engine, KVCOMM on
+    # 2 cores: 0.10-0.15 ms against 2.4-2.5 ms, docs/engine.md).
+    placed_share: float = 0.05
 
     def scaled(self, factor: float) -> Costs:
         """Every time `factor` x as long."""
@@ -193,10 +200,11 @@ class SimReplica:
     # One LRU: a block's hash (room 1), or a placeable text's key (room: its blocks).
     cache: OrderedDict[bytes | str, int] = field(default_factory=OrderedDict)
     used: int = 0  # the room the cache takes, in blocks
+    text_used: int = 0  # of which, the texts' (device only)
     prompt_tokens: int = 0
     cached_tokens: int = 0
 
-    def start_prefill(self, job: _Job) -> None:
+    def start_prefill(self, job: _Job, placed_share: float) -> None:
         hit = 0
         for block in job.request.blocks:
             if block not in self.cache:
@@ -211,7 +219,7 @@ class SimReplica:
                 placed += text.tokens
         # The last prompt token is always computed (its logits give the first token).
         cached = min(hit * BLOCK_SIZE + placed, job.request.prompt_tokens - 1)
-        job.todo = job.request.prompt_tokens - cached
+        job.todo = job.request.prompt_tokens - cached + math.ceil(placed_share * max(cached - hit * BLOCK_SIZE, 0))
         self.prompt_tokens += job.request.prompt_tokens
         self.cached_tokens += cached
 
@@ -219,14 +227,23 @@ class SimReplica:
         entries = [(block, 1) for block in request.blocks]
         entries += [(text.key, -(-text.tokens // BLOCK_SIZE)) for text in request.placed]
         for key, room in entries:
-            self.used += room - self.cache.get(key, 0)
+            grown = room - self.cache.get(key, 0)
+            self.used += grown
+            self.text_used += grown if isinstance(key, str) else 0
             self.cache[key] = room
             self.cache.move_to_end(key)
         # The running requests' blocks take device room; the host tier holds only cached ones.
         running = sum(len(j.request.blocks) for j in (*self.prefilling, *self.decoding))
-        room = self.device_blocks * HOST_MULTIPLE + max(self.device_blocks - running, 0)
-        while self.used > room:
-            self.used -= self.cache.popitem(last=False)[1]
+        device = max(self.device_blocks - running, 0)
+        while self.used > self.device_blocks * HOST_MULTIPLE + device:
+            self._evict(next(iter(self.cache)))
+        while self.text_used > device:
+            self._evict(next(k for k in self.cache if isinstance(k, str)))
+
+    def _evict(self, key: bytes | str) -> None:
+        room = self.cache.pop(key)
+        self.used -= room
+        self.text_used -= room if isinstance(key, str) else 0
 
     def blocks(self) -> list[bytes]:
         return [key for key in self.cache if isinstance(key, bytes)]
@@ -343,7 +360,7 @@ class Simulation:
             if budget <= 0:
                 break
             if job.todo < 0:
-                replica.start_prefill(job)
+                replica.start_prefill(job, self.costs.placed_share)
             take = min(job.todo, budget)
             chunk.append((job, take))
             budget -= take

@@ -149,3 +149,14 @@ def test_a_copy_salts_its_texts() -> None:
     keys = {t.key for r in original.requests for t in r.placed}
     assert keys and not keys & {t.key for r in copy.requests for t in r.placed}
     assert [t.tokens for r in original.requests for t in r.placed] == [t.tokens for r in copy.requests for t in r.placed]
+
+
+def test_held_texts_live_on_the_device_only_and_cost_their_placement() -> None:
+    board = [_board("b", agents=2)]
+    roomy = Simulation(COSTS, 1, 30, "session", 1).run(board)  # the passage's 25 blocks fit the device
+    assert roomy.cached_tokens == 400
+    tight = Simulation(COSTS, 1, 20, "session", 1).run(board)  # 60 blocks in all, but 20 on the device
+    assert tight.cached_tokens == 0
+    free = Simulation(dataclasses.replace(COSTS, placed_share=0.0), 1, 30, "session", 1).run(board)
+    # Agent 2 computes 64 tokens, and pays 5% of the 400 it places: 20 more.
+    assert roomy.ttft_s[1] - free.ttft_s[1] == pytest.approx(20 * COSTS.prefill_s_per_token)
