@@ -21,13 +21,14 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import NamedTuple, TypeVar
 
+from gateway.approximation import APPROX_METHODS
 from gateway.routing.cache_map import CHARS_PER_TOKEN
 from kvrelay.wire.plan import Segment
 
 # The kinds an engine places from another request's KV; a fixed prefix is a prefix
 # hit (the CacheMap counts it), a private segment is the request's own text.
 PLACED_KINDS = frozenset({"placeholder", "shared_block"})
-APPROXIMATE = frozenset({"shift", "blend", "link", "kvcomm"})  # methods that place KV computed elsewhere
+APPROXIMATE = frozenset(APPROX_METHODS)  # the methods that place KV computed elsewhere
 V = TypeVar("V")
 
 
