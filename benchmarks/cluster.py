@@ -64,7 +64,7 @@ from benchmarks.common import BenchResult
 from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.model_store import resolve_model
 from engine_ext.tokenizer import Tokenizer
-from gateway.routing.segment_map import APPROXIMATE, PLACED_KINDS
+from gateway.routing.segment_map import places
 from kvrelay.wire.plan import SegmentPlan
 
 FAMILIES = ("short", "long")  # `kvrelay bench cluster --family NAME`; short is the default
@@ -180,8 +180,7 @@ class ClusterBench:
             texts = []
             for segment in plan.segments if plan else ():
                 content = messages[segment.message_index].get("content")
-                if segment.kind not in PLACED_KINDS or segment.method not in APPROXIMATE or \
-                        not isinstance(content, str):
+                if not places(segment) or not isinstance(content, str):
                     continue
                 head = [*messages[:segment.message_index],
                         {**messages[segment.message_index], "content": content[:segment.char_start]}]

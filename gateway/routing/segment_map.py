@@ -38,10 +38,15 @@ class PlacedText(NamedTuple):
     tokens: int  # estimated without a tokenizer
 
 
+def places(segment: Segment) -> bool:
+    """Whether the engine would place this segment's KV from elsewhere rather than compute it."""
+    return segment.kind in PLACED_KINDS and segment.method in APPROXIMATE
+
+
 def placed_texts(segments: Iterable[Segment]) -> tuple[PlacedText, ...]:
     """The segments of a plan whose KV the engine would place rather than compute."""
     return tuple(PlacedText(s.content_hash, s.source_request, max((s.char_end - s.char_start) // CHARS_PER_TOKEN, 1))
-                 for s in segments if s.kind in PLACED_KINDS and s.method in APPROXIMATE)
+                 for s in segments if places(s))
 
 
 class SegmentMap:
