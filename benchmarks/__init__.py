@@ -18,6 +18,7 @@ from benchmarks.common import report as write_report  # not `report`: that name 
 BENCHMARKS: dict[str, str] = {
     "agents": "benchmarks.agents",
     "cluster": "benchmarks.cluster",
+    "cluster_vllm": "benchmarks.cluster_vllm",
     "collective": "benchmarks.collective",
     "dtype": "benchmarks.dtype",
     "engine": "benchmarks.engine",

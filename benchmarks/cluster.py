@@ -53,7 +53,7 @@ from contextlib import ExitStack, closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-from benchmarks.agents.bench import Cell, Prompts, interleaved, quick_subset, working_set
+from benchmarks.agents.bench import Budget, Cell, Prompts, interleaved, quick_subset, working_set
 from benchmarks.agents.long import LONG_CAPTURES
 from benchmarks.agents.replay import Outcome, Replay
 from benchmarks.agents.stacks import MODEL, warm
@@ -92,6 +92,10 @@ LONG_MAX_TOKENS = 32  # later agents quote these answers: long enough to be wort
 
 
 class ClusterBench:
+    name = "cluster"
+    engine = "embedded"
+    simulated = True  # the simulator's costs are measured on the embedded engine
+
     def __init__(self, quick: bool, model: str | None, log_dir: Path, family: str = "short") -> None:
         self.quick = quick
         self.family = family
@@ -115,26 +119,23 @@ class ClusterBench:
         top = max(self.levels)
         for name in ("hit_rate_ratio_vs_best", "ttft_p50_ratio_vs_best", "ttft_p50_ratio_vs_session"):
             self.metrics[name] = self.metrics[f"{name}_{top}"]
-        self._simulate(top)
+        if self.simulated:
+            self._simulate(top)
         if not self.long:  # live replays of an approximate method: answers are not comparable
             self.metrics["greedy_match_min"] = min(v for k, v in self.metrics.items()
                                                    if k.startswith("greedy_match_"))
-        config = {"quick": self.quick, "family": self.family, "method": LONG_METHOD if self.long else "exact",
+        config = {"quick": self.quick, "engine": self.engine, "family": self.family, "method": LONG_METHOD if self.long else "exact",
                   "replicas": NUM_REPLICAS, "levels": list(self.levels), "policies": POLICIES,
                   "baselines": BASELINES, "sessions": len(self.runs),
                   "requests": sum(len(r.requests) for r in self.runs),
                   "max_tokens": self._max_tokens(), "replays": REPLAYS if self.quick else FULL_REPLAYS,
                   "model": str(self.model_dir), "sim_replicas": SIM_REPLICAS,
                   "sim_costs": dataclasses.asdict(self._sim_costs) if self._sim_costs else None}
-        return BenchResult("cluster", self.metrics, config, self.rows,
+        return BenchResult(self.name, self.metrics, config, self.rows,
                            ("measure", "kvrelay (cache_aware)", "baseline", "ratio (above 1: kvrelay better)"))
 
     def _level(self, level: int) -> None:
-        budget = working_set(self.runs, level, {})
-        # Short family: each replica holds a quarter of the working set. Long family: half,
-        # since a quarter holds about one board's prompt and leaves KVCOMM nothing to keep.
-        per_replica = budget.full // NUM_REPLICAS if self.long else \
-            max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
+        per_replica = self._kv_tokens(working_set(self.runs, level, {}))
         self._progress(f"{level} sessions at once: {per_replica} KV tokens per replica")
         with self._cluster(RENDER, per_replica) as url:  # the live render, a warm-up
             rendered = self._replay(url, level, None)
@@ -152,6 +153,14 @@ class ClusterBench:
             cells[policy] = cells[policy].merged(c) if policy in cells else c
         self._score(level, cells)
         self._traces[level] = (self._trace(rendered), per_replica, cells, rendered)
+
+    def _kv_tokens(self, budget: Budget) -> int:
+        """Each replica's device KV budget. Short family: a quarter of the working set (the
+        engine's default host tier holds twice that). Long family: half, since a quarter
+        holds about one board's prompt and leaves KVCOMM nothing to keep."""
+        if self.long:
+            return budget.full // NUM_REPLICAS
+        return max(budget.full // (2 * NUM_REPLICAS), budget.half // NUM_REPLICAS)
 
     # -- the simulator ---------------------------------------------------------------------
     def _trace(self, rendered: Cell) -> list[SimSession]:
@@ -274,26 +283,32 @@ class ClusterBench:
     @contextmanager
     def _cluster(self, policy: str, kv_tokens: int) -> Iterator[str]:
         """Two engines on a core each and a gateway routing by `policy`; its URL."""
-        kv_mb = str(max(1, -(-kv_tokens * kv_bytes_per_token(str(self.model_dir)) // 2**20)))
         secret = secrets.token_hex(16)
         with ExitStack() as stack:
-            engines = []
-            for core in range(NUM_REPLICAS):
-                args = ["engine", "--model", str(self.model_dir), "--served-model-name", MODEL,
-                        "--kv-cache-mb", kv_mb, "--max-num-seqs", "64", "--log-level", "warning"]
-                env = {"KVRELAY_PLAN_SECRET": secret, "OMP_NUM_THREADS": "1"}
-                service = Service(f"{policy}-engine{core}", args, env, self.log_dir,
-                                  wrapper=("taskset", "-c", str(core % (os.cpu_count() or 1))))
-                engines.append(stack.enter_context(_running(service, 300)))
+            engines = self._engines(stack, policy, kv_tokens, secret)
             args = ["gateway", "--database-url", f"sqlite+aiosqlite:///{self.log_dir / policy}.sqlite",
                     "--log-level", "warning"]
             for engine in engines:
-                args += ["--upstream", engine.url]
+                args += ["--upstream", engine]
             env = self._gateway_env(policy, secret)
             gateway = stack.enter_context(_running(Service(f"{policy}-gateway", args, env, self.log_dir), 120))
             for engine in engines:
-                warm(engine.url)
+                warm(engine)
             yield gateway.url
+
+    def _engines(self, stack: ExitStack, policy: str, kv_tokens: int, secret: str) -> list[str]:
+        """Start the replicas, one core each, cold, `kv_tokens` of KV each (stopped with
+        `stack`); their URLs."""
+        kv_mb = str(max(1, -(-kv_tokens * kv_bytes_per_token(str(self.model_dir)) // 2**20)))
+        urls = []
+        for core in range(NUM_REPLICAS):
+            args = ["engine", "--model", str(self.model_dir), "--served-model-name", MODEL,
+                    "--kv-cache-mb", kv_mb, "--max-num-seqs", "64", "--log-level", "warning"]
+            env = {"KVRELAY_PLAN_SECRET": secret, "OMP_NUM_THREADS": "1"}
+            service = Service(f"{policy}-engine{core}", args, env, self.log_dir,
+                              wrapper=("taskset", "-c", str(core % (os.cpu_count() or 1))))
+            urls.append(stack.enter_context(_running(service, 300)).url)
+        return urls
 
     def _gateway_env(self, policy: str, secret: str) -> dict[str, str]:
         env = {"KVRELAY_PLAN_SECRET": secret, "KVRELAY_ADMIN_KEY": ADMIN_KEY, "KVRELAY_HEALTH_INTERVAL_S": "0.5",
@@ -303,7 +318,7 @@ class ClusterBench:
         return env
 
     def _progress(self, what: str) -> None:
-        print(f"[bench cluster +{time.monotonic() - self._t0:.0f}s] {what}", file=sys.stderr, flush=True)
+        print(f"[bench {self.name} +{time.monotonic() - self._t0:.0f}s] {what}", file=sys.stderr, flush=True)
 
 
 @contextmanager

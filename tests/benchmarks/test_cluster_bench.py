@@ -141,3 +141,52 @@ def test_the_simulator_reads_the_texts_each_request_places_from_the_recorded_pla
     assert texts[0].start + texts[0].tokens - 2 <= texts[1].start <= texts[0].start + texts[0].tokens + 8
     assert placed_of(outcome("req-3"), {}) == ()  # exact: nothing placed
     assert placed_of(outcome("req-unknown"), {}) == ()
+
+
+def test_the_vllm_cluster_needs_the_vllm_venv(tmp_path, monkeypatch):
+    import benchmarks.cluster_vllm as bench_cluster_vllm
+
+    monkeypatch.chdir(tmp_path)  # no .venv-vllm here
+    monkeypatch.setenv("KVRELAY_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(ValueError, match="make vllm-venv"):
+        bench_cluster_vllm.run(quick=True)
+
+
+def test_the_vllm_cluster_starts_a_replica_per_core_that_holds_the_longest_request(tmp_path, monkeypatch, llama_dir):
+    """Each replica: its own core and port, the level's budget raised to the longest
+    request (vLLM refuses a prompt its cache cannot hold), killed with the stack; the
+    gateway sends vLLM no plans and still routes by the policy."""
+    from contextlib import ExitStack
+
+    import benchmarks.cluster_vllm as bench_cluster_vllm
+
+    started: list[object] = []
+
+    class Server:
+        def __init__(self, python, model_dir, port, log_path, **options):
+            self.port, self.options, self.killed = port, options, False
+            self.url = f"http://127.0.0.1:{port}"
+
+        def start(self):
+            started.append(self)
+
+        def wait_ready(self, deadline):
+            pass
+
+        def kill(self):
+            self.killed = True
+
+    monkeypatch.setattr(bench_cluster_vllm, "VllmServer", Server)
+    monkeypatch.setattr(bench_cluster, "QUICK_RUNS", {"kvcomm_team": 2})
+    bench = bench_cluster_vllm.VllmClusterBench(True, str(llama_dir), tmp_path, tmp_path / "python")
+    with ExitStack() as stack:
+        urls = bench._engines(stack, "cache_aware", 100, "secret")
+        assert urls == [s.url for s in started] and len(set(urls)) == bench_cluster.NUM_REPLICAS
+        assert [s.options["cpus"] for s in started] == ["0", "1"]
+        for server in started:
+            blocks = server.options["num_blocks"]
+            assert (blocks - 1) * bench_cluster_vllm.BLOCK >= bench.longest > 100
+            assert server.options["max_model_len"] >= bench.longest and not server.killed
+    assert all(server.killed for server in started)
+    env = bench._gateway_env("cache_aware", "secret")
+    assert env["KVRELAY_INFERENCE__REUSE"] == "false" and env["KVRELAY_ROUTING__POLICY"] == "cache_aware"
