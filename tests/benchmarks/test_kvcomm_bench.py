@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import benchmarks.kvcomm as bench_kvcomm
 from benchmarks import run_benchmark
@@ -23,8 +22,10 @@ def test_kvcomm_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch, cap
         for method in ("dense", "prefix", "kvcomm"):
             assert metrics[f"ttft_ms_{method}_agent{k}"] > 0
     assert 0.0 < metrics["reuse_rate"] <= 1.0  # later questions are predicted from the first ones' anchors
-    assert 0.0 <= metrics["top1_agreement"] <= 1.0 and metrics["kl"] >= 0.0
+    # Placed from anchors, the answers' KV is approximate: it drifts past the exact bar, and
+    # the anchors' offsets bring it closer to dense than the RoPE shift alone.
+    assert metrics["top1_agreement"] <= 1.0 and metrics["kl"] > 1e-4
+    assert metrics["kl_ratio_vs_shift"] < 1.0
     assert metrics["top1_agreement_exact"] == 1.0 and metrics["kl_exact"] < 1e-4  # the default is exact
     assert metrics["anchors"] >= 1 and metrics["anchor_mib"] > 0
-    assert math.isfinite(metrics["kl_ratio_vs_shift"])
     assert "TTFT ms agent 3" in capsys.readouterr().out

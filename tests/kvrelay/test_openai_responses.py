@@ -139,10 +139,14 @@ def test_refusals_name_the_field(fields, param):
 
 
 def test_accepted_settings_without_effect_are_refused_by_nothing():
-    chat_for(reasoning={"effort": None, "summary": None}, include=[], truncation="disabled", store=True,
-             background=False, top_logprobs=0, max_tool_calls=3, stream_options={"include_obfuscation": False},
-             prompt_cache_retention="24h", unknown_future_field={"x": 1})
-    chat_for(reasoning={"effort": "none"})
+    """Settings a Responses client may send that change nothing here are accepted, and
+    none of them reaches the chat view (an engine could refuse a field it does not know)."""
+    plain = chat_for()
+    assert chat_for(reasoning={"effort": None, "summary": None}, include=[], truncation="disabled", store=True,
+                    background=False, top_logprobs=0, max_tool_calls=3,
+                    stream_options={"include_obfuscation": False}, prompt_cache_retention="24h",
+                    unknown_future_field={"x": 1}) == plain
+    assert chat_for(reasoning={"effort": "none"}) == plain
 
 
 def test_the_lenient_view_leaves_out_what_the_engine_refuses():

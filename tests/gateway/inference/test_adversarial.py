@@ -16,15 +16,16 @@ from hypothesis import strategies as st
 
 from gateway.identity import identify
 from gateway.inference import Inference
+from gateway.inference.planner import PlanResult
 from gateway.settings import InferenceSettings
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 
 
-def plan_once(messages: list[dict], session: str = "s") -> None:
+def plan_once(messages: list[dict], session: str = "s") -> PlanResult:
     inference = Inference(InferenceSettings())
     body = {"messages": messages}
-    inference.plan(identify({"x-session-id": session}, body, None), body, "r", "m")
+    return inference.plan(identify({"x-session-id": session}, body, None), body, "r", "m")
 
 
 def assert_linear(build: Callable[[int], list[dict]], n: int) -> None:
@@ -51,7 +52,10 @@ def test_adversarial_prompts_take_linear_time(shape):
 
 
 def test_a_megabyte_of_one_character_is_planned():
-    plan_once([{"role": "user", "content": "z" * 2**20}])
+    result = plan_once([{"role": "user", "content": "z" * 2**20}])
+    assert result.plan is not None and result.plan.session_id == "s" and not result.over_budget
+    # The whole message is one segment: nothing cut short, split or left out.
+    assert [(s.message_index, s.char_start, s.char_end) for s in result.plan.segments] == [(0, 0, 2**20)]
 
 
 _PIECES = [*"ab <>/_\n", "<TTSEP>", "<kv_start>", "<kv_end>", "é", "\x00", "You are the planner. ", "answer 1 "]
