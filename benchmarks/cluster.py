@@ -196,7 +196,8 @@ class ClusterBench:
                 start = len(tokenizer.encode(tokenizer.render_chat(head, tools=outcome.body.get("tools"),
                                                                    add_generation_prompt=False)))
                 tokens = len(tokenizer.encode(content[segment.char_start:segment.char_end]))
-                texts.append(SimText(segment.content_hash, start, tokens, ids_of.get(segment.source_request or "")))
+                texts.append(SimText(segment.content_hash, start, tokens, ids_of.get(segment.source_request or ""),
+                                     anchored=segment.kind == "placeholder"))
             return tuple(texts)
 
         return placed

@@ -24,11 +24,14 @@ A request opted into an approximate method (the long family's KVCOMM) also place
 texts (`SimText`: a shared passage, an earlier agent's answer) that its replica holds:
 a replica holds a text once a prompt holding it was prefilled there (KVCOMM's default
 serves an answer's KV from its first reader, not from the request that wrote it). A
-text's copy takes room of its own beside the prompt's blocks, in the same LRU, and on
-the device only (the engine keeps segment KV in blocks of its device pool; its host
-tier backs up prefix blocks). A held text counts as cached where it lies past the
-prefix hit and costs `placed_share` of computing it; the router weighs it through the
-gateway's own SegmentMap.
+text's copies take room of their own beside the prompt's blocks, in the same LRU, and
+on the device only (the engine keeps segment KV in blocks of its device pool; its host
+tier backs up prefix blocks): one for a shared block, `ANCHOR_COPIES` for a KVCOMM
+placeholder (the anchor's base and offsets beside the index's copy). A held text counts
+as cached where it lies past the prefix hit and costs `placed_share` of computing it;
+a prompt that placed a text leaves no block cached from that text on (placed KV is
+approximate, and the engine does not publish it). The router weighs held texts through
+the gateway's own SegmentMap.
 
 Sessions are closed loops as in the real replay: `concurrency` sessions at once, a
 request sent when the requests it waited for in the capture have ended. For more
@@ -63,6 +66,10 @@ from kvrelay.wire.cache_report import CacheReport, digests
 
 BLOCK_SIZE = 16  # the embedded engine's
 HOST_MULTIPLE = 2  # the default host tier, in device tiers (engine_ext/tiers/sizing.py)
+# A KVCOMM placeholder's first reader computes it and measures it: the segment index's
+# copy, the anchor's base copy and that reader's offsets, each as large as the text
+# (engine_ext/kvcomm/bank.py). A shared block is placed by the RoPE shift alone: one copy.
+ANCHOR_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class SimText(NamedTuple):
     start: int  # its first token's position in the prompt
     tokens: int
     source: int | None = None  # the session's request whose answer it is
+    anchored: bool = False  # a KVCOMM placeholder: measured where first computed (ANCHOR_COPIES)
 
 
 @dataclass(frozen=True)
@@ -180,6 +188,7 @@ class _Job:
     request: SimRequest
     arrived: float
     todo: int = -1  # prompt tokens left to compute; -1 until its prefill starts
+    published: int = 0  # of its prompt's blocks, those the engine caches (set when its prefill starts)
     decoded: int = 0
     occupancy: int = 0  # what it added to the replica's in_flight_tokens
     first_token: float | None = None
@@ -213,19 +222,24 @@ class SimReplica:
             hit += 1
         # Texts past the prefix hit are placed where held; the rest is computed.
         placed = 0
+        job.published = len(job.request.blocks)
         for text in job.request.placed:
             if text.start >= hit * BLOCK_SIZE and text.key in self.cache:
                 self.cache.move_to_end(text.key)
                 placed += text.tokens
+                # Placed KV is approximate: no block from the first placed token on is cached.
+                job.published = min(job.published, text.start // BLOCK_SIZE)
         # The last prompt token is always computed (its logits give the first token).
         cached = min(hit * BLOCK_SIZE + placed, job.request.prompt_tokens - 1)
         job.todo = job.request.prompt_tokens - cached + math.ceil(placed_share * max(cached - hit * BLOCK_SIZE, 0))
         self.prompt_tokens += job.request.prompt_tokens
         self.cached_tokens += cached
 
-    def keep(self, request: SimRequest) -> None:
-        entries = [(block, 1) for block in request.blocks]
-        entries += [(text.key, -(-text.tokens // BLOCK_SIZE)) for text in request.placed]
+    def keep(self, job: _Job) -> None:
+        request = job.request
+        entries = [(block, 1) for block in request.blocks[:job.published]]
+        entries += [(text.key, -(-text.tokens // BLOCK_SIZE) * (ANCHOR_COPIES if text.anchored else 1))
+                    for text in request.placed]
         for key, room in entries:
             grown = room - self.cache.get(key, 0)
             self.used += grown
@@ -383,7 +397,7 @@ class Simulation:
                 job.first_token, job.decoded = self.now, 1
                 self._ttft.append(self.now - job.arrived)
                 replica.in_flight_tokens -= job.occupancy
-                replica.keep(job.request)
+                replica.keep(job)
                 (ended if job.decoded >= job.request.output_tokens else replica.decoding).append(job)
         for job in ended:
             self._finished(replica, job)

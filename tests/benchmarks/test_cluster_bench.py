@@ -135,7 +135,7 @@ def test_the_simulator_reads_the_texts_each_request_places_from_the_recorded_pla
 
     texts = placed_of(outcome("req-2"), {"req-1": 0, "req-2": 1})
     head = len(tokenizer.encode(tokenizer.render_chat(messages[:1], add_generation_prompt=False)))
-    assert [(t.key[0], t.source) for t in texts] == [("a", None), ("b", 0)]
+    assert [(t.key[0], t.source, t.anchored) for t in texts] == [("a", None, False), ("b", 0, True)]
     assert texts[0].tokens == len(tokenizer.encode(passage)) and texts[1].tokens == len(tokenizer.encode(answer))
     assert head < texts[0].start < head + 8  # after the system message, at the user turn's start
     assert texts[0].start + texts[0].tokens - 2 <= texts[1].start <= texts[0].start + texts[0].tokens + 8

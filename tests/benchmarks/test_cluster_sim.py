@@ -160,3 +160,26 @@ def test_held_texts_live_on_the_device_only_and_cost_their_placement() -> None:
     free = Simulation(dataclasses.replace(COSTS, placed_share=0.0), 1, 30, "session", 1).run(board)
     # Agent 2 computes 64 tokens, and pays 5% of the 400 it places: 20 more.
     assert roomy.ttft_s[1] - free.ttft_s[1] == pytest.approx(20 * COSTS.prefill_s_per_token)
+
+
+def test_an_anchored_text_takes_room_for_its_anchor_beside_its_copy() -> None:
+    """A KVCOMM placeholder's first reader measures it: the anchor's base and offsets
+    take ANCHOR_COPIES times the text's blocks where a shared block takes one."""
+    anchored = _board("b", agents=2)
+    anchored = SimSession("b", tuple(dataclasses.replace(r, placed=tuple(t._replace(anchored=True) for t in r.placed))
+                                     for r in anchored.requests))
+    assert Simulation(COSTS, 1, 60, "session", 1).run([_board("b", agents=2)]).cached_tokens == 400
+    assert Simulation(COSTS, 1, 60, "session", 1).run([anchored]).cached_tokens == 0  # 3 x 25 blocks
+    assert Simulation(COSTS, 1, 120, "session", 1).run([anchored]).cached_tokens == 400
+
+
+def test_a_prompt_that_placed_a_text_caches_no_block_from_it_on() -> None:
+    """Placed KV is approximate: the engine publishes a prompt's blocks only up to its
+    first placed token, so a later prompt starting the same way hits only that far."""
+    board = _board("b", agents=2)
+    same = dataclasses.replace(board.requests[1], index=2, waits_for=(1,), placed=())
+    result = Simulation(COSTS, 1, 1000, "session", 1).run([SimSession("b", (*board.requests, same))])
+    assert result.cached_tokens == 400 + BLOCK_SIZE  # agent 2 placed the passage; the copy hits its persona only
+    computed = dataclasses.replace(board.requests[0], index=1, waits_for=(0,), placed=())
+    result = Simulation(COSTS, 1, 1000, "session", 1).run([SimSession("b", (board.requests[0], computed))])
+    assert result.cached_tokens == len(computed.blocks) * BLOCK_SIZE - 1  # nothing placed: every block cached
