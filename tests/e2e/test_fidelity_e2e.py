@@ -87,7 +87,7 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
             if row is not None and row["state"] == "off":
                 break
         assert row is not None and row["state"] == "off", decisions
-        assert row["samples"] == GUARD["min_samples"]  # decided at the first chance
+        assert row["samples"] == GUARD["min_samples"], decisions  # decided at the first chance
         assert row["top1"] < 0.95 or row["kl"] > 0.02
 
         _ask(http, "drifting", 50)  # off: the gateway sends it exact, unprobed
