@@ -175,7 +175,14 @@ class Probes:
         self._observe(running)
         if not running.seq.is_finished:
             return
-        self._running = None
+        try:
+            self._store(running)
+        finally:
+            # Only now: until its result is readable, `has_pending` must still say a score may come.
+            self._running = None
+
+    def _store(self, running: _Running) -> None:
+        """The finished score's result, for the pollers; a failure is logged and counted."""
         job, dense = running.job, running.seq
         try:
             if dense.finish_reason == "abort" or dense.logits is None or len(dense.logits) != len(job.output_ids):

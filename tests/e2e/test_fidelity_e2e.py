@@ -66,7 +66,12 @@ def test_a_drifting_app_loses_shift_an_exact_app_keeps_working(srv, start_gatewa
     guard._rng.random = lambda: 0.0  # sample every approximate request: the test is about decisions, not sampling
     polled: list[Score] = []  # what the gateway's poller recorded (the test records some itself, below)
     record = guard.record
-    guard.record = lambda score: (polled.append(score), record(score))[-1]
+
+    def recorded(score: Score) -> None:
+        record(score)
+        polled.append(score)  # after the guard has decided on it: a settled check reads that decision
+
+    guard.record = recorded
     auth = {"authorization": f"Bearer {ADMIN}"}
     decisions: list[str] = []
     n = 0

@@ -79,6 +79,24 @@ async def test_a_probed_shift_request_is_scored_densely_and_answers_the_same(ser
     assert llm.kv.pool.num_free == llm.kv.pool.num_blocks  # the dense score left nothing behind
 
 
+async def test_a_score_stays_pending_until_its_result_can_be_read(served, monkeypatch):
+    """`has_pending` is what a reader waits on before it reads the results: while a
+    finished score is being turned into its result, it must still say one may come
+    (else a reader sees no pending score and no result, and stops waiting)."""
+    llm, eng, (prompt, segments) = served
+    seen: list[tuple[bool, int]] = []
+
+    def compare(dense: torch.Tensor, probed: torch.Tensor) -> tuple[float, float]:
+        seen.append((eng.probes.has_pending, len(eng.probes.results_after(0)[0])))
+        return compare_logits(dense, probed)
+
+    monkeypatch.setattr(probes_mod, "compare_logits", compare)
+    await _run(eng, "probed", prompt, segments, probe=True)
+    assert wait_until(lambda: eng.probes.results_after(0)[0], timeout=10)
+    assert seen == [(True, 0)]
+    assert wait_until(lambda: not eng.probes.has_pending, timeout=10)
+
+
 async def test_exact_or_unprobed_requests_queue_nothing(served):
     llm, eng, (prompt, segments) = served
     await _run(eng, "unprobed", prompt, segments, probe=False)
