@@ -62,10 +62,11 @@ from gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, 
 from gateway.routing.prefix_keys import PrefixKey, prefix_keys
 from gateway.routing.segment_map import PlacedText, SegmentMap
 from gateway.settings import GatewaySettings, RoutingSettings
+from engine_ext.tiers.sizing import DEVICE_MULTIPLE
 from kvrelay.wire.cache_report import CacheReport, digests
 
 BLOCK_SIZE = 16  # the embedded engine's
-HOST_MULTIPLE = 2  # the default host tier, in device tiers (engine_ext/tiers/sizing.py)
+HOST_MULTIPLE = DEVICE_MULTIPLE  # the engine's default host tier, in device tiers
 # A KVCOMM placeholder's first reader computes it and measures it: the segment index's
 # copy, the anchor's base copy and that reader's offsets, each as large as the text
 # (engine_ext/kvcomm/bank.py). A shared block is placed by the RoPE shift alone: one copy.

@@ -34,6 +34,7 @@ from benchmarks.agents.bench import Budget, estimate_tokens
 from benchmarks.agents.stacks import MAX_MODEL_LEN, MODEL, TOOL_ARGS
 from benchmarks.cluster import NUM_REPLICAS, ClusterBench
 from benchmarks.common import BenchResult, free_port
+from engine_ext.tiers.sizing import DEVICE_MULTIPLE
 from engine_ext.vllm.server import VllmServer, find_vllm_python
 
 START_TIMEOUT_S = 300.0
@@ -52,8 +53,8 @@ class VllmClusterBench(ClusterBench):
 
     def _kv_tokens(self, budget: Budget) -> int:
         """What an embedded replica of the same run holds: its device budget and the
-        engine's default host tier, twice that (vLLM has no host tier)."""
-        return 3 * super()._kv_tokens(budget)
+        engine's default host tier, DEVICE_MULTIPLE times that (vLLM has no host tier)."""
+        return (1 + DEVICE_MULTIPLE) * super()._kv_tokens(budget)
 
     def _engines(self, stack: ExitStack, policy: str, kv_tokens: int, secret: str) -> list[str]:
         tokens = max(kv_tokens, self.longest + BLOCK)
