@@ -7,7 +7,7 @@ import os
 import platform
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ def free_port() -> int:
     """A loopback port nobody listens on (bound, then released), for a server a bench starts."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])  # typeshed types a socket address as Any
 
 
 def machine_info() -> dict[str, Any]:
@@ -91,7 +91,7 @@ def wait_quiet(max_s: float = 10.0, window_s: float = 0.2, busy_share: float = 0
     return time.monotonic() - start
 
 
-def format_table(headers: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def format_table(headers: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"

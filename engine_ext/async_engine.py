@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -87,7 +87,7 @@ class AsyncEngine:
             self.engine.close()
 
     async def generate(self, request: EngineRequest, timeline: Timeline | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs until it finishes. Raises the engine's validation
         errors on first iteration; leaving the iteration early aborts the request.
         `timeline` (arrival: now) is the caller's to read, even if the request fails."""
@@ -146,6 +146,7 @@ class AsyncEngine:
 
     def _drain_commands(self, timeout: float) -> bool:
         """Apply queued commands, waiting up to `timeout` s for the first; False once asked to stop."""
+        cmd: _Add | _Abort | _Wake | None
         while True:
             if self._taken:
                 cmd = self._taken.pop()

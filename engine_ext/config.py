@@ -1,13 +1,23 @@
-"""Model and engine configuration, validated once at construction."""
+"""Model and engine configuration, validated once at construction.
+
+The engine's options (EngineConfig and the configs it holds) are pydantic dataclasses
+whose fields carry their bounds and choices as the `Annotated` types below. Those types
+are the options' one declaration: the operator's settings (kvrelay/engine_settings.py,
+read from flags, environment and YAML) use the same types, so a bound cannot differ
+between what the CLI accepts and what the engine accepts. `__post_init__` checks only
+what spans several fields. No torch here: the CLI refuses a bad option before the model
+stack loads (the dtype names map to torch's in engine_ext/model/dtypes.py).
+"""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
-import torch
+from pydantic import Field
+from pydantic.dataclasses import dataclass as options
 
 from engine_ext.errors import ModelLoadError
 from kvrelay.wire.plan import ReuseMethod
@@ -17,9 +27,18 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # How weight products run (engine_ext/model/linear.py): oneDNN on prepacked weights, plain
 # F.linear, or auto (packed for bf16/fp16; for fp32 whichever a timing at load finds faster).
 LinearKernel = Literal["auto", "packed", "plain"]
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-}
+
+# The options' bounds, each written once (see the module docstring).
+AtLeastOne = Annotated[int, Field(ge=1)]
+NonNegative = Annotated[int, Field(ge=0)]
+Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
+BlockTokens = Annotated[int, Field(ge=1, le=1024)]
+ModelLen = Annotated[int, Field(ge=2)]
+IdleMs = Annotated[float, Field(ge=0.0, le=60_000.0)]  # waits of up to a minute
+RoundWindowMs = Annotated[float, Field(ge=0.0, le=10_000.0)]
+LoadAhead = Annotated[int, Field(ge=0, le=64)]
+Temperature = Annotated[float, Field(gt=0.0)]
+RepairRatio = Annotated[float, Field(ge=0.0, lt=1.0)]  # 1.0 would recompute all: that is dense
 
 
 @dataclass(frozen=True)
@@ -182,7 +201,7 @@ KvcommCorrection = Literal["rotation", "placeholder", "full"]
 KvcommNewSamples = Literal["readers", "predict"]
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class AnchorConfig:
     """KVCOMM's anchor pools (engine_ext/kvcomm).
 
@@ -214,38 +233,24 @@ class AnchorConfig:
     anchors is not: its KV is the real KV already.
     """
 
-    gamma: float = 0.3
-    max_anchors: int = 20
-    prune_window: int = 5
-    temperature: float = 1.0
+    gamma: Fraction = 0.3
+    max_anchors: AtLeastOne = 20
+    prune_window: AtLeastOne = 5
+    temperature: Temperature = 1.0
     correction: KvcommCorrection = "full"
-    chunk_tokens: int = 16
-    recompute_ratio: float = 0.0
+    chunk_tokens: AtLeastOne = 16
+    recompute_ratio: RepairRatio = 0.0
     new_samples: KvcommNewSamples = "readers"
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.gamma <= 1.0:
-            raise ValueError("anchors.gamma must be in [0, 1]")
-        if self.max_anchors < 1:
-            raise ValueError("anchors.max_anchors must be >= 1")
-        if not 1 <= self.prune_window <= self.max_anchors:
-            raise ValueError("anchors.prune_window must be in [1, max_anchors]")
-        if self.temperature <= 0.0:
-            raise ValueError("anchors.temperature must be > 0")
-        if self.chunk_tokens < 1:
-            raise ValueError("anchors.chunk_tokens must be >= 1")
-        if not 0.0 <= self.recompute_ratio < 1.0:
-            raise ValueError("anchors.recompute_ratio must be in [0, 1)")
-        if self.correction not in get_args(KvcommCorrection):
-            raise ValueError(f"unknown kvcomm correction {self.correction!r}")
-        if self.new_samples not in get_args(KvcommNewSamples):
-            raise ValueError(f"unknown kvcomm new_samples {self.new_samples!r}")
+        if self.prune_window > self.max_anchors:
+            raise ValueError("anchors.prune_window must be at most anchors.max_anchors")
 
 
 CollectiveRecovery = Literal["blend"]
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class CollectiveConfig:
     """TokenDance's collective reuse of an All-Gather round (engine_ext/collective).
 
@@ -261,27 +266,16 @@ class CollectiveConfig:
     """
 
     enabled: bool = True
-    window_ms: float = 0.0
-    max_group: int = 64
+    window_ms: RoundWindowMs = 0.0
+    max_group: Annotated[int, Field(ge=2)] = 64
     recovery: CollectiveRecovery = "blend"
-    diff_block_tokens: int = 32
+    diff_block_tokens: BlockTokens = 32
     diff_store: bool = True
-    diff_tolerance: float = 0.0  # 0: lossless mirrors; above, a block within it of the master is not stored
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.window_ms <= 10_000.0:
-            raise ValueError("collective.window_ms must be in [0, 10000]")
-        if self.max_group < 2:
-            raise ValueError("collective.max_group must be >= 2")
-        if self.recovery not in get_args(CollectiveRecovery):
-            raise ValueError(f"unknown collective recovery {self.recovery!r}")
-        if not 1 <= self.diff_block_tokens <= 1024:
-            raise ValueError("collective.diff_block_tokens must be in [1, 1024]")
-        if self.diff_tolerance < 0.0:
-            raise ValueError("collective.diff_tolerance must be >= 0")
+    # 0: lossless mirrors; above, a block within it of the master is not stored
+    diff_tolerance: Annotated[float, Field(ge=0.0)] = 0.0
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class ReuseConfig:
     """How the engine reuses a cached segment's KV away from the prompt's prefix.
 
@@ -298,32 +292,20 @@ class ReuseConfig:
 
     enabled: bool = True
     default_method: ReuseMethod = "prefix"
-    blend_ratio: float = 0.15
-    check_layers: tuple[int, ...] = (1,)
-    link_tokens: int = 8
-    min_segment_tokens: int = 16  # shorter segments are cheaper to compute than to track
+    blend_ratio: Fraction = 0.15
+    check_layers: Annotated[tuple[NonNegative, ...], Field(min_length=1)] = (1,)
+    link_tokens: NonNegative = 8
+    min_segment_tokens: AtLeastOne = 16  # shorter segments are cheaper to compute than to track
     register_outputs: bool = True  # keep generated answers as segments for later prompts
     anchors: AnchorConfig = field(default_factory=AnchorConfig)
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
-
-    def __post_init__(self) -> None:
-        if self.default_method not in get_args(ReuseMethod):
-            raise ValueError(f"unknown reuse method {self.default_method!r}")
-        if not 0.0 <= self.blend_ratio <= 1.0:
-            raise ValueError("blend_ratio must be in [0, 1]")
-        if not self.check_layers or any(layer < 0 for layer in self.check_layers):
-            raise ValueError("check_layers must name at least one layer, all >= 0")
-        if self.link_tokens < 0:
-            raise ValueError("link_tokens must be >= 0")
-        if self.min_segment_tokens < 1:
-            raise ValueError("min_segment_tokens must be >= 1")
 
 
 AdapterMode = Literal["auto", "icarus", "multi_lora"]
 FirstToken = Literal["adapter", "base"]
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class AdapterSpec:
     """A LoRA adapter served on the base model, selected by `name` (engine_ext/adapters).
 
@@ -347,17 +329,13 @@ class AdapterSpec:
     def __post_init__(self) -> None:
         if not self.name or ":" in self.name or "/" in self.name:
             raise ValueError(f"adapter name {self.name!r} must be non-empty, without ':' or '/'")
-        if self.mode not in get_args(AdapterMode):
-            raise ValueError(f"unknown adapter mode {self.mode!r} (auto | icarus | multi_lora)")
-        if self.first_token not in get_args(FirstToken):
-            raise ValueError(f"unknown first_token {self.first_token!r} (adapter | base)")
 
 
 EvictionPolicyName = Literal["lru", "workflow"]
 DEFAULT_LOAD_AHEAD = 2  # KVFlow's: the agents up to two steps from running are loaded back
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class TierConfig:
     """Where prefix-cache blocks go when the device tier (`kv_cache_bytes`) needs room,
     and which ones leave it first (engine_ext/tiers).
@@ -385,39 +363,26 @@ class TierConfig:
     """
 
     policy: EvictionPolicyName = "workflow"
-    host_bytes: int | None = None  # None: sized when the engine starts; 0: no host tier
+    host_bytes: NonNegative | None = None  # None: sized when the engine starts; 0: no host tier
     disk_path: str | None = None
-    disk_bytes: int = 0
-    load_ahead: int | None = None  # None: automatic (see above); an int once constructed
-    max_prefetches: int = 4
-    max_load_wait_ms: float = 2000.0
-    workflow_idle_s: float = 600.0  # a session silent this long no longer ranks its agents' prefixes
-    workflow_max_sessions: int = 1024  # sessions ranked at once; past it the least recently seen leaves
+    disk_bytes: NonNegative = 0
+    load_ahead: LoadAhead | None = None  # None: automatic (see above); an int once constructed
+    max_prefetches: AtLeastOne = 4
+    max_load_wait_ms: IdleMs = 2000.0
+    # a session silent this long no longer ranks its agents' prefixes
+    workflow_idle_s: Annotated[float, Field(gt=0.0)] = 600.0
+    workflow_max_sessions: AtLeastOne = 1024  # sessions ranked at once; past it the least recently seen leaves
 
     def __post_init__(self) -> None:
-        if self.policy not in get_args(EvictionPolicyName):
-            raise ValueError(f"unknown eviction policy {self.policy!r} (lru | workflow)")
-        if (self.host_bytes is not None and self.host_bytes < 0) or self.disk_bytes < 0:
-            raise ValueError("tiers.host_bytes and tiers.disk_bytes must be >= 0")
         if (self.disk_path is None) != (self.disk_bytes == 0):
             raise ValueError("a disk tier needs both tiers.disk_path and tiers.disk_bytes > 0")
         if self.load_ahead is None:  # frozen: the automatic value is set once, here
             automatic = DEFAULT_LOAD_AHEAD if self.policy == "workflow" and self.has_lower_tier else 0
             object.__setattr__(self, "load_ahead", automatic)
-        if not 0 <= self.load_ahead <= 64:
-            raise ValueError("tiers.load_ahead must be in [0, 64]")
         if self.load_ahead and self.policy != "workflow":
             raise ValueError("prefetching (tiers.load_ahead > 0) needs the workflow policy")
         if self.load_ahead and not self.has_lower_tier:
             raise ValueError("prefetching (tiers.load_ahead > 0) needs a host or disk tier to load from")
-        if self.max_prefetches < 1:
-            raise ValueError("tiers.max_prefetches must be >= 1")
-        if not 0.0 <= self.max_load_wait_ms <= 60_000.0:
-            raise ValueError("tiers.max_load_wait_ms must be in [0, 60000]")
-        if self.workflow_idle_s <= 0.0:
-            raise ValueError("tiers.workflow_idle_s must be > 0")
-        if self.workflow_max_sessions < 1:
-            raise ValueError("tiers.workflow_max_sessions must be >= 1")
 
     @property
     def has_lower_tier(self) -> bool:
@@ -426,7 +391,7 @@ class TierConfig:
         return self.host_bytes is None or self.host_bytes > 0 or self.disk_path is not None
 
 
-@dataclass(frozen=True)
+@options(frozen=True)
 class EngineConfig:
     """How the engine spends memory and compute.
 
@@ -438,16 +403,16 @@ class EngineConfig:
     run for `probe_idle_ms`.
     """
 
-    kv_cache_bytes: int = 512 * 2**20
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    probe_chunk_tokens: int = 64
-    probe_idle_ms: float = 300.0
-    max_model_len: int | None = None
+    kv_cache_bytes: AtLeastOne = 512 * 2**20
+    block_size: BlockTokens = 16
+    max_num_seqs: AtLeastOne = 64
+    max_num_batched_tokens: AtLeastOne = 2048
+    probe_chunk_tokens: AtLeastOne = 64
+    probe_idle_ms: IdleMs = 300.0
+    max_model_len: ModelLen | None = None
     dtype: Dtype = "float32"
     linear_kernel: LinearKernel = "auto"
-    num_threads: int | None = None
+    num_threads: AtLeastOne | None = None
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
     adapters: tuple[AdapterSpec, ...] = ()
@@ -456,21 +421,3 @@ class EngineConfig:
         names = [spec.name for spec in self.adapters]
         if len(set(names)) != len(names):
             raise ValueError("adapter names must be unique")
-        if self.kv_cache_bytes <= 0:
-            raise ValueError("kv_cache_bytes must be positive")
-        if not 1 <= self.block_size <= 1024:
-            raise ValueError("block_size must be in [1, 1024]")
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.probe_chunk_tokens < 1:
-            raise ValueError("probe_chunk_tokens must be >= 1")
-        if not 0.0 <= self.probe_idle_ms <= 60_000.0:
-            raise ValueError("probe_idle_ms must be in [0, 60000]")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError("max_model_len must be >= 2")
-        if self.dtype not in TORCH_DTYPES:
-            raise ValueError(f"unsupported dtype {self.dtype!r}")
-        if self.linear_kernel not in get_args(LinearKernel):
-            raise ValueError(f"unsupported linear_kernel {self.linear_kernel!r}")

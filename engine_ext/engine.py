@@ -15,7 +15,8 @@ from typing import NamedTuple
 import torch
 
 from engine_ext.adapters.registry import AdapterRegistry
-from engine_ext.config import TORCH_DTYPES, EngineConfig, ModelConfig
+from engine_ext.config import EngineConfig, ModelConfig
+from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.detokenizer import Detokenizer
 from engine_ext.errors import (
     CapacityError,
@@ -156,7 +157,7 @@ class LLMEngine:
     def add_request(self, request: EngineRequest, timeline: Timeline | None = None) -> Sequence:
         """Validate and queue a request; raises InvalidRequestError subclasses.
         `timeline` is the caller's, stamped from when it asked (a server's queue to the
-        engine thread is queue time)."""
+        engine thread is queue time); without one, the request arrives now."""
         prompt_token_ids, sampling, segments = request.prompt_token_ids, request.sampling, request.segments
         served = self.adapters.get(request.adapter) if request.adapter is not None else None
         if served is not None and not served.is_icarus:
@@ -198,7 +199,7 @@ class LLMEngine:
             num_exact_tokens=None if request.publish else 0,
             publish=request.publish,
             adapter=served,
-            timeline=timeline,
+            timeline=timeline if timeline is not None else Timeline(),
             background=request.background,
             max_chunk_tokens=request.max_chunk_tokens,
         )
@@ -206,31 +207,31 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def _workflow_agent(self, seq: Sequence) -> AgentKey | None:
-        """The agent the workflow policy tracks this request under, if it tracks one."""
-        scope = seq.scope
-        if self.config.tiers.policy != "workflow" or scope is None or scope.agent_id is None:
+    def _workflow_agent(self, scope: ReuseScope) -> AgentKey | None:
+        """The agent the workflow policy tracks a request of `scope` under, if it tracks one
+        (a request without a scope has no agent)."""
+        if self.config.tiers.policy != "workflow" or scope.agent_id is None:
             return None
         return AgentKey(scope.app_id, scope.agent_id)
 
     def _observe_workflow(self, seq: Sequence) -> None:
         """Tell the workflow policy the agent's fixed prefix and the plan's steps-to-execution,
         which are its session's: each session (workflow instance) is at its own step."""
-        agent = self._workflow_agent(seq)
-        if agent is None:
+        scope = seq.scope
+        if scope is None or (agent := self._workflow_agent(scope)) is None:
             return
         fixed = next((s for s in seq.segments if s.kind == "fixed_prefix"), None)
         prefix = tuple(self.kv.prefix_hashes(seq, fixed.end)) if fixed is not None else None
-        workflow = seq.scope.workflow
+        workflow = scope.workflow
         self.workflows.observe(agent, prefix, workflow.steps_to_execution if workflow is not None else None,
-                               seq.scope.session_id)
+                               scope.session_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.timeline.finished = time.monotonic()
         self.scheduler.finish(seq, reason)
-        agent = self._workflow_agent(seq)
-        if agent is not None:
-            self.workflows.finished(agent, seq.scope.session_id)
+        scope = seq.scope
+        if scope is not None and (agent := self._workflow_agent(scope)) is not None:
+            self.workflows.finished(agent, scope.session_id)
 
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.find(request_id)

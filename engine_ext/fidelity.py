@@ -70,6 +70,7 @@ class FidelityHarness:
         """Dense greedy decoding of the prompt's text, tokenized canonically."""
         canonical = self.canonical(prompt_ids)
         seq = self.engine.generate(canonical, self._greedy(), publish=False, record_logits=True)
+        assert seq.logits is not None  # record_logits: the engine kept every step's logits
         return DenseReference(seq.output_token_ids, torch.stack(seq.logits), canonical)
 
     def measure(self, prompt_ids: list[int], segments: list[TokenSegment],

@@ -15,6 +15,7 @@ from engine_ext.collective.prefill import CollectivePrefill, GroupMember
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
+from engine_ext.reuse.assembler import Assembly
 from engine_ext.reuse.lifecycle import ReuseLifecycle
 from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
@@ -27,8 +28,8 @@ class DecoderRow(NamedTuple):
 
     lora: LoraAdapter
     sample_index: int  # which sampled row it replaces
-    decode_entry: int | None  # the decode entry whose keys it reads, or
-    prefill_span: int | None  # the prefill span at whose last position it sits
+    decode: bool  # its sequence's chunk is a decode entry, else a prefill span
+    source: int  # the decode entry whose keys it reads, or the prefill span at whose last position it sits
     token: int
     position: int
 
@@ -60,20 +61,20 @@ class ModelRunner:
             seq = chunk.seq
             if seq.group is not None:
                 groups[id(seq.group)] = seq.group
-            elif self.lifecycle.places(seq):
-                rows.append((seq, self._run_reuse(seq)))
+            elif (assembly := self.lifecycle.placement(seq)) is not None:
+                rows.append((seq, self._run_reuse(seq, assembly)))
             else:
                 batch.append(chunk)
         for group in groups.values():
             rows += self._run_group(group)
         rows = self._decode_first_tokens(rows)
-        scored: list[tuple[Sequence, torch.Tensor]] = []
+        scored: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         if batch:
             rows += self._run_batch(batch, scored, interrupt if step.background else None)
         self.last_forward_end = time.monotonic()
-        for seq, hidden in scored:  # positions before its last: their logits precede a sampled row's
+        for kept_logits, hidden in scored:  # positions before its last: their logits precede a sampled row's
             for row in self.model.compute_logits(hidden):
-                seq.logits.append(row)
+                kept_logits.append(row)
         if not rows:
             return []
         seqs = [seq for seq, _ in rows]
@@ -92,10 +93,12 @@ class ModelRunner:
         answer can be kept whole."""
         self._run_batch([ScheduledChunk(seq, num_tokens)])
 
-    def _run_reuse(self, seq: Sequence) -> torch.Tensor:
+    def _run_reuse(self, seq: Sequence, assembly: Assembly) -> torch.Tensor:
         try:
+            # Segments are placed only from the segment index, which comes with its prefill (reuse/parts.py).
+            assert self.reuse is not None, "placed segments without a reuse prefill"
             slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
-            return self.reuse.run(seq.assembly, seq.token_ids, slots, seq.timeline)
+            return self.reuse.run(assembly, seq.token_ids, slots, seq.timeline)
         finally:
             self.lifecycle.prefill_done(seq)
 
@@ -103,9 +106,10 @@ class ModelRunner:
         """One collective prefill for the round's members; the lifecycle then keeps their
         caches (while the segments they read are still pinned)."""
         seqs = group.members
-        members = [GroupMember(s.request_id, s.assembly, s.token_ids, self.kv.slots(s, s.num_tokens),
-                               s.num_exact_tokens, s.tenant) for s in seqs]
+        members = [self._member(s) for s in seqs]
         try:
+            # Groups are formed only by the collector, which comes with the collective prefill (reuse/parts.py).
+            assert self.collective is not None, "a round group without a collective prefill"
             result = self.collective.run(group.round_id, members)
             self.lifecycle.round_computed(seqs, members, result)
         finally:
@@ -113,20 +117,29 @@ class ModelRunner:
                 self.lifecycle.prefill_done(seq)
         return list(zip(seqs, result.last_hidden))
 
+    def _member(self, seq: Sequence) -> GroupMember:
+        """A round group member's inputs to the collective prefill."""
+        # The collector groups only sequences whose assembly places segments (collective/collector.py).
+        assert seq.assembly is not None, "a round group member without an assembly"
+        return GroupMember(seq.request_id, seq.assembly, seq.token_ids, self.kv.slots(seq, seq.num_tokens),
+                           seq.num_exact_tokens, seq.tenant)
+
     def _decode_first_tokens(self, rows: list[tuple[Sequence, torch.Tensor]]) -> list[tuple[Sequence, torch.Tensor]]:
         """A prompt assembled around reused segments ends in the base model's hidden state.
         An ICaRus sequence samples its first token from its decoder instead: one decode
         pass over the finished prompt, whose base row rewrites its last token's own K/V
         (the value a plain prefill would have written) and whose decoder row reads them."""
-        pending = [i for i, (seq, _) in enumerate(rows) if _samples_from_decoder(seq, first=True)]
+        row_loras = [_decoder_lora(seq, first=True) for seq, _ in rows]  # None: it samples from its base row
+        pending = [i for i, lora in enumerate(row_loras) if lora is not None]
         if not pending:
             return rows
         seqs = [rows[i][0] for i in pending]
+        loras = [lora for lora in row_loras if lora is not None]  # pending's, in order
         contexts = [self.kv.slots(seq, seq.num_tokens) for seq in seqs]  # (T,) each
         num = len(seqs)
         tokens = [seq.token_ids[-1] for seq in seqs]
         positions = torch.tensor([seq.num_tokens - 1 for seq in seqs] * 2)  # (2 * num,)
-        spans = [AdapterSpan(num + i, num + i + 1, seq.adapter.lora) for i, seq in enumerate(seqs)]
+        spans = [AdapterSpan(num + i, num + i + 1, lora) for i, lora in enumerate(loras)]
         meta = AttentionMetadata.build(torch.cat([c[-1:] for c in contexts]), [], contexts, list(range(num)))
         hidden = self.model(torch.tensor(tokens * 2, dtype=torch.long), positions, self.kv_cache.layers, meta,
                             AdapterRows(spans))  # (2 * num, hidden): base rows, then decoder rows
@@ -135,14 +148,15 @@ class ModelRunner:
             rows[i] = (seqs[j], hidden[num + j : num + j + 1])
         return rows
 
-    def _run_batch(self, chunks: list[ScheduledChunk], scored: list[tuple[Sequence, torch.Tensor]] | None = None,
+    def _run_batch(self, chunks: list[ScheduledChunk],
+                   scored: list[tuple[list[torch.Tensor], torch.Tensor]] | None = None,
                    interrupt: Callable[[], bool] | None = None) -> list[tuple[Sequence, torch.Tensor]]:
         """One forward for every plain chunk. A multi-LoRA sequence's rows get its
         adapter's updates; an ICaRus sequence about to sample adds a decoder row (its
         token again, base + adapter, reading the base K/V and writing none) after every
         K/V row, and samples from it. Into `scored` go the final hidden states of the
         positions a teacher-forced sequence keeps logits of (`Sequence.logits_from`),
-        but its last, whose sampled row keeps them."""
+        but its last, whose sampled row keeps them, each with the list they go to."""
         input_ids: list[int] = []
         positions: list[torch.Tensor] = []
         new_slots: list[torch.Tensor] = []
@@ -152,7 +166,7 @@ class ModelRunner:
         sampling_seqs: list[Sequence] = []
         spans: list[AdapterSpan] = []
         decoders: list[DecoderRow] = []
-        kept: list[tuple[Sequence, int, int]] = []  # (sequence, first row, end row) whose logits it keeps
+        kept: list[tuple[list[torch.Tensor], int, int]] = []  # (a sequence's logits, first row, end row) it keeps
         for seq, num_tokens in chunks:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             context = self.kv.slots(seq, end)  # (end,)
@@ -160,7 +174,7 @@ class ModelRunner:
             if scored is not None and seq.logits_from is not None and seq.logits is not None:
                 first, last = max(start, seq.logits_from), min(end, seq.num_tokens - 1)
                 if first < last:
-                    kept.append((seq, row + first - start, row + last - start))
+                    kept.append((seq.logits, row + first - start, row + last - start))
             input_ids += seq.token_ids[start:end]
             positions.append(torch.arange(start, end))
             new_slots.append(context[start:])
@@ -174,13 +188,14 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
-                if _samples_from_decoder(seq, first=end == seq.num_prompt_tokens):
-                    entry = len(decode_contexts) - 1 if num_tokens == 1 else None
-                    span = len(prefill_chunks) - 1 if num_tokens > 1 else None
-                    decoders.append(DecoderRow(adapter.lora, len(sample_rows) - 1, entry, span,
+                lora = _decoder_lora(seq, first=end == seq.num_prompt_tokens)
+                if lora is not None:
+                    decode = num_tokens == 1
+                    source = len(decode_contexts) - 1 if decode else len(prefill_chunks) - 1
+                    decoders.append(DecoderRow(lora, len(sample_rows) - 1, decode, source,
                                                seq.token_ids[end - 1], end - 1))
         # Decoder rows go after every K/V row: the decode entries' first, then the prefills'.
-        decoders.sort(key=lambda d: d.decode_entry is None)
+        decoders.sort(key=lambda d: not d.decode)
         num_kv = len(input_ids)
         entries: list[int] = []
         prefill_decoders: dict[int, int] = {}
@@ -189,10 +204,10 @@ class ModelRunner:
             input_ids.append(decoder.token)
             positions.append(torch.tensor([decoder.position]))
             spans.append(AdapterSpan(row, row + 1, decoder.lora))
-            if decoder.decode_entry is not None:
-                entries.append(decoder.decode_entry)
+            if decoder.decode:
+                entries.append(decoder.source)
             else:
-                prefill_decoders[decoder.prefill_span] = row
+                prefill_decoders[decoder.source] = row
             sample_rows[decoder.sample_index] = row
         meta = AttentionMetadata.build(torch.cat(new_slots), prefill_chunks, decode_contexts,
                                        entries or None, prefill_decoders or None)
@@ -201,13 +216,16 @@ class ModelRunner:
             AdapterRows(spans) if spans else None, interrupt,
         )  # (N, hidden)
         if scored is not None:
-            scored += [(seq, hidden[first:end]) for seq, first, end in kept]
+            scored += [(logits, hidden[first:end]) for logits, first, end in kept]
         return [(seq, hidden[row : row + 1]) for seq, row in zip(sampling_seqs, sample_rows)]
 
 
-def _samples_from_decoder(seq: Sequence, first: bool) -> bool:
-    """An ICaRus sequence samples from its adapter's decoder query, except a first token
-    its adapter asks of the base (the paper's variant)."""
+def _decoder_lora(seq: Sequence, first: bool) -> LoraAdapter | None:
+    """The adapter whose decoder query the sequence samples from, None when it samples
+    from the base row: an ICaRus sequence does, except a first token its adapter asks of
+    the base (the paper's variant)."""
     adapter = seq.adapter
-    return adapter is not None and adapter.is_icarus and not (first and adapter.spec.first_token == "base")
+    if adapter is None or not adapter.is_icarus or (first and adapter.spec.first_token == "base"):
+        return None
+    return adapter.lora
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -80,8 +81,8 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity(logging.ERROR)  # set_verbosity_error(), which transformers leaves unannotated
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     steps = tqdm(total=4, desc=f"Preparing {DEFAULT_MODEL_NAME} (first run only)", disable=not progress, unit="step")
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     steps.update()

@@ -39,7 +39,9 @@ class Sequence:
     detokenizer: Detokenizer
     kv_transfer_params: dict[str, Any] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    timeline: Timeline | None = None  # stamped by the engine; None: one is made, arriving at arrival_time
+    # When it passed each stage, stamped by the engine: the caller's (LLMEngine.add_request),
+    # else one arriving now. Every sequence has one, so the engine never asks.
+    timeline: Timeline = field(default_factory=Timeline)
     token_ids: list[int] = field(default_factory=list)  # prompt + generated
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission
@@ -83,8 +85,6 @@ class Sequence:
     max_chunk_tokens: int | None = None  # None: whatever the step's budget allows
 
     def __post_init__(self) -> None:
-        if self.timeline is None:
-            self.timeline = Timeline(arrived=self.arrival_time)
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None and self.generator is None:

@@ -16,10 +16,10 @@ from engine_ext.errors import InvalidRequestError, ModelLoadError
 
 
 def _token_text(value: Any) -> str | None:
-    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts.
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
+    # tokenizer_config.json stores special tokens either as strings or as AddedToken dicts
+    # (parsed JSON, taken as the file gives it).
+    text: str | None = value.get("content") if isinstance(value, dict) else value
+    return text
 
 
 class ChatTemplate:

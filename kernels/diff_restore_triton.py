@@ -31,19 +31,19 @@ from kernels.shift_copy_triton import move_rows, tile_shape
 
 @triton.jit
 def _restore_block(
-    k_ptr,
-    v_ptr,
-    dst_ptr,
-    src_ptr,
-    delta_ptr,
-    inv_freq_ptr,
-    block,
-    src_start,
-    n,
-    heads,
-    num_heads,
-    stride_slot,
-    stride_head,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    src_ptr: tl.tensor,
+    delta_ptr: tl.tensor,
+    inv_freq_ptr: tl.tensor,
+    block: tl.tensor,
+    src_start: tl.tensor,
+    n: tl.tensor,
+    heads: tl.tensor,
+    num_heads: tl.tensor,
+    stride_slot: tl.tensor,
+    stride_head: tl.tensor,
     ROTATE: tl.constexpr,
     BLOCK_TOKENS: tl.constexpr,
     HALF: tl.constexpr,
@@ -51,7 +51,7 @@ def _restore_block(
     BLOCK_T: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """Move the block's real tokens, BLOCK_T at a time; token k of the block reads slot
     src_ptr[src_start + k] (base_src from the block's first token, or diff_slots from the
     block's offset). Padding rows (dst -1) load no source and store nothing."""
@@ -76,18 +76,18 @@ def _restore_block(
 
 @triton.jit
 def _restore_mirror_kernel(
-    k_ptr,
-    v_ptr,
-    dst_ptr,
-    base_src_ptr,
-    delta_ptr,
-    block_diff_ptr,
-    diff_slots_ptr,
-    inv_freq_ptr,
-    n,
-    num_heads,
-    stride_slot,
-    stride_head,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    base_src_ptr: tl.tensor,
+    delta_ptr: tl.tensor,
+    block_diff_ptr: tl.tensor,
+    diff_slots_ptr: tl.tensor,
+    inv_freq_ptr: tl.tensor,
+    n: tl.tensor,
+    num_heads: tl.tensor,
+    stride_slot: tl.tensor,
+    stride_head: tl.tensor,
     BLOCK_TOKENS: tl.constexpr,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -95,7 +95,7 @@ def _restore_mirror_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """One program per (block of BLOCK_TOKENS tokens, BLOCK_H heads): one skip-or-correct
     decision per block."""
     block = tl.program_id(0).to(tl.int64)

@@ -28,22 +28,22 @@ MAX_BLOCK_H = 16
 
 @triton.jit
 def _shift_keys_kernel(
-    keys_ptr,
-    out_ptr,
-    delta_ptr,
-    inv_freq_ptr,
-    num_heads,
-    stride_kt,
-    stride_kh,
-    stride_kd,
-    stride_ot,
-    stride_oh,
+    keys_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    delta_ptr: tl.tensor,
+    inv_freq_ptr: tl.tensor,
+    num_heads: tl.tensor,
+    stride_kt: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_kd: tl.tensor,
+    stride_ot: tl.tensor,
+    stride_oh: tl.tensor,
     HALF: tl.constexpr,
     TAIL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
-):
+) -> None:
     """One program per (token, block of BLOCK_H heads); output rows are contiguous."""
     token = tl.program_id(0).to(tl.int64)  # int64: token * stride can pass 2**31 in a large cache
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)

@@ -32,23 +32,23 @@ TILE_ROWS = 8
 
 @triton.jit
 def move_rows(
-    k_ptr,
-    v_ptr,
-    src,
-    dst,
-    delta,
-    inv_freq_ptr,
-    token_mask,
-    heads,
-    num_heads,
-    stride_slot,
-    stride_head,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    src: tl.tensor,
+    dst: tl.tensor,
+    delta: tl.tensor,
+    inv_freq_ptr: tl.tensor,
+    token_mask: tl.tensor,
+    heads: tl.tensor,
+    num_heads: tl.tensor,
+    stride_slot: tl.tensor,
+    stride_head: tl.tensor,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     ROTATE: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """Move the K and V rows of BLOCK_T tokens x BLOCK_H heads from slots src to slots
     dst. src, dst, delta, token_mask are (BLOCK_T,), heads (BLOCK_H,). With ROTATE the
     keys are rotated by delta; without it both rows are copied bit for bit."""
@@ -87,23 +87,23 @@ def move_rows(
 
 @triton.jit
 def _shift_copy_kernel(
-    k_ptr,
-    v_ptr,
-    src_ptr,
-    dst_ptr,
-    delta_ptr,
-    inv_freq_ptr,
-    n,
-    num_heads,
-    stride_slot,
-    stride_head,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    delta_ptr: tl.tensor,
+    inv_freq_ptr: tl.tensor,
+    n: tl.tensor,
+    num_heads: tl.tensor,
+    stride_slot: tl.tensor,
+    stride_head: tl.tensor,
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
-):
+) -> None:
     """One program per (BLOCK_T tokens, BLOCK_H heads)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # (BLOCK_H,)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypedDict, TypeVar
 
 import typer
 
@@ -18,8 +19,11 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
 
     from engine_ext.engine import LLMEngine
     from engine_ext.tools.formats.generic import AutoPolicy
+    from gateway.auth import KeyStore
     from gateway.settings import GatewaySettings
     from kvrelay.wire.seal import PlanSeal
+
+T = TypeVar("T")
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, help="kvrelay: KV-cache reuse for multi-agent LLM apps.")
 
@@ -47,12 +51,20 @@ def _build_engine(settings: EngineSettings) -> LLMEngine:
         raise _fail(str(exc).replace("\n", "; ")) from exc
 
 
-def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
+class _GatewayOverrides(TypedDict, total=False):
+    """The GatewaySettings fields a command's options set: a key left out keeps its value
+    from the environment (KVRELAY_*) or the default."""
+
+    upstreams: list[str]
+    database_url: str
+
+
+def _gateway_settings(upstreams: list[str] | None, database_url: str | None) -> GatewaySettings:
     from pydantic import ValidationError
 
     from gateway.settings import GatewaySettings
 
-    overrides: dict[str, object] = {}
+    overrides: _GatewayOverrides = {}
     if upstreams:
         overrides["upstreams"] = upstreams
     if database_url:
@@ -66,9 +78,9 @@ def _gateway_settings(upstreams: list[str] | None, database_url: str | None):
         raise _fail(str(exc).replace("\n", "; ")) from exc
 
 
-def _build_gateway_app(settings):
+def _build_gateway_app(settings: GatewaySettings) -> FastAPI:
     from gateway import create_app
-    from gateway.tracing import TracingConfigError
+    from kvrelay.wire.otel import TracingConfigError
 
     try:
         return create_app(settings)
@@ -266,7 +278,7 @@ def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see G
 
     url = _gateway_settings(None, database_url).database_url
 
-    async def run() -> list:
+    async def run() -> list[Any]:
         engine = create_async_engine(url)
         try:
             return await load_requests(engine, session_id)
@@ -315,7 +327,7 @@ def keys_revoke(key_id: Annotated[str, typer.Argument(help="the key's id (see `k
     typer.echo(f"{key.id} revoked")
 
 
-def _with_keys(database_url: str | None, action):
+def _with_keys(database_url: str | None, action: Callable[[KeyStore], Awaitable[T]]) -> T:
     """Run `action(KeyStore)` against the (migrated) database; one-line errors."""
     import asyncio
 
@@ -328,7 +340,7 @@ def _with_keys(database_url: str | None, action):
 
     url = _gateway_settings(None, database_url).database_url
 
-    async def run() -> list:
+    async def run() -> T:
         engine = create_async_engine(url)
         try:
             return await action(KeyStore(engine))

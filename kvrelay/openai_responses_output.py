@@ -117,7 +117,7 @@ def response_from_chat(req: ResponsesRequest, chat: dict[str, Any], response_id:
     """The Response for a chat completion body (non-streaming)."""
     choices = chat.get("choices") or [{}]
     choice = choices[0] if isinstance(choices[0], dict) else {}
-    message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+    message = given if isinstance(given := choice.get("message"), dict) else {}
     finish_reason = choice.get("finish_reason")
     body = envelope(req, response_id or new_id("resp"), int(chat.get("created") or time.time()),
                     status_of(finish_reason), output_items(message, finish_reason), response_usage(chat.get("usage")))

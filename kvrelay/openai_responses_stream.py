@@ -79,7 +79,7 @@ class ResponsesStream:
         for choice in choices if isinstance(choices, list) else ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
                 continue
-            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            delta = given if isinstance(given := choice.get("delta"), dict) else {}
             if isinstance(text := delta.get("content"), str) and text:
                 events += self._text(text)
             for call in delta.get("tool_calls") or ():
@@ -148,7 +148,7 @@ class ResponsesStream:
     def _call(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
         index = delta.get("index", 0)
-        function = delta.get("function") if isinstance(delta.get("function"), dict) else {}
+        function = given if isinstance(given := delta.get("function"), dict) else {}
         item = self._calls.get(index)
         if item is None:  # a call's first delta: its id and name
             if self._message is not None:  # the text before the calls ends here
@@ -156,7 +156,7 @@ class ResponsesStream:
                 self._message = None
             for earlier in self._calls.values():  # as OpenAI does, an item closes before the next opens
                 events += self._close(earlier, "completed")
-            call_id = delta.get("id") if isinstance(delta.get("id"), str) and delta.get("id") else new_id("call")
+            call_id = given_id if isinstance(given_id := delta.get("id"), str) and given_id else new_id("call")
             item = _Item(len(self._items), new_id("fc"), "function_call", call_id=call_id,
                          name=str(function.get("name") or ""))
             self._items.append(item)

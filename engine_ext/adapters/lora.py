@@ -120,7 +120,7 @@ def load_lora(adapter_dir: Path, cfg: ModelConfig, name: str, dtype: torch.dtype
     return LoraAdapter(name, rank, scaling, parts, widths)
 
 
-def _read_settings(adapter_dir: Path) -> dict:
+def _read_settings(adapter_dir: Path) -> dict[str, object]:
     path = adapter_dir / "adapter_config.json"
     try:
         settings = json.loads(path.read_text())

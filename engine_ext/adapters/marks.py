@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, TypeGuard, get_args
 
 from safetensors import SafetensorError, safe_open
 
@@ -51,15 +51,19 @@ def read_trained_as(adapter_dir: Path, name: str) -> TrainedAs | None:
     path = Path(adapter_dir) / WEIGHTS_FILE
     try:
         with safe_open(str(path), framework="pt") as weights:
-            metadata = weights.metadata() or {}
+            metadata: dict[str, str] = weights.metadata() or {}  # safetensors leaves it untyped
     except (OSError, ValueError, SafetensorError) as exc:
         raise ModelLoadError(f"adapter {name!r}: cannot read {WEIGHTS_FILE}: {exc}") from exc
     value = metadata.get(MARK_KEY)
     if value is None:
         return None
-    if value not in get_args(TrainedAs):
+    if not _is_trained_as(value):
         raise ModelLoadError(f"adapter {name!r}: {path}: unknown {MARK_KEY} {value!r} (icarus | lora)")
-    return value  # type: ignore[return-value]  # checked against TrainedAs just above
+    return value
+
+
+def _is_trained_as(value: str) -> TypeGuard[TrainedAs]:
+    return value in get_args(TrainedAs)
 
 
 def resolve_mode(spec: AdapterSpec, trained_as: TrainedAs | None) -> ServedMode:

@@ -19,10 +19,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch import nn
 
 from engine_ext.adapters.lora import MODULES, PEFT_PARENTS, module_rows
 from engine_ext.adapters.marks import WEIGHTS_FILE, TrainedAs, training_metadata
 from engine_ext.model import CausalLM
+from engine_ext.model.llama import DecoderLayer
 from kernels.rope import apply_rotary, rope_cos_sin
 
 TrainMode = TrainedAs  # lora | icarus: how the factors are fitted, and the mark they are saved with
@@ -48,7 +50,7 @@ class LoraFactors(torch.nn.Module):
         self.b = torch.nn.ParameterDict()
         for layer in range(cfg.num_layers):
             for module in modules:
-                fused = model.layers[layer].get_submodule(MODULES[module][0])
+                fused = _projection(model, layer, MODULES[module][0])
                 start, end = rows[module]
                 in_features = fused.weight.shape[1]
                 key = f"{layer}_{module}"
@@ -57,7 +59,7 @@ class LoraFactors(torch.nn.Module):
 
     def project(self, model: CausalLM, layer: int, fused_name: str, x: torch.Tensor) -> torch.Tensor:
         """The fused projection's output for x (T, in), with this adapter's updates."""
-        fused = model.layers[layer].get_submodule(fused_name)
+        fused = _projection(model, layer, fused_name)
         out = F.linear(x, fused.weight, fused.bias)  # (T, out)
         parts = []
         rows = module_rows(model.config)
@@ -112,12 +114,17 @@ def _layer(model: CausalLM, factors: LoraFactors | None, index: int, x: torch.Te
     """One decoder layer: ((K, V) it computed, output hidden (T, hidden)). With
     `shared_kv`, attention reads those keys and values instead of its own."""
     cfg = model.config
-    layer = model.layers[index]
-    project = (lambda name, h: factors.project(model, index, name, h)) if factors is not None else \
-        (lambda name, h: F.linear(h, layer.get_submodule(name).weight, layer.get_submodule(name).bias))
+    layer = _decoder(model, index)
+
+    def project(name: str, h: torch.Tensor) -> torch.Tensor:
+        if factors is not None:
+            return factors.project(model, index, name, h)
+        linear = _projection(model, index, name)
+        return F.linear(h, linear.weight, linear.bias)
+
     h = layer.input_layernorm(x)
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    q, k, v = project("self_attn.qkv_proj", h).split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = torch.split(project("self_attn.qkv_proj", h), [q_size, kv_size, kv_size], dim=-1)
     num_tokens = x.shape[0]
     q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)  # (T, heads, D)
     k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)  # (T, kv_heads, D)
@@ -135,6 +142,21 @@ def _layer(model: CausalLM, factors: LoraFactors | None, index: int, x: torch.Te
     gate, up = project("mlp.gate_up_proj", h).chunk(2, dim=-1)  # each (T, intermediate)
     x = x + project("mlp.down_proj", F.silu(gate) * up)
     return (k, v), x
+
+
+def _decoder(model: CausalLM, index: int) -> DecoderLayer:
+    """Decoder layer `index`, as its type: nn.ModuleList hands out plain Modules."""
+    layer = model.layers[index]
+    assert isinstance(layer, DecoderLayer)  # CausalLM builds every layer as one
+    return layer
+
+
+def _projection(model: CausalLM, index: int, name: str) -> nn.Linear:
+    """Layer `index`'s fused projection `name` (e.g. "self_attn.qkv_proj"), as its type:
+    get_submodule hands out a plain Module."""
+    linear = _decoder(model, index).get_submodule(name)
+    assert isinstance(linear, nn.Linear)  # every fused projection is a PackedLinear
+    return linear
 
 
 def completion_loss(model: CausalLM, factors: LoraFactors, prompt: list[int], completion: list[int],
@@ -160,7 +182,7 @@ def train(model: CausalLM, examples: list[tuple[list[int], list[int]]], mode: Tr
         for prompt, completion in examples:
             loss = completion_loss(model, factors, prompt, completion, mode)
             optimizer.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)  # loss.backward(), whose torch signature is unannotated
             optimizer.step()
             total += float(loss.detach())
         losses.append(total / len(examples))

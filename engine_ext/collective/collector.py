@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from engine_ext.config import CollectiveConfig
 from engine_ext.reuse.methods import METHODS
 from engine_ext.sequence import Sequence
+from kvrelay.wire.plan import RoundInfo
 
 
 MAX_FORMED_ROUNDS = 256
@@ -39,8 +40,14 @@ class CollectiveGroup:
     members: list[Sequence]
 
 
+def _round_of(seq: Sequence) -> RoundInfo | None:
+    """The All-Gather round the sequence's plan puts it in, if any."""
+    return seq.scope.round if seq.scope is not None else None
+
+
 def round_id(seq: Sequence) -> str | None:
-    return seq.scope.round.id if seq.scope is not None and seq.scope.round is not None else None
+    info = _round_of(seq)
+    return info.id if info is not None else None
 
 
 def group_key(seq: Sequence) -> str | None:
@@ -59,16 +66,16 @@ class KVCollector:
 
     def holds(self, seq: Sequence, waiting: Iterable[Sequence], now: float | None = None) -> bool:
         """Whether the round's first waiting request should wait for its siblings a little longer."""
-        rid = group_key(seq)
+        info, rid = _round_of(seq), group_key(seq)  # rid is None exactly when info is
         # A request without segments (a multi-LoRA adapter's) never joins a group: no waiting.
-        if rid is None or self.config.window_ms <= 0 or seq.num_preemptions or not seq.segments \
+        if info is None or self.config.window_ms <= 0 or seq.num_preemptions or not seq.segments \
                 or rid in self._formed:
             return False
         now = time.monotonic() if now is None else now
         if (now - seq.arrival_time) * 1e3 >= self.config.window_ms:
             return False
         num_waiting = sum(1 for s in waiting if group_key(s) == rid)
-        return num_waiting < seq.scope.round.size
+        return num_waiting < info.size
 
     def siblings(self, seq: Sequence, waiting: Iterable[Sequence]) -> list[Sequence]:
         """Waiting requests of seq's round, in arrival order, at most max_group - 1."""
@@ -85,7 +92,7 @@ class KVCollector:
         candidates = [s for s in admitted if _collectible(s)]
         if not candidates:
             return None
-        probe = max(candidates, key=lambda s: sum(p.segment.num_tokens for p in s.assembly.placed))
+        probe = max(candidates, key=_num_placed_tokens)
         key = group_key(probe)
         members = [probe] + [s for s in candidates if s is not probe and group_key(s) == key]
         group = CollectiveGroup(round_id(probe) or "", members)
@@ -97,6 +104,11 @@ class KVCollector:
         self.num_groups += 1
         self.num_grouped += len(members)
         return group
+
+
+def _num_placed_tokens(seq: Sequence) -> int:
+    """How many tokens its placed segments cover (the probe is the member with the most)."""
+    return sum(p.segment.num_tokens for p in seq.assembly.placed) if seq.assembly is not None else 0
 
 
 def _collectible(seq: Sequence) -> bool:

@@ -161,7 +161,7 @@ class CollectivePrefill:
         watched = torch.isin(rows, candidates)
         scored = self.probe_forward.run([PromptRows(probe.token_ids, probe.slots, rows, watched)],
                                         num_layers=self.last_check + 1)
-        deviation = scored.deviation[0].split([b.numel() for b in blend])  # per placed segment, (n_i,)
+        deviation = torch.split(scored.deviation[0], [b.numel() for b in blend])  # per placed segment, (n_i,)
         blocks: list[tuple[float, bytes, torch.Tensor, torch.Tensor]] = []  # (score, key, offsets, deviation)
         budget = 0
         size = self.config.collective.diff_block_tokens
@@ -199,8 +199,8 @@ class CollectivePrefill:
                 if seg.end > last:
                     exact[last - seg.start] = False  # the last prompt token is always computed
                 runs.append(CanonicalRun(seg.start, p.entry.key, self.index.slots(p.entry), exact))
-            first = m.assembly.first_approximate
-            first = first if m.num_exact_tokens is None else min(first, m.num_exact_tokens)
+            # The first token whose KV is not exact (a member has placed segments: there is one).
+            first = min(n for n in (m.assembly.first_approximate, m.num_exact_tokens) if n is not None)
             region_start = first // block_size * block_size  # before it: published prefix-cache blocks
             images.append(CacheImage(tuple(m.token_ids), m.slots, region_start, runs, tenant=m.tenant))
         return images

@@ -68,7 +68,7 @@ class RowsForward:
         ends = torch.tensor([p.rows.shape[0] for p in prompts]).cumsum(0)  # (B,)
         last = self.model.norm(x[ends - 1])  # (B, hidden)
         counts = [int(p.watched.sum()) for p in prompts]
-        return RowsResult([last[i : i + 1] for i in range(len(prompts))], list(deviation.split(counts)))
+        return RowsResult([last[i : i + 1] for i in range(len(prompts))], list(torch.split(deviation, counts)))
 
 
 def _metadata(prompts: list[PromptRows], new_slots: torch.Tensor) -> AttentionMetadata:

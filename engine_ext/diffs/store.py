@@ -95,10 +95,10 @@ class DiffStore:
         self.last_round = StoreResult([self.dense_bytes(img) for img in images], master,
                                       self.num_bytes(head) if head else 0, mirror_bytes, time.perf_counter() - start)
         self.num_rounds += 1
-        for dense, mirror in zip(self.last_round.dense_bytes, mirror_bytes):
-            if mirror is not None:
+        for dense, mirror_size in zip(self.last_round.dense_bytes, mirror_bytes):
+            if mirror_size is not None:
                 self.mirrored_dense_bytes += dense
-                self.mirror_bytes += mirror
+                self.mirror_bytes += mirror_size
         return self.last_round
 
     def store(self, image: CacheImage, like: StoredCache | None = None) -> StoredCache | None:

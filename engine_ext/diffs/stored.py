@@ -104,7 +104,9 @@ class MasterView(NamedTuple):
         for k_cache, v_cache in layers:
             shift_copy(k_cache, v_cache, self.src, dst, self.delta, self.inv_freq)
 
-    restore_dense = restore  # a master has no diff to apply: both paths are one copy
+    def restore_dense(self, layers: LayerCaches, dst: torch.Tensor) -> None:
+        """The same as `restore`: a master has no diff to apply, so both paths are one copy."""
+        self.restore(layers, dst)
 
 
 class MirrorView(NamedTuple):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_ext.config import TORCH_DTYPES, EngineConfig, ModelConfig
+from engine_ext.config import EngineConfig, ModelConfig
+from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.errors import ModelLoadError
 
 class KVCache:

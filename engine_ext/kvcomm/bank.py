@@ -195,8 +195,8 @@ class AnchorBank:
         token_dist = offsets.token_distances(self.kv_cache, base_slots,
                                              [self.blobs.slots(a.base) for a in eligible])  # (A, n)
         pred = predict(offsets.sample_distances(token_dist), self.config.gamma, self.config.temperature)
-        detail = {"eligible": len(eligible), "entropy": round(pred.entropy, 4),
-                  "threshold": round(pred.threshold, 4), **stale}
+        detail: dict[str, Any] = {"eligible": len(eligible), "entropy": round(pred.entropy, 4),
+                                  "threshold": round(pred.threshold, 4), **stale}
         if source != pool_key:
             detail["from_chunk"] = source[3]
         if not pred.shareable:
@@ -271,7 +271,7 @@ class AnchorBank:
 
     def _predicted(self, pool_key: PoolKey, agent_id: str, anchors: list[Anchor], token_weights: torch.Tensor,
                    weights: torch.Tensor, prefix_token_ids: tuple[int, ...] | None,
-                   prefix_base: EntryIdentity | None, detail: dict) -> Decision:
+                   prefix_base: EntryIdentity | None, detail: dict[str, Any]) -> Decision:
         """A prediction from `anchors`. The fixed segment after the placeholder (whose
         entry is `prefix_base` now) is corrected by the prefix offsets measured against
         that very entry; those measured against another version of it are counted and
@@ -283,14 +283,18 @@ class AnchorBank:
                                      token_weights)
         prefix = None
         if mode == "full" and prefix_token_ids is not None:
-            fits = [a.offsets[agent_id].prefix_for(prefix_token_ids, prefix_base) for a in anchors]
-            measured = [i for i, fit in enumerate(fits) if fit is True]
+            agents = [a.offsets[agent_id] for a in anchors]
+            fits = [agent.prefix_for(prefix_token_ids, prefix_base) for agent in agents]
+            # (anchor, its prefix offset) where that applies: prefix_for is True only with an offset
+            measured = [(i, agent.prefix) for i, (agent, fit) in enumerate(zip(agents, fits))
+                        if fit is True and agent.prefix is not None]
             num_stale = sum(1 for fit in fits if fit is False)
             if num_stale:
                 detail = {**detail, "stale_prefix_offsets": num_stale}
             if measured:
-                w = weights[measured] / weights[measured].sum()  # (A',)
-                prefix = Correction([self.blobs.slots(anchors[i].offsets[agent_id].prefix) for i in measured], w)
+                rows = [i for i, _ in measured]
+                w = weights[rows] / weights[rows].sum()  # (A',)
+                prefix = Correction([self.blobs.slots(blob) for _, blob in measured], w)
         return Decision(True, pool_key, agent_id, anchors, placeholder, prefix, detail,
                         prefix_base if prefix is not None else None, token_weights.shape[1])
 
@@ -360,16 +364,18 @@ class AnchorBank:
             stale, anchor = anchor, None
         if anchor is not None and (m.decision.agent_id in anchor.offsets or not self.blobs.valid(anchor.base)):
             return None  # another request measured it meanwhile, or its base was evicted
-        prefix_entry = self.index.lookup(m.prefix_token_ids, m.tenant) if m.prefix_token_ids else None
+        prefix_token_ids = m.prefix_token_ids or ()  # () when the chunk has no fixed segment after it
+        prefix_entry = self.index.lookup(prefix_token_ids, m.tenant) if prefix_token_ids else None
         # Allocating blobs must not evict what they are measured against.
         pinned = [m.base.blob] + ([prefix_entry.blob] if prefix_entry is not None else []) \
             + ([anchor.base] if anchor is not None else [])
         for blob in pinned:
             self.blobs.acquire(blob)
-        n, new_blobs = len(m.token_ids), []
+        n = len(m.token_ids)
+        new_blobs: list[Blob] = []
         base = anchor.base if anchor is not None else self._blob(n, new_blobs)
         placeholder = self._blob(n, new_blobs)
-        prefix = self._blob(len(m.prefix_token_ids), new_blobs) if prefix_entry is not None else None
+        prefix = self._blob(len(prefix_token_ids), new_blobs) if prefix_entry is not None else None
         if base is None or placeholder is None or (prefix_entry is not None and prefix is None):
             _give_back(self.blobs, new_blobs, pinned)
             self.num_skipped += 1
@@ -378,7 +384,7 @@ class AnchorBank:
         job.rows.append((prompt_slots[m.position : m.position + n], m.position, self.blobs.slots(base),
                          self.blobs.slots(placeholder)))
         if prefix is not None and prefix_entry is not None:
-            p = len(m.prefix_token_ids)
+            p = len(prefix_token_ids)
             job.rows.append((prompt_slots[m.prefix_position : m.prefix_position + p], m.prefix_position,
                              self.index.slots(prefix_entry), self.blobs.slots(prefix)))
         return job

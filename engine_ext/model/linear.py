@@ -41,7 +41,9 @@ _PACK_HINT = 8
 
 def onednn_available() -> bool:
     """Whether this torch build can prepack weights for oneDNN."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    # torch leaves mkldnn.is_available unannotated.
+    available: bool = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+    return available and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 @cache
@@ -75,7 +77,9 @@ class PackedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # torch.ops resolves its operators at run time: their results are typed Any.
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out
 
 
 def pack_linears(model: nn.Module, kernel: LinearKernel = "auto") -> int:

@@ -69,7 +69,7 @@ class Attention(nn.Module):
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         # q and k rotate by the same angles: one rotation over both, heads side by side.
-        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = torch.split(apply_rotary(qk, cos, sin), [self.num_heads, self.num_kv_heads], dim=1)
         k_cache, v_cache = cache
         num_kv = meta.num_kv_rows  # ICaRus decoder rows (after these) write no K/V
         k_cache.index_copy_(0, meta.slot_mapping, k[:num_kv])
@@ -105,10 +105,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, layer)
 
-    def forward(self, x, cos, sin, cache: LayerCache, meta: AttentionMetadata,
-                adapters: AdapterRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata, adapters: AdapterRows | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta, adapters)
-        return x + self.mlp(self.post_attention_layernorm(x), adapters)
+        mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(x), adapters)  # nn.Module calls are Any
+        return x + mlp_out
 
 
 class StepInterrupted(Exception):
@@ -151,8 +152,10 @@ class CausalLM(nn.Module):
             if i and interrupt is not None and interrupt():
                 raise StepInterrupted(f"stopped before layer {i}")
             x = layer(x, cos, sin, cache, meta, adapters)
-        return self.norm(x)
+        hidden: torch.Tensor = self.norm(x)  # (N, hidden); nn.Module calls are typed Any
+        return hidden
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).to(torch.float32)  # (n, vocab)
+        logits: torch.Tensor = self.lm_head(hidden)  # (n, vocab); nn.Module calls are typed Any
+        return logits.to(torch.float32)

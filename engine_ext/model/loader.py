@@ -9,7 +9,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine_ext.config import TORCH_DTYPES, LinearKernel, ModelConfig
+from engine_ext.config import Dtype, LinearKernel, ModelConfig
+from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.errors import ModelLoadError
 from engine_ext.model.llama import CausalLM
 from engine_ext.model.linear import pack_linears
@@ -71,7 +72,7 @@ def _fused_state_dict(raw: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return state
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, dtype: str = "float32",
+def load_model(model_dir: Path, cfg: ModelConfig, dtype: Dtype = "float32",
                linear_kernel: LinearKernel = "auto") -> CausalLM:
     """Build the model on CPU and load its weights; shape mismatches raise ModelLoadError.
     `linear_kernel` says how the weight products run (engine_ext/model/linear.py)."""

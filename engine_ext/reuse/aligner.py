@@ -139,7 +139,8 @@ class PromptAligner:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
 
-    def chat(self, messages: list[dict], tools: list[dict] | None, plan: SegmentPlan) -> AlignedPrompt:
+    def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+             plan: SegmentPlan) -> AlignedPrompt:
         messages = [{**m, "content": _content_text(m.get("content"))} for m in messages]
         contents = [m["content"] for m in messages]
         real = self._tok.render_chat(messages, tools=tools)
@@ -172,7 +173,8 @@ class PromptAligner:
                 skipped[reason] += 1
         return by_message, _skip_note(skipped, len(plan.segments))
 
-    def _layout(self, messages: list[dict], tools: list[dict] | None, planned: list[int], real: str) -> Layout:
+    def _layout(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, planned: list[int],
+                real: str) -> Layout:
         """The rendered prompt as template text and planned message contents, in order."""
         if not planned:
             return [real]

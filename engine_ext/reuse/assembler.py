@@ -24,11 +24,12 @@ from engine_ext.kvcomm import AnchorBank, ChunkedCorrection, Correction, Decisio
 from engine_ext.reuse.locks import BlobLock, CacheLock, SegmentLock
 from engine_ext.reuse.methods import METHODS
 from engine_ext.reuse.segments import (
-    ReuseMethod,
+    OutcomeMethod,
     ReuseScope,
     SegmentOutcome,
     TokenSegment,
 )
+from kvrelay.wire.plan import ReuseMethod
 
 # Segments KVCOMM corrects with prefix offsets when they follow a placeholder.
 _FOLLOWER_KINDS = frozenset({"fixed_prefix", "shared_block"})
@@ -40,7 +41,7 @@ class PlacedSegment(NamedTuple):
     entry: SegmentEntry
     num_linked: int  # tokens at its start recomputed in every layer (link; the last prompt token)
     correction: Correction | ChunkedCorrection | None = None  # kvcomm: offsets added after the shift
-    kvcomm: dict | None = None  # kvcomm: what the anchor bank decided, reported
+    kvcomm: dict[str, Any] | None = None  # kvcomm: what the anchor bank decided, reported
     repair_ratio: float = 0.0  # share of its tokens the deviation check may send on to be recomputed
 
 
@@ -55,7 +56,7 @@ class Assembly:
     num_selected: dict[int, int] = field(default_factory=dict)  # placed index -> blend rows kept
     decisions: list[Decision] = field(default_factory=list)  # kvcomm predictions, committed after the prefill
     measurements: list[Measurement] = field(default_factory=list)  # kvcomm samples to record after it
-    collective: dict | None = None  # reported on placed segments when the prefill ran with its round group
+    collective: dict[str, Any] | None = None  # reported on placed segments when the prefill ran with its round group
 
     @property
     def first_approximate(self) -> int | None:
@@ -111,10 +112,11 @@ class Assembler:
         `restored_from` on restored from a stored round cache."""
         assembly = Assembly(len(token_ids), num_prefix_tokens, [], [])
         tenant = scope.tenant if scope is not None else DEFAULT_TENANT
+        index = self.index
         i = 0
         while i < len(segments):
             seg = segments[i]
-            covered = "restored" if restored_from is not None and seg.end > restored_from else "prefix"
+            covered: OutcomeMethod = "restored" if restored_from is not None and seg.end > restored_from else "prefix"
             if seg.end <= num_prefix_tokens:
                 assembly.dense.append(SegmentOutcome(seg, covered, seg.num_tokens, 0))
                 i += 1
@@ -124,20 +126,21 @@ class Assembler:
             reason = self._refusal(seg, method, num_hit) if seg.is_reusable else None
             entry = None
             if seg.is_reusable and reason is None:
-                entry = self.index.lookup(token_ids[seg.start : seg.end], tenant) if self.index else None
+                entry = index.lookup(token_ids[seg.start : seg.end], tenant) if index is not None else None
                 reason = None if entry is not None else "not in the segment index (never cached or evicted)"
-            if entry is not None and METHODS[method].uses_anchors:
-                follower = segments[i + 1] if i + 1 < len(segments) else None
-                i += self._kvcomm(assembly, seg, entry, follower, token_ids, scope)
-                continue
-            if entry is None:
+            if index is None or entry is None:  # without an index nothing was found
                 assembly.dense.append(SegmentOutcome(seg, covered if num_hit else "dense", num_hit,
                                                      seg.num_tokens - num_hit, reason))
-            else:
-                self.index.acquire(entry)
-                spec = METHODS[method]
-                assembly.placed.append(PlacedSegment(seg, method, entry, spec.num_linked(seg, self.config),
-                                                     repair_ratio=spec.repair_ratio(self.config)))
+                i += 1
+                continue
+            if METHODS[method].uses_anchors:
+                follower = segments[i + 1] if i + 1 < len(segments) else None
+                i += self._kvcomm(index, assembly, seg, entry, follower, token_ids, scope)
+                continue
+            index.acquire(entry)
+            spec = METHODS[method]
+            assembly.placed.append(PlacedSegment(seg, method, entry, spec.num_linked(seg, self.config),
+                                                 repair_ratio=spec.repair_ratio(self.config)))
             i += 1
         return assembly
 
@@ -149,11 +152,12 @@ class Assembler:
             return []
         locks: list[CacheLock] = [SegmentLock(self.index, p.entry) for p in assembly.placed]
         locks += [SegmentLock(self.index, m.base) for m in assembly.measurements]
-        locks += [BlobLock(self.bank.blobs, blob) for d in assembly.decisions for blob in self.bank.blobs_of(d)]
+        if self.bank is not None:  # kvcomm decisions come from the bank alone
+            locks += [BlobLock(self.bank.blobs, blob) for d in assembly.decisions for blob in self.bank.blobs_of(d)]
         return locks
 
-    def _kvcomm(self, assembly: Assembly, seg: TokenSegment, entry: SegmentEntry, follower: TokenSegment | None,
-                token_ids: list[int], scope: ReuseScope | None) -> int:
+    def _kvcomm(self, index: SegmentIndex, assembly: Assembly, seg: TokenSegment, entry: SegmentEntry,
+                follower: TokenSegment | None, token_ids: list[int], scope: ReuseScope | None) -> int:
         """Decide a kvcomm segment (and the fixed segment after a placeholder); returns
         how many segments it consumed. A shared block or fixed prefix on its own, with no
         placeholder before it, has no anchors: it is placed by the RoPE shift alone.
@@ -162,8 +166,9 @@ class Assembler:
         only when every chunk is predicted; else it is computed densely whole and every
         chunk is measured (a chunk computed behind predicted ones would be measured
         against approximate KV, and the dense computation is paid either way)."""
-        if seg.kind != "placeholder" or self.bank is None or scope is None or scope.agent_id is None:
-            self.index.acquire(entry)
+        bank = self.bank
+        if seg.kind != "placeholder" or bank is None or scope is None or scope.agent_id is None:
+            index.acquire(entry)
             assembly.placed.append(PlacedSegment(seg, "shift", entry, 0))
             return 1
         if follower is not None and (follower.kind not in _FOLLOWER_KINDS or follower.start > seg.end + 8
@@ -177,15 +182,15 @@ class Assembler:
             pool = (scope.tenant, scope.app_id, seg.name or "", j)  # anchors never cross tenants
             fallback = tuple(pool[:3] + (i,) for i in range(j - 1, -1, -1))
             last = j == len(chunks) - 1
-            decisions.append(self.bank.decide(pool, scope.agent_id, tuple(token_ids[seg.start + start : seg.start + end]),
-                                              entry, follower_ids if last else None, start, fallback))
+            decisions.append(bank.decide(pool, scope.agent_id, tuple(token_ids[seg.start + start : seg.start + end]),
+                                         entry, follower_ids if last else None, start, fallback))
         detail = _summary(decisions)
         if not all(d.predicted for d in decisions):
             for (start, end), decision in zip(chunks, decisions):
                 last = end == seg.num_tokens
-                self.index.acquire(entry)  # a pin per measurement: each lets go of its own (`locks`)
+                index.acquire(entry)  # a pin per measurement: each lets go of its own (`locks`)
                 assembly.measurements.append(Measurement(
-                    self.bank.measuring(decision), tuple(token_ids[seg.start + start : seg.start + end]),
+                    bank.measuring(decision), tuple(token_ids[seg.start + start : seg.start + end]),
                     seg.start + start, entry, follower_ids if last else None,
                     follower.start if follower and last else 0, scope.tenant, start))
             assembly.dense.append(SegmentOutcome(seg, "dense", 0, seg.num_tokens, "kvcomm: measured as an anchor",
@@ -194,10 +199,10 @@ class Assembler:
                 assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens,
                                                      "kvcomm: measured after its placeholder"))
             return 2 if follower is not None else 1
-        self.index.acquire(entry)
+        index.acquire(entry)
         for decision in decisions:
-            for blob in self.bank.blobs_of(decision):
-                self.bank.blobs.acquire(blob)
+            for blob in bank.blobs_of(decision):
+                bank.blobs.acquire(blob)
         assembly.decisions += decisions
         parts = [(start, d.placeholder) for (start, _), d in zip(chunks, decisions) if d.placeholder is not None]
         correction = None if not parts else parts[0][1] if len(parts) == 1 else ChunkedCorrection(parts)
@@ -207,16 +212,16 @@ class Assembler:
         assembly.placed.append(PlacedSegment(seg, "kvcomm", entry, 0, correction, detail, repair))
         if follower is None:
             return 1
-        self._follower(assembly, follower, follower_ids, decisions[-1], scope.tenant, repair)
+        self._follower(index, bank, assembly, follower, follower_ids, decisions[-1], scope.tenant, repair)
         return 2
 
-    def _follower(self, assembly: Assembly, follower: TokenSegment, follower_ids: tuple[int, ...] | None,
-                  decision: Decision, tenant: str, repair: float) -> None:
+    def _follower(self, index: SegmentIndex, bank: AnchorBank, assembly: Assembly, follower: TokenSegment,
+                  follower_ids: tuple[int, ...] | None, decision: Decision, tenant: str, repair: float) -> None:
         """Place the fixed segment after a predicted placeholder with the prefix offsets
         of its last chunk's anchors (and the placeholder's `repair` ratio), or compute it."""
         # In full mode the follower needs its prefix offsets; the ablation modes place it shifted alone.
-        corrected = decision.prefix is not None or self.bank.correction != "full"
-        follower_entry = self.index.lookup(follower_ids, tenant) if corrected and follower_ids else None
+        corrected = decision.prefix is not None or bank.correction != "full"
+        follower_entry = index.lookup(follower_ids, tenant) if corrected and follower_ids else None
         # Prefix offsets are added only to the version of its entry they were measured against.
         stale = decision.prefix is None and bool(decision.detail.get("stale_prefix_offsets"))
         if (follower_entry is not None and decision.prefix is not None
@@ -227,7 +232,7 @@ class Assembler:
         if follower_entry is None:
             assembly.dense.append(SegmentOutcome(follower, "dense", 0, follower.num_tokens, reason))
         else:
-            self.index.acquire(follower_entry)
+            index.acquire(follower_entry)
             assembly.placed.append(PlacedSegment(follower, "kvcomm", follower_entry, 0, decision.prefix,
                                                  repair_ratio=repair))
 

@@ -38,7 +38,9 @@ class Keeper:
 
     def keep(self, seq: Sequence) -> None:
         """Record what each segment got, and keep the reusable ones in the segment index."""
-        assembly = seq.assembly  # set at admission for every sequence with segments
+        assembly = seq.assembly
+        # Admission assembles every prompt with segments until its outcomes are recorded (here).
+        assert assembly is not None, f"request {seq.request_id} has segments but no assembly"
         seq.reuse_outcomes = assembly.outcomes()
         seq.assembly = None
         if seq.num_preemptions == 0:
@@ -68,10 +70,10 @@ class Keeper:
         prefix hits there and compute (or place) all of it again. Stored, it restores
         the KV this prompt ran on. A mirror of the cache it was restored from when there
         is one. Only an optimisation: a failure is logged."""
-        store = self.parts.diff_store
-        if store is None or not seq.publish:
+        store, exact = self.parts.diff_store, seq.num_exact_tokens
+        if store is None or not seq.publish or exact is None:  # None: every block is exact, nothing to restore
             return
-        region_start = seq.num_exact_tokens // self.config.block_size * self.config.block_size
+        region_start = exact // self.config.block_size * self.config.block_size
         spans = tuple((seg.start, seg.end) for seg in seq.segments)
         image = CacheImage(tuple(seq.prompt_token_ids), slots, region_start, [], spans, seq.tenant)
         try:
@@ -86,7 +88,7 @@ class Keeper:
         the requests go on."""
         keep = [i for i, seq in enumerate(seqs) if seq.publish]
         store, collective = self.parts.diff_store, self.parts.collective
-        if store is None or not keep:
+        if store is None or collective is None or not keep:  # a diff store comes with the collective prefill
             return
         try:
             images = collective.images([members[i] for i in keep], plan)

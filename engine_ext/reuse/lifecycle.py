@@ -29,6 +29,7 @@ from engine_ext.config import EngineConfig
 from engine_ext.diffs.restorer import Restore
 from engine_ext.kv.manager import KVCacheManager, PrefixMatch
 from engine_ext.reuse.answers import Ending
+from engine_ext.reuse.assembler import Assembly
 from engine_ext.reuse.keep import Keeper
 from engine_ext.reuse.parts import ReuseParts
 from engine_ext.sequence import Sequence
@@ -85,7 +86,7 @@ class ReuseLifecycle:
         to the device tier, and it has not waited `max_load_wait_ms` for it yet."""
         if self.tiers is None or seq.num_preemptions:
             return False
-        if not self._lower_match(seq, len(self.kv.match_prefix(seq).blocks)).loading:
+        if not self._lower_match(self.tiers, seq, len(self.kv.match_prefix(seq).blocks)).loading:
             return False
         now = time.monotonic()
         if seq.load_wait_since is None:
@@ -99,7 +100,9 @@ class ReuseLifecycle:
         placed segments runs whole, in one step: blend needs every placed token at once."""
         prefix = self.kv.match_prefix(seq)
         restore = self.restorer.find(seq, prefix.num_cached_tokens) if self.restorer is not None else None
-        fetch = self._lower_match(seq, len(prefix.blocks)).entries if restore is None and self.tiers is not None else []
+        fetch: list[TierEntry] = []
+        if restore is None and self.tiers is not None:
+            fetch = self._lower_match(self.tiers, seq, len(prefix.blocks)).entries
         num_ready = restore.num_tokens if restore is not None else \
             prefix.num_cached_tokens + len(fetch) * self.kv.block_size
         num_tokens = min(seq.num_tokens - num_ready, budget)
@@ -120,7 +123,7 @@ class ReuseLifecycle:
         what was put in place (part of its prefill), or None when a lower tier could not
         be read (the caller undoes the admission: next time it recomputes those blocks)."""
         placements: list[tuple[str, Placement]] = []
-        if plan.fetch:
+        if plan.fetch and self.tiers is not None:  # `plan` fetches from lower tiers only when there are some
             num_hits, num_fetched = len(plan.prefix.blocks), len(plan.fetch) * self.kv.block_size
             fetched_at = time.monotonic()
             if not self.tiers.fetch(list(plan.fetch), seq.blocks[num_hits : num_hits + len(plan.fetch)]):
@@ -130,7 +133,7 @@ class ReuseLifecycle:
             if seq.num_preemptions == 0:
                 seq.num_fetched_tokens = num_fetched
         restore = plan.restore
-        if restore is not None:
+        if restore is not None and self.restorer is not None:  # `plan` restores only with a restorer
             restored_at = time.monotonic()
             self.restorer.apply(restore, self.kv.slots(seq, restore.num_tokens))
             placements.append(("diff_restore", Placement(restored_at, time.monotonic(),
@@ -141,24 +144,24 @@ class ReuseLifecycle:
             seq.num_exact_tokens = restore.region_start if exact is None else min(exact, restore.region_start)
         return placements
 
-    def _lower_match(self, seq: Sequence, num_hits: int) -> LowerMatch:
+    def _lower_match(self, tiers: TieredStore, seq: Sequence, num_hits: int) -> LowerMatch:
         """The lower tiers' view of the prompt's blocks past its `num_hits` device hits,
         keeping one prompt token (and every token whose logits it keeps) to compute."""
         max_blocks = seq.max_prefix_tokens // self.kv.block_size
-        return self.tiers.match(seq.block_hashes[num_hits:max_blocks])
+        return tiers.match(seq.block_hashes[num_hits:max_blocks])
 
     # -- the prefill -------------------------------------------------------------------
     @staticmethod
-    def places(seq: Sequence) -> bool:
-        """Whether its next prefill runs around placed segments."""
-        return seq.assembly is not None and bool(seq.assembly.placed)
+    def placement(seq: Sequence) -> Assembly | None:
+        """The assembly its next prefill runs around when that places segments, else None."""
+        return seq.assembly if seq.assembly is not None and seq.assembly.placed else None
 
     def round_computed(self, seqs: list[Sequence], members: list[GroupMember], result: CollectiveResult) -> None:
         """A round group's collective prefill ran: report it on each member, and keep
         the round's caches (while the segments they read are still pinned)."""
-        for i, seq in enumerate(seqs):
-            seq.assembly.collective = result.plan.report(i)
-            num_placed = sum(p.segment.num_tokens for p in seq.assembly.placed)
+        for i, (seq, member) in enumerate(zip(seqs, members, strict=True)):
+            member.assembly.collective = result.plan.report(i)  # the member's assembly is the sequence's
+            num_placed = sum(p.segment.num_tokens for p in member.assembly.placed)
             seq.timeline.placed("collective", Placement(*result.placed, num_placed))
         self.keeper.store_round(seqs, members, result.plan)
 
@@ -168,7 +171,8 @@ class ReuseLifecycle:
         never publish the blocks from its first placed token on (approximate KV)."""
         seq.pins.release()
         seq.group = None
-        limits = [n for n in (seq.num_exact_tokens, seq.assembly.first_approximate) if n is not None]
+        first_approximate = seq.assembly.first_approximate if seq.assembly is not None else None
+        limits = [n for n in (seq.num_exact_tokens, first_approximate) if n is not None]
         seq.num_exact_tokens = min(limits) if limits else None
 
     def after_prefill(self, seq: Sequence) -> None:
@@ -200,5 +204,5 @@ class ReuseLifecycle:
 
     def runs_dense(self, seq: Sequence) -> bool:
         """Whether its chunk computes every token it names (no placed KV, no round group)."""
-        return "collective" not in seq.timeline.assembly and not self.places(seq)
+        return "collective" not in seq.timeline.assembly and self.placement(seq) is None
 

@@ -58,15 +58,18 @@ class ReusePrefill:
         deviation = torch.zeros(int(is_candidate.sum()))  # (C,) summed over check layers
         context = slots[: len(token_ids)]  # (T,)
         tokens = torch.tensor(token_ids, dtype=torch.long)
-        x = self.model.embed_tokens(tokens[rows])  # (R + C, hidden)
+        x: torch.Tensor = self.model.embed_tokens(tokens[rows])  # (R + C, hidden); nn.Module calls are typed Any
         inputs = self._inputs(rows, slots, context)
         for layer_idx, (layer, cache) in enumerate(zip(self.model.layers, self.kv_cache.layers)):
-            checking = candidates.numel() > 0 and layer_idx in self.config.check_layers
-            cand_slots = slots[rows[is_candidate]] if checking else None
-            placed_keys = cache[0].index_select(0, cand_slots) if checking else None  # (C, kv_heads, D)
+            # A check layer: the candidates' slots and their placed keys, read before the layer overwrites them.
+            placed: tuple[torch.Tensor, torch.Tensor] | None = None
+            if candidates.numel() > 0 and layer_idx in self.config.check_layers:
+                cand_slots = slots[rows[is_candidate]]
+                placed = cand_slots, cache[0].index_select(0, cand_slots)  # (C, kv_heads, D)
             cos, sin, meta = inputs
             x = layer(x, cos, sin, cache, meta)
-            if checking:
+            if placed is not None:
+                cand_slots, placed_keys = placed
                 fresh = cache[0].index_select(0, cand_slots)
                 deviation += (fresh.float() - placed_keys.float()).pow(2).sum(dim=(-2, -1)).sqrt()
             if layer_idx == self.last_check and candidates.numel() > 0:
@@ -76,7 +79,8 @@ class ReusePrefill:
                 rows, x, is_candidate = rows[kept], x[kept], is_candidate[kept]
                 candidates = torch.empty(0, dtype=torch.long)
                 inputs = self._inputs(rows, slots, context)
-        return self.model.norm(x[-1:])  # rows are sorted: the last one is the last token
+        hidden: torch.Tensor = self.model.norm(x[-1:])  # rows are sorted: the last one is the last token
+        return hidden
 
     def _inputs(self, rows: torch.Tensor, slots: torch.Tensor,
                 context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

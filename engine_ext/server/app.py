@@ -35,14 +35,16 @@ COMPLETION_RESPONSES = {200: {"description": "The completion (JSON), or its chun
 
 
 def get_service(request: Request) -> CompletionService:
-    return request.app.state.service
+    service: CompletionService = request.app.state.service  # set by create_app; Starlette's state is untyped
+    return service
 
 
 Service = Annotated[CompletionService, Depends(get_service)]
 
 
 def get_responses(request: Request) -> ResponsesAPI:
-    return request.app.state.responses
+    responses: ResponsesAPI = request.app.state.responses  # set by create_app; Starlette's state is untyped
+    return responses
 
 
 Responses = Annotated[ResponsesAPI, Depends(get_responses)]

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
@@ -23,9 +24,11 @@ from kvrelay.wire.plan import PLAN_KEY, SegmentPlan
 logger = logging.getLogger(__name__)
 
 
-class MessageShift(NamedTuple):
+@dataclass(frozen=True)
+class MessageShift:
     """Messages inserted into a request after the gateway planned it: `count` of them,
-    before the message the gateway's view had at index `at`."""
+    before the message the gateway's view had at index `at`. (Not a NamedTuple: its
+    `count` would hide tuple.count.)"""
 
     at: int
     count: int
@@ -50,17 +53,18 @@ class PlanReader:
         if self.seal is not None:
             check = self.seal.check(params[PLAN_KEY], params.get(SEAL_KEY))
             if not check.accepted:
-                return self._ignore(check.reason or "forged", "its seal does not check out")
+                self._ignore(check.reason or "forged", "its seal does not check out")
+                return None
         try:
             plan = SegmentPlan.model_validate(params[PLAN_KEY])
         except ValueError as exc:
-            return self._ignore("malformed", str(exc).splitlines()[0])
+            self._ignore("malformed", str(exc).splitlines()[0])
+            return None
         return plan if shift is None else shift.apply(plan)
 
     def _ignore(self, reason: str, why: str) -> None:
         self.ignored[reason] += 1
         logger.warning("ignoring a segment plan (%s): %s; the request runs densely", reason, why)
-        return None
 
     def metrics(self) -> str:
         """Prometheus text: plans ignored, by reason."""

@@ -21,7 +21,7 @@ import json
 import os
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,8 @@ class _Turn:
     stored_at: float
 
     def conversation(self) -> list[dict[str, Any]]:
-        turns, turn = [], self
+        turns: list[tuple[dict[str, Any], ...]] = []
+        turn: _Turn | None = self
         while turn is not None:
             turns.append(turn.messages)
             turn = turn.parent
@@ -148,13 +149,14 @@ class ResponsesAPI:
         self._keep(prepared, response)
         return response
 
-    async def stream(self, prepared: PreparedResponse, headers: Mapping[str, str]) -> AsyncIterator[str]:
+    async def stream(self, prepared: PreparedResponse, headers: Mapping[str, str]) -> AsyncGenerator[str, None]:
         """The event stream; errors before the first chunk raise here, as on chat."""
         with _responses_params():
             lines = await self.service.stream(prepared.chat, headers, prepared.shift)
         return self._events(prepared, lines)
 
-    async def _events(self, prepared: PreparedResponse, lines: AsyncIterator[str]) -> AsyncIterator[str]:
+    async def _events(self, prepared: PreparedResponse, lines: AsyncGenerator[str, None]
+                      ) -> AsyncGenerator[str, None]:
         translator = ResponsesStream(prepared.req)
         async with contextlib.aclosing(lines):  # closing early aborts the request
             for event in translator.start():

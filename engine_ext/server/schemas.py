@@ -8,7 +8,7 @@ rather than silently ignored (a client asking for n=3 must not get one answer).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, StrictBool,
                       StrictStr, Tag, WithJsonSchema, model_validator)
@@ -308,4 +308,6 @@ class CompletionRequest(_GenerationRequest):
             prompt = prompt[0]
         if isinstance(prompt, list) and not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        return prompt
+        # Pydantic validated one kind of list: past the batch check, a list is token ids
+        # (its element types are not something mypy narrows a union of lists by).
+        return cast("str | list[int]", prompt)

@@ -14,7 +14,7 @@ import threading
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 from opentelemetry.trace import NoOpTracer, Tracer
@@ -100,13 +100,13 @@ class CompletionService:
             else:
                 prompt = self.aligner.chat(shape.messages, shape.tools, shape.plan_for_template(plan))
         else:
-            text = req.prompt_input()
-            if isinstance(text, list):  # token ids: nothing to align
-                prompt = AlignedPrompt(text, [])
+            given = req.prompt_input()
+            if isinstance(given, list):  # token ids: nothing to align
+                prompt = AlignedPrompt(given, [])
             elif plan is None:
-                prompt = AlignedPrompt(self.tokenizer.encode(text), [])
+                prompt = AlignedPrompt(self.tokenizer.encode(given), [])
             else:
-                prompt = self.aligner.text(text, plan)
+                prompt = self.aligner.text(given, plan)
         return prompt._replace(scope=self._scope(plan, req.cache_salt)), plan is not None and plan.probe, shape
 
     def _scope(self, plan: SegmentPlan | None, salt: str | None) -> ReuseScope | None:
@@ -126,7 +126,7 @@ class CompletionService:
         return None
 
     async def _outputs(self, req: Request, request_id: str, line: Timeline, shift: MessageShift | None
-                       ) -> tuple[AsyncIterator[RequestOutput], str | None, ChatShape | None]:
+                       ) -> tuple[AsyncGenerator[RequestOutput, None], str | None, ChatShape | None]:
         prompt, probe, shape = self._prompt(req, shift)
         max_tokens = req.resolved_max_tokens if isinstance(req, ChatCompletionRequest) else req.max_tokens
         sampling = req.sampling_params(max_tokens)
@@ -180,7 +180,8 @@ class CompletionService:
         is_chat = isinstance(req, ChatCompletionRequest)
         request_id = _new_id(is_chat)
         text: list[str] = []
-        line, last, error = Timeline(), None, "cancelled"  # stays "cancelled" if the client goes away
+        line, last = Timeline(), None
+        error: str | None = "cancelled"  # stays "cancelled" if the client goes away
         try:
             outputs, note, shape = await self._outputs(req, request_id, line, shift)
             async with contextlib.aclosing(outputs):  # leaving early aborts the request at once
@@ -215,7 +216,7 @@ class CompletionService:
 
     # -- streaming ---------------------------------------------------------------------
     async def stream(self, req: Request, headers: Mapping[str, str] | None = None,
-                     shift: MessageShift | None = None) -> AsyncIterator[str]:
+                     shift: MessageShift | None = None) -> AsyncGenerator[str, None]:
         """SSE lines. Validation errors surface before the first yield so the route can
         still answer with a proper error status."""
         is_chat = isinstance(req, ChatCompletionRequest)
@@ -230,8 +231,9 @@ class CompletionService:
         return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line, shape)
 
     async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
-                   rest: AsyncIterator[RequestOutput], note: str | None,
-                   headers: Mapping[str, str], line: Timeline, shape: ChatShape | None) -> AsyncIterator[str]:
+                   rest: AsyncGenerator[RequestOutput, None], note: str | None,
+                   headers: Mapping[str, str], line: Timeline, shape: ChatShape | None
+                   ) -> AsyncGenerator[str, None]:
         reader = shape.stream() if shape is not None else None
         envelope = self._envelope(req, request_id, is_chat, chunk=True)
 
@@ -304,10 +306,11 @@ class CompletionService:
         """The request's kv_transfer_params echoed back, with what reuse did per segment;
         for a caller that sent kv_transfer_params or the TTFT header (the gateway), the
         TTFT breakdown; for one that sent the blocks header, the prompt's block digests."""
-        sent = isinstance(req.kv_transfer_params, dict)
         # The caller's other entries come back; its plan and seal never do (they name
         # tenants and content hashes).
-        params = {k: v for k, v in req.kv_transfer_params.items() if k not in (PLAN_KEY, SEAL_KEY)} if sent else None
+        given = req.kv_transfer_params
+        params = {k: v for k, v in given.items() if k not in (PLAN_KEY, SEAL_KEY)} if isinstance(given, dict) else None
+        sent = params is not None
         if last.reuse_outcomes is not None or note:
             params = params if params is not None else {}
             params[REUSE_KEY] = report(last.reuse_outcomes or [], note)

@@ -90,7 +90,9 @@ def close_objects(schema: Any, in_all_of: bool = False) -> Any:
         return schema
     out = map_subschemas(schema, lambda sub, key: close_objects(sub, key == "allOf"))
     properties = out.get("properties")
-    required = out.get("required") if isinstance(out.get("required"), list) else []
+    required = out.get("required")
+    if not isinstance(required, list):
+        required = []
     if isinstance(properties, dict) and not in_all_of \
             and not any(k in out for k in ("additionalProperties", "unevaluatedProperties", *_COMPOSED)) \
             and "patternProperties" not in out and all(name in properties for name in required):

@@ -12,6 +12,7 @@ prefetching never preempts one. The copies run on the transfer worker while the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 from engine_ext.kv.eviction import EvictionPolicy
 from engine_ext.tiers.store import TieredStore
@@ -37,7 +38,7 @@ class Prefetcher:
         for upcoming in upcoming_agents:
             if self.store.num_loads_in_flight >= self.max_prefetches:
                 break
-            started = self.store.load(upcoming.prefix, lambda h, s=upcoming.steps: self.policy.spares(h, s),
+            started = self.store.load(upcoming.prefix, partial(self.policy.spares, steps=upcoming.steps),
                                       num_reserved)
             if started:
                 self.num_started += 1

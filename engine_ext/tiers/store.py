@@ -78,7 +78,7 @@ class TieredStore:
         if sizes["host"]:
             num = sizes["host"] // kv_cache.bytes_per_block
             self.tiers.append(BlockTier("host", HostStorage((num, *block_shape), dtype), policy))
-        if sizes["disk"]:
+        if sizes["disk"] and config.disk_path is not None:  # no disk path: sizes["disk"] is 0
             num = sizes["disk"] // kv_cache.bytes_per_block
             self.tiers.append(BlockTier("disk", DiskStorage(config.disk_path, (num, *block_shape), dtype), policy))
         self.worker = TransferWorker()

@@ -132,7 +132,7 @@ def _string_end(body: str, start: int) -> int:
 
 def _decoded(body: str) -> str:
     try:
-        text = json.loads(f'"{body}"')
+        text: str = json.loads(f'"{body}"')  # a JSON string literal parses to a str
     except ValueError:  # not valid JSON string text: nothing is safe to send
         return ""
     if text and "\ud800" <= text[-1] <= "\udbff":

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
+from engine_ext.vllm.index import TierName
+
 
 @dataclass(frozen=True)
 class ConnectorConfig:
@@ -40,7 +42,7 @@ class ConnectorConfig:
         if self.workflow_idle_s <= 0:
             raise ValueError("kvrelay connector: workflow_idle_s must be > 0")
 
-    def shard_dirs(self, rank: int, world_size: int) -> dict[str, str]:
+    def shard_dirs(self, rank: int, world_size: int) -> dict[TierName, str]:
         """The tiers' directories of one tensor-parallel worker. Each worker holds its own
         KV heads of every block, so each keeps its own shard files, in its own
         subdirectory; a block is a hit only where every worker holds its shard (a missing
@@ -54,7 +56,8 @@ class ConnectorConfig:
     def from_extra(cls, extra: dict[str, Any] | None, engine_id: str) -> ConnectorConfig:
         """Settings from kv_connector_extra_config; unknown keys and wrong types are errors."""
         extra = dict(extra or {})
-        known = {f.name: f.type for f in fields(cls) if f.name != "private_host_dir"}
+        # Each field's type as this module spells it (a string: its annotations are postponed).
+        known = {f.name: str(f.type) for f in fields(cls) if f.name != "private_host_dir"}
         unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kvrelay connector: unknown kv_connector_extra_config keys {unknown}; "
@@ -69,7 +72,7 @@ class ConnectorConfig:
 
 
 def _coerce(key: str, annotation: str, value: Any) -> Any:
-    kinds = {"str": str, "float": (int, float), "int": int, "bool": bool}
+    kinds: dict[str, type[Any] | tuple[type[Any], ...]] = {"str": str, "float": (int, float), "int": int, "bool": bool}
     if (isinstance(value, bool) and annotation != "bool") or not isinstance(value, kinds[annotation]):
         raise ValueError(f"kvrelay connector: {key} must be a {annotation}, got {value!r}")
     return float(value) if annotation == "float" else value

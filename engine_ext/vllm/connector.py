@@ -12,7 +12,7 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AutoTokenizer
@@ -31,7 +31,7 @@ from engine_ext.vllm.copier import BlockCopier
 from engine_ext.vllm.files import BlockFiles
 from engine_ext.vllm.locator import PrefixLocator
 from engine_ext.vllm.planner import ConnectorPlanner, ScheduledBlocks, StepPlan
-from engine_ext.vllm.segment_plan import SegmentPlanner, SegmentSettings
+from engine_ext.vllm.segment_plan import SegmentPlanner, SegmentSettings, Tokenizer
 from engine_ext.vllm.segment_worker import SegmentWorker
 
 if TYPE_CHECKING:
@@ -81,7 +81,10 @@ class KvrelayConnector(KVConnectorBase_V1):
             placing = False  # kvrelay's model would have to compute each worker's heads apart
             log.warning("kvrelay connector: segment placement is off under tensor parallelism (one worker only)")
         if role == KVConnectorRole.SCHEDULER:
-            tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+            # transformers types decode as `str | list[str]` for every input; for one sequence of
+            # ids (all the locator and planner pass) it is the str they take.
+            tokenizer = cast(Tokenizer, AutoTokenizer.from_pretrained(model.tokenizer,
+                                                                      trust_remote_code=model.trust_remote_code))
             settings = SegmentSettings(int(self.config.segment_mb * 2**20 * self.block_size // block_bytes),
                                        self.config.blend_ratio, self.config.check_layer)
             self.planner = ConnectorPlanner(
@@ -240,7 +243,8 @@ def _check_supported(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) ->
 def _tensor_parallel_rank() -> int:
     from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-    return get_tensor_model_parallel_rank()
+    rank: int = get_tensor_model_parallel_rank()  # vLLM is untyped (Any) where it is absent
+    return rank
 
 
 def _tokens_alone_decide_kv(request: Request) -> bool:

@@ -171,7 +171,7 @@ class BlockCopier:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
 
-    def _submit(self, fn: Callable[..., None], *args: object) -> Future:
+    def _submit(self, fn: Callable[..., None], *args: object) -> Future[None]:
         future = self._executor.submit(fn, *args)
         future.add_done_callback(_log_failure)
         return future
@@ -218,7 +218,7 @@ class BlockCopier:
             source.move(op.block_hash, self.tiers[op.target])
 
 
-def _log_failure(future: Future) -> None:
+def _log_failure(future: Future[None]) -> None:
     exc = future.exception()
     if exc is not None:
         log.warning("kvrelay connector: a KV file operation failed (later loads of the block recompute it): %s", exc)

@@ -18,6 +18,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 from pydantic import ValidationError
@@ -314,7 +315,7 @@ class ConnectorPlanner:
                     break  # the chain is broken here: the blocks after it cannot be hits
                 if tier == "host":
                     continue
-                moved = self.index.promote(block_hash, lambda h, s=upcoming.steps: self.policy.spares(h, s))
+                moved = self.index.promote(block_hash, partial(self.policy.spares, steps=upcoming.steps))
                 if not moved:
                     return ops  # no room for this agent; a later agent has even less claim
                 ops += moved

@@ -140,9 +140,9 @@ class SegmentPlanner:
         for variant in dict.fromkeys((text, text.strip())):
             candidates = [tuple(ids)] if variant == text else []
             candidates.append(tuple(self.tokenizer.encode(variant, add_special_tokens=False)))
-            key = (tenant, hashlib.sha256(variant.encode()).hexdigest())
-            self._texts[key] = tuple(dict.fromkeys(candidates))
-            self._texts.move_to_end(key)
+            text_key = (tenant, hashlib.sha256(variant.encode()).hexdigest())
+            self._texts[text_key] = tuple(dict.fromkeys(candidates))
+            self._texts.move_to_end(text_key)
         while len(self._texts) > MAX_TEXTS:
             self._texts.popitem(last=False)
         return ops

@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -31,7 +32,7 @@ def find_vllm_python() -> Path | None:
     return candidate if candidate.exists() else None
 
 
-def connector_transfer_config(extra: dict) -> dict:
+def connector_transfer_config(extra: dict[str, Any]) -> dict[str, Any]:
     """The --kv-transfer-config that loads the kvrelay connector with these extra settings."""
     return {"kv_connector": "KvrelayConnector", "kv_connector_module_path": "engine_ext.vllm.connector",
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute", "kv_connector_extra_config": extra}
@@ -48,12 +49,12 @@ class VllmServer:
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE
     num_blocks: int | None = None  # --num-gpu-blocks-override: a smaller KV cache than kv_cache_gib
     max_model_len: int = 2048
-    connector: dict | None = None  # kv_connector_extra_config; None: no connector
+    connector: dict[str, Any] | None = None  # kv_connector_extra_config; None: no connector
     extra_args: tuple[str, ...] = ()  # more `api_server` options, as given
     # --enforce-eager: no torch.compile at start (minutes on 2 cores), what the tests and the
     # reuse benches want; False runs vLLM's CPU default (inductor), what `bench engine` compares with.
     eager: bool = True
-    process: subprocess.Popen | None = field(default=None, repr=False)
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
     def url(self) -> str:

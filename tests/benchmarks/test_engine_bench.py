@@ -41,6 +41,8 @@ def test_engine_bench_writes_the_issue_metrics(llama_dir, tmp_path, monkeypatch,
         assert isinstance(value, float) and math.isfinite(value) and value > 0, key
     m = payload["metrics"]
     assert m["decode_roofline_fraction_b1"] == pytest.approx(m["decode_tps_b1"] * m["weight_bytes_per_token"] / 20e9)
+    # the engine's TTFT pricing ran inside its steps, and was timed as a part of them
+    assert 0 < m["ttft_pricing_share_of_step"] < 1 and m["ttft_pricing_us_per_step"] > 0
     assert not any("vllm" in key for key in m)
     assert payload["config"]["vllm"].startswith("skipped: no vLLM venv")
     assert payload["metrics"] == result.metrics

@@ -85,8 +85,8 @@ def test_rope_config_partial_factor_from_hf():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"policy": "fifo"}, "unknown eviction policy"),
-    ({"host_bytes": -1}, "must be >= 0"),
+    ({"policy": "fifo"}, r"policy\n  Input should be 'lru' or 'workflow'"),
+    ({"host_bytes": -1}, r"host_bytes\n  Input should be greater than or equal to 0"),
     ({"disk_path": "/tmp/kv"}, "needs both"),
     ({"disk_bytes": 2**20}, "needs both"),
     ({"load_ahead": 2, "host_bytes": 2**20, "policy": "lru"}, "needs the workflow policy"),

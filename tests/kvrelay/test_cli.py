@@ -28,7 +28,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         (("up", "--check-layers", "one"), "--check-layers"),
         (("engine", "--blend-ratio", "2"), "--blend-ratio"),
         (("engine", "--kvcomm-correction", "offsets"), "--kvcomm-correction"),
-        (("up", "--anchor-pool-size", "4", "--anchor-prune-window", "5"), "prune_window must be in [1, max_anchors]"),
+        (("up", "--anchor-pool-size", "4", "--anchor-prune-window", "5"), "prune_window must be at most anchors.max_anchors"),
         (("engine", "--anchor-gamma", "1.5"), "--anchor-gamma"),
         (("up", "--round-window-ms", "-1"), "--round-window-ms"),
         (("engine", "--round-window-ms", "20000"), "--round-window-ms"),
