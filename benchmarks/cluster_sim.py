@@ -5,7 +5,7 @@ what happens at 8, 16 or 64. This replays the same captured sessions, with the p
 real replay rendered (tokenized by the model's own chat template, hashed into the
 engine's 16-token blocks) and the answer lengths it measured, against simulated replicas:
 
-- the router is the gateway's: the same policy classes (gateway/routing/policies.py),
+- the router is the gateway's: the same policy classes (kvrelay/gateway/routing/policies.py),
   the same prefix keys, the same CacheMap fed by the same reports (every `poll_s`) and
   the same learning from each response's blocks; only the upstreams are simulated;
 - a replica is one core running the engine's steps: a step takes one token of every
@@ -57,11 +57,11 @@ from typing import Any, NamedTuple
 from benchmarks.agents.replay import Key, Outcome
 from benchmarks.agents.workload import Run
 from engine_ext.config import EngineConfig
-from gateway.routing.cache_map import CacheMap
-from gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, held_tokens, plan_route
-from gateway.routing.prefix_keys import PrefixKey, prefix_keys
-from gateway.routing.segment_map import PlacedText, SegmentMap
-from gateway.settings import GatewaySettings, RoutingSettings
+from kvrelay.gateway.routing.cache_map import CacheMap
+from kvrelay.gateway.routing.policies import RoutingPolicy, SessionHomes, build_policy, held_tokens, plan_route
+from kvrelay.gateway.routing.prefix_keys import PrefixKey, prefix_keys
+from kvrelay.gateway.routing.segment_map import PlacedText, SegmentMap
+from kvrelay.gateway.settings import GatewaySettings, RoutingSettings
 from engine_ext.tiers.sizing import DEVICE_MULTIPLE
 from kvrelay.wire.cache_report import CacheReport, digests
 

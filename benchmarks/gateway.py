@@ -167,7 +167,7 @@ def _run_all(placement: Placement, num_requests: dict[int, int],
     metrics: dict[str, float] = {}
     with _server(["-m", "benchmarks.fake_upstream", "--port", str(up_port), "--chunks", str(_NUM_CHUNKS)],
                  up_port, placement.others) as upstream, \
-         _server(["-m", "uvicorn", "gateway.app:create_app", "--factory", "--port", str(gw_port),
+         _server(["-m", "uvicorn", "kvrelay.gateway.app:create_app", "--factory", "--port", str(gw_port),
                   "--log-level", "warning", "--no-access-log"], gw_port, placement.tested, gw_env) as gateway:
         load = _LoadGenerator(placement.others)
         try:

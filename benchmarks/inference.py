@@ -20,9 +20,9 @@ import tracemalloc
 from benchmarks.common import BenchResult
 from benchmarks.inference_adversarial import GRAPH_NODES, NUM_AGENTS, PROMPT_CHARS, run_adversarial
 from kvrelay.wire.plan import attach_plan
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
 
 _WORDS = ("agent", "plan", "step", "result", "value", "check", "the", "of", "and", "to", "code", "test",
           "answer", "because", "therefore", "number", "list", "review", "error", "fix")

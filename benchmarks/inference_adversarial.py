@@ -37,9 +37,9 @@ from collections import Counter
 from typing import Any, NamedTuple
 
 from kvrelay.wire.plan import attach_plan
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
 
 NUM_AGENTS, GRAPH_NODES, PROMPT_CHARS, QUESTION_CHARS = 10_000, 1_000, 64_000, 8_000
 _NUM_SESSIONS = 4

@@ -258,9 +258,9 @@ def _postgres_outage(model_url: str, log_dir: Path, quick: bool) -> Fault | None
 
 def _session_bound(num_sessions: int) -> tuple[int, int]:
     """Sessions held after `num_sessions` distinct ones went through inference, and the bound."""
-    from gateway.identity import identify
-    from gateway.inference import Inference
-    from gateway.settings import InferenceSettings
+    from kvrelay.gateway.identity import identify
+    from kvrelay.gateway.inference import Inference
+    from kvrelay.gateway.settings import InferenceSettings
 
     inference = Inference(InferenceSettings())
     for i in range(num_sessions):

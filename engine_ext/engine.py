@@ -75,10 +75,12 @@ class LLMEngine:
     def __init__(self, model_dir: Path, config: EngineConfig, model_name: str | None = None) -> None:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.config = config
         self.model_dir = Path(model_dir)
         self.model_name = model_name or self.model_dir.name
         self.model_config = ModelConfig.from_dir(self.model_dir)
+        # One config for every part: an automatic host tier is sized (engine_ext/tiers/sizing.py)
+        # before any part holds the config, so all of them read the same object.
+        self.config = config = with_sized_host_tier(config, KVCache.block_bytes(self.model_config, config))
         self.tokenizer = Tokenizer(self.model_dir)
         self.model = load_model(self.model_dir, self.model_config, config.dtype, config.linear_kernel)
         self.adapters = AdapterRegistry(config.adapters, self.model_config, self.model_name, TORCH_DTYPES[config.dtype])
@@ -122,9 +124,7 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
 
     def _tiers(self) -> tuple[TieredStore | None, Prefetcher | None]:
-        """KVFlow's lower KV tiers and prefetcher, when configured. An automatic host tier
-        is sized here (engine_ext/tiers/sizing.py), and the engine's config says its size."""
-        self.config = with_sized_host_tier(self.config, self.kv_cache.bytes_per_block)
+        """KVFlow's lower KV tiers and prefetcher, when configured."""
         settings = self.config.tiers
         if not settings.has_lower_tier:
             return None, None
@@ -135,7 +135,7 @@ class LLMEngine:
         if not settings.load_ahead:
             return store, None
         return store, Prefetcher(self.workflows, store, self.kv.pool.policy, settings.load_ahead,
-                                 settings.max_prefetches, lambda: self.scheduler.num_blocks_to_finish())
+                                 settings.max_prefetches)
 
     def resident_blocks(self) -> tuple[list[bytes], list[bytes]]:
         """Hashes of the blocks held on the device, and of those only in a lower tier:
@@ -306,7 +306,7 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.poll(timeout)
             if self.prefetcher is not None:
-                self.prefetcher.run()
+                self.prefetcher.run(self.scheduler.num_blocks_to_finish())
 
     def _observe_prefill(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         """What TTFT breakdowns price reuse against (engine_ext/timeline.py), before the

@@ -1,6 +1,6 @@
 """Fidelity probes: approximate requests scored again densely on the engine's spare capacity.
 
-The gateway's fidelity guard (gateway/fidelity_guard.py) asks for a sample of the
+The gateway's fidelity guard (kvrelay/gateway/fidelity_guard.py) asks for a sample of the
 approximate requests to be checked (`SegmentPlan.probe`). For such a request the engine
 keeps the logits of its first generated tokens; if the request really placed
 approximate KV, its finish queues a `ProbeJob`. A job is a dense, teacher-forced score

@@ -17,8 +17,8 @@ import torch
 
 from engine_ext.config import ModelConfig
 from engine_ext.errors import EngineError
-from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
-from kernels.rope_shift import shift_keys
+from engine_ext.kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from engine_ext.kernels.rope_shift import shift_keys
 
 EXACT_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional, TypedDict, TypeVar
 
@@ -19,8 +19,8 @@ if TYPE_CHECKING:  # the engine's modules load only in the commands that need th
 
     from engine_ext.engine import LLMEngine
     from engine_ext.tools.formats.generic import AutoPolicy
-    from gateway.auth import KeyStore
-    from gateway.settings import GatewaySettings
+    from kvrelay.gateway.auth import KeyStore
+    from kvrelay.gateway.settings import GatewaySettings
     from kvrelay.wire.seal import PlanSeal
 
 T = TypeVar("T")
@@ -62,7 +62,7 @@ class _GatewayOverrides(TypedDict, total=False):
 def _gateway_settings(upstreams: list[str] | None, database_url: str | None) -> GatewaySettings:
     from pydantic import ValidationError
 
-    from gateway.settings import GatewaySettings
+    from kvrelay.gateway.settings import GatewaySettings
 
     overrides: _GatewayOverrides = {}
     if upstreams:
@@ -79,7 +79,7 @@ def _gateway_settings(upstreams: list[str] | None, database_url: str | None) -> 
 
 
 def _build_gateway_app(settings: GatewaySettings) -> FastAPI:
-    from gateway import create_app
+    from kvrelay.gateway import create_app
     from kvrelay.wire.otel import TracingConfigError
 
     try:
@@ -250,7 +250,7 @@ def _run_migration(direction: str, revision: str, database_url: str | None) -> N
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
-    from gateway.storage import migrate
+    from kvrelay.gateway.storage import migrate
 
     url = _gateway_settings(None, database_url).database_url
     try:
@@ -273,8 +273,8 @@ def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see G
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from gateway.storage import migrate
-    from gateway.ttft import format_report, load_requests, session_ttft
+    from kvrelay.gateway.storage import migrate
+    from kvrelay.gateway.ttft import format_report, load_requests, session_ttft
 
     url = _gateway_settings(None, database_url).database_url
 
@@ -335,8 +335,8 @@ def _with_keys(database_url: str | None, action: Callable[[KeyStore], Awaitable[
     from sqlalchemy.exc import SQLAlchemyError
     from sqlalchemy.ext.asyncio import create_async_engine
 
-    from gateway.auth import KeyNotFoundError, KeyStore
-    from gateway.storage import migrate
+    from kvrelay.gateway.auth import KeyNotFoundError, KeyStore
+    from kvrelay.gateway.storage import migrate
 
     url = _gateway_settings(None, database_url).database_url
 
@@ -419,8 +419,9 @@ def bench(
     family: Annotated[Optional[str], typer.Option(help="workload family, for a benchmark that has several "
                                                        "(agents: short, the default, or long)")] = None,
 ) -> None:
-    """Run a benchmark: kvrelay and its baseline side by side; prints a table, writes JSON."""
-    from benchmarks import BENCHMARKS, run_benchmark
+    """Run a benchmark: kvrelay and its baseline side by side; prints a table, writes JSON.
+    The benchmarks run from a source checkout (they are not installed with kvrelay)."""
+    BENCHMARKS, run_benchmark = _benchmarks()
 
     if name not in BENCHMARKS:
         raise _fail(f"unknown benchmark {name!r}; available: {', '.join(sorted(BENCHMARKS))}")
@@ -428,6 +429,23 @@ def bench(
         run_benchmark(name, quick=quick, json_path=json_path, model=model, family=family)
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from exc
+
+
+def _benchmarks() -> tuple[Mapping[str, str], Callable[..., Any]]:
+    """The source checkout's `benchmarks` package: the one beside this kvrelay package (an
+    editable install) or, else, one importable from here; a regular install has none."""
+    checkout = Path(__file__).resolve().parents[1]
+    is_checkout = (checkout / "pyproject.toml").is_file() and (checkout / "benchmarks" / "__init__.py").is_file()
+    if is_checkout and str(checkout) not in sys.path:
+        sys.path.append(str(checkout))
+    try:
+        from benchmarks import BENCHMARKS, run_benchmark
+    except ImportError as exc:  # no such package, or another distribution's `benchmarks`
+        if exc.name != "benchmarks":
+            raise
+        raise _fail("the benchmarks run from kvrelay's source checkout (they are not installed with the "
+                    "package): run `kvrelay bench` from an editable install (`make install`)") from exc
+    return BENCHMARKS, run_benchmark
 
 
 def main() -> None:

@@ -44,7 +44,7 @@ from benchmarks.agents.workload import CAPTURES, Run, Workload, load_all
 from benchmarks.common import BenchResult
 from benchmarks.stack import kv_bytes_per_token
 from engine_ext.diffs.stored import MirrorRows
-from gateway.approximation import GuardSettings
+from kvrelay.gateway.approximation import GuardSettings
 from kvrelay.engine_settings import EngineSettings
 
 LONG_CAPTURES = CAPTURES / "long"

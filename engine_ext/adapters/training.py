@@ -25,7 +25,7 @@ from engine_ext.adapters.lora import MODULES, PEFT_PARENTS, module_rows
 from engine_ext.adapters.marks import WEIGHTS_FILE, TrainedAs, training_metadata
 from engine_ext.model import CausalLM
 from engine_ext.model.llama import DecoderLayer
-from kernels.rope import apply_rotary, rope_cos_sin
+from engine_ext.kernels.rope import apply_rotary, rope_cos_sin
 
 TrainMode = TrainedAs  # lora | icarus: how the factors are fitted, and the mark they are saved with
 

@@ -5,7 +5,7 @@ request (ReusePrefill), each prompt pays for moving them, for a deviation pass o
 all their tokens on the check layers, and for the recompute of its selection. Here:
 
 1. Place: every placed segment of every member is shifted to its position in one
-   batched gather-rotate-scatter per layer (kernels.shift_copy).
+   batched gather-rotate-scatter per layer (engine_ext.kernels.shift_copy).
 2. Select once: one deviation pass runs the probe member's prompt (the one holding
    the most placed tokens) through the check layers; its key deviations pick, per
    shared segment, the offsets every member recomputes. A segment the probe lacks (in
@@ -43,7 +43,7 @@ from engine_ext.kv.segment_index import SegmentIndex
 from engine_ext.model import CausalLM
 from engine_ext.reuse.assembler import Assembly
 from engine_ext.timeline import Interval
-from kernels.shift_copy import shift_copy
+from engine_ext.kernels.shift_copy import shift_copy
 
 
 MAX_REMEMBERED_ROUNDS = 256

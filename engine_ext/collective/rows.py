@@ -20,7 +20,7 @@ import torch
 from engine_ext.kv.cache import KVCache
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.model.attention import PrefillSpan
-from kernels.rope import rope_cos_sin
+from engine_ext.kernels.rope import rope_cos_sin
 
 
 class PromptRows(NamedTuple):

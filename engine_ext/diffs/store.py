@@ -41,7 +41,7 @@ from engine_ext.diffs.stored import (
 from engine_ext.kv.blobs import Blob, BlobStore
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.hashing import DEFAULT_TENANT, chain_hash, namespace_root, tenant_root
-from kernels.rope_shift import shift_keys_torch
+from engine_ext.kernels.rope_shift import shift_keys_torch
 
 MIN_SHARED_FRACTION = 0.5  # a cache stored outside a round mirrors a master sharing at least this much
 

@@ -12,7 +12,7 @@ each touched block's rows in the diff) serves K and V.
 
 Reading returns a view: a reference to the stored rows plus the metadata, nothing
 materialised. `restore` writes the region into a sequence's slots in one pass per
-layer, applying the diff while it copies the master (kernels.diff_restore);
+layer, applying the diff while it copies the master (engine_ext.kernels.diff_restore);
 `restore_dense` is the naive path that builds the whole mirror first.
 """
 
@@ -25,8 +25,8 @@ import torch
 
 from engine_ext.kv.blobs import Blob
 from engine_ext.kv.hashing import DEFAULT_TENANT
-from kernels.diff_restore import restore_mirror, restore_mirror_dense
-from kernels.shift_copy import shift_copy
+from engine_ext.kernels.diff_restore import restore_mirror, restore_mirror_dense
+from engine_ext.kernels.shift_copy import shift_copy
 
 LayerCaches = list[tuple[torch.Tensor, torch.Tensor]]
 

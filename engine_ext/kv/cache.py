@@ -14,7 +14,7 @@ class KVCache:
     def __init__(self, model_cfg: ModelConfig, engine_cfg: EngineConfig) -> None:
         dtype = TORCH_DTYPES[engine_cfg.dtype]
         self.block_size = engine_cfg.block_size
-        self.bytes_per_block = self.block_size * model_cfg.kv_bytes_per_token(dtype.itemsize)
+        self.bytes_per_block = self.block_bytes(model_cfg, engine_cfg)
         self.num_blocks = engine_cfg.kv_cache_bytes // self.bytes_per_block
         if self.num_blocks < 2:
             raise ModelLoadError(
@@ -27,6 +27,11 @@ class KVCache:
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(model_cfg.num_layers)
         ]
+
+    @staticmethod
+    def block_bytes(model_cfg: ModelConfig, engine_cfg: EngineConfig) -> int:
+        """One block's K and V over every layer: what the budgets of every tier divide by."""
+        return engine_cfg.block_size * model_cfg.kv_bytes_per_token(TORCH_DTYPES[engine_cfg.dtype].itemsize)
 
     @property
     def num_tokens(self) -> int:

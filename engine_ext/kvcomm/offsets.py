@@ -14,7 +14,7 @@ import torch
 
 from engine_ext.kv.cache import KVCache
 from engine_ext.rope import RopeShifter
-from kernels.rope import apply_rotary, rope_cos_sin
+from engine_ext.kernels.rope import apply_rotary, rope_cos_sin
 
 
 def _corrected_layers(kv_cache: KVCache) -> range:

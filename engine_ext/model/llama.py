@@ -16,7 +16,7 @@ from engine_ext.adapters.rows import AdapterRows
 from engine_ext.config import ModelConfig
 from engine_ext.model.attention import AttentionMetadata, paged_attention
 from engine_ext.model.linear import PackedLinear
-from kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from engine_ext.kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each (num_slots, kv_heads, head_dim)
 

@@ -32,7 +32,7 @@ from engine_ext.model.attention import PrefillSpan
 from engine_ext.kvcomm.offsets import Piece, apply_corrections
 from engine_ext.reuse.assembler import Assembly, PlacedSegment
 from engine_ext.timeline import Placement, Timeline
-from kernels.rope import rope_cos_sin
+from engine_ext.kernels.rope import rope_cos_sin
 
 
 class ReusePrefill:

@@ -11,7 +11,6 @@ prefetching never preempts one. The copies run on the transfer worker while the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 
 from engine_ext.kv.eviction import EvictionPolicy
@@ -21,21 +20,20 @@ from engine_ext.tiers.workflow import WorkflowTable
 
 class Prefetcher:
     def __init__(self, table: WorkflowTable, store: TieredStore, policy: EvictionPolicy,
-                 load_ahead: int, max_prefetches: int, num_reserved_blocks: Callable[[], int]) -> None:
+                 load_ahead: int, max_prefetches: int) -> None:
         self.table = table
         self.store = store
         self.policy = policy
         self.load_ahead = load_ahead
         self.max_prefetches = max_prefetches
-        self.num_reserved_blocks = num_reserved_blocks  # blocks running requests still need
         self.num_started = 0  # loads started (one per agent prefix that needed one)
 
-    def run(self) -> int:
-        """Start the loads the upcoming agents need; returns how many blocks it started."""
+    def run(self, num_reserved: int) -> int:
+        """Start the loads the upcoming agents need, leaving `num_reserved` blocks free
+        (those the running requests may still allocate: the scheduler's figure, which the
+        engine passes in); returns how many blocks it started."""
         num_blocks = 0
-        upcoming_agents = self.table.upcoming(self.load_ahead)
-        num_reserved = self.num_reserved_blocks() if upcoming_agents else 0
-        for upcoming in upcoming_agents:
+        for upcoming in self.table.upcoming(self.load_ahead):
             if self.store.num_loads_in_flight >= self.max_prefetches:
                 break
             started = self.store.load(upcoming.prefix, partial(self.policy.spares, steps=upcoming.steps),

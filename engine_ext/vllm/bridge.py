@@ -36,7 +36,7 @@ from engine_ext.model.loader import load_model
 from engine_ext.rope import RopeShifter
 from engine_ext.vllm.paged import PagedKV
 from engine_ext.vllm.segment_plan import ReuseJob
-from kernels.rope import rope_cos_sin
+from engine_ext.kernels.rope import rope_cos_sin
 
 LAYOUT_TOLERANCE = 1e-3  # layer-0 K/V of two fp32 implementations agree to ~1e-5
 

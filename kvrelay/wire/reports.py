@@ -3,9 +3,9 @@
 - The TTFT breakdown: under the response's `kv_transfer_params[TTFT_KEY]`, sent when
   the request carried kv_transfer_params or the TTFT_HEADER (the gateway always sends
   the header). The engine builds it (engine_ext/timeline.py); the gateway keeps it with
-  the request record and reads it back for every TTFT view (gateway/ttft.py).
+  the request record and reads it back for every TTFT view (kvrelay/gateway/ttft.py).
 - Fidelity probe scores: GET FIDELITY_PATH?after=N on the engine, polled by the gateway's
-  fidelity guard (gateway/fidelity_poll.py).
+  fidelity guard (kvrelay/gateway/fidelity_poll.py).
 - The reuse report, per segment, under `kv_transfer_params[REUSE_KEY]`
   (engine_ext/reuse/segments.py): for the caller; the gateway passes it on unread.
 

@@ -4,7 +4,7 @@ vLLM mixes a request's `cache_salt` into its prefix cache's block hashes, so req
 share cached KV only with requests of the same salt; a tenant that can be told apart by
 a prefix hit's timing is isolated only if the salt comes from someone it cannot choose.
 The gateway is that someone: it sets the salt of every request it forwards from the
-request's tenant namespace (gateway/tenancy.py), keyed by the plan secret so
+request's tenant namespace (kvrelay/gateway/tenancy.py), keyed by the plan secret so
 that no client can compute another tenant's salt, and mixes in the client's own salt
 rather than passing it on (a client may split its own tenant further, never join
 another). The embedded engine and the vLLM connector's tiers key what they keep by the

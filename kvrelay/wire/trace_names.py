@@ -23,7 +23,7 @@ The stages prepare, queue, plan, prefill and first_token are contiguous: their
 durations add up to the engine's TTFT. A failed or abandoned request keeps the stages
 it reached, the one it was in ending at the failure, with an ERROR status and error.type.
 
-Gateway call span (gateway/tracing.py), beyond gen_ai.*:
+Gateway call span (kvrelay/gateway/tracing.py), beyond gen_ai.*:
 - kvrelay.request.id: the gateway's request id (the SQL record's key)
 - kvrelay.stream, kvrelay.status, kvrelay.upstream: how the call went and where
 - kvrelay.prompt.sha256: the prompt's hash (the text itself is never an attribute)

@@ -8,7 +8,7 @@ import hashlib
 import pytest
 
 from benchmarks.cluster_sim import BLOCK_SIZE, Costs, SimRequest, SimSession, SimText, Simulation, copies
-from gateway.routing.prefix_keys import PrefixKey
+from kvrelay.gateway.routing.prefix_keys import PrefixKey
 
 COSTS = Costs(prefill_s_per_token=0.001, step_s=0.01, step_s_per_seq=0.002, step_tokens=256, poll_s=0.5)
 

@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import yaml
 
-from gateway.settings import GatewaySettings
+from kvrelay.gateway.settings import GatewaySettings
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKER = REPO / "docker"

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from gateway.settings import Timeouts
+from kvrelay.gateway.settings import Timeouts
 from tests.gateway.conftest import Gateway, _servers, clean_env, db_url, fake_upstream  # noqa: F401
 from tests.gateway.conftest import start_gateway as _gateway_factory  # noqa: F401
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gateway.fidelity_guard import Score
+from kvrelay.gateway.fidelity_guard import Score
 from tests.gateway.support import wait_until
 from tests.helpers import make_engine
 

@@ -28,7 +28,7 @@ import pytest
 from sqlalchemy import create_engine, select
 from sqlalchemy.orm import Session
 
-from gateway.storage.models import RequestRow, SegmentRow
+from kvrelay.gateway.storage.models import RequestRow, SegmentRow
 from tests.gateway.support import free_port, read_rows, wait_until
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ from engine_ext.config import ModelConfig, RopeConfig
 from engine_ext.errors import EngineError
 from engine_ext.model import CausalLM, load_model
 from engine_ext.rope import RopeShifter, RopeShiftError
-from kernels.rope import apply_rotary, rope_cos_sin
+from engine_ext.kernels.rope import apply_rotary, rope_cos_sin
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}

@@ -14,10 +14,10 @@ import pytest
 from fastapi import FastAPI
 from opentelemetry.sdk.trace import TracerProvider
 
-from gateway import GatewaySettings, create_app
-from gateway.call import GatewayState
-from gateway.settings import Timeouts
-from gateway.storage import migrate
+from kvrelay.gateway import GatewaySettings, create_app
+from kvrelay.gateway.call import GatewayState
+from kvrelay.gateway.settings import Timeouts
+from kvrelay.gateway.storage import migrate
 from tests.gateway.support import Behaviour, FakeUpstream, LoopbackServer, stop_all, wait_rows
 
 PG_URL = os.environ.get("KVRELAY_TEST_POSTGRES_URL")

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.storage.models import RequestRow
+from kvrelay.gateway.storage.models import RequestRow
 from kvrelay.openai_responses import parse_request
 from kvrelay.openai_responses_output import response_from_chat
 from kvrelay.openai_responses_stream import ResponsesStream

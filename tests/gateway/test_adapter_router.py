@@ -9,11 +9,11 @@ import pytest
 from pydantic import ValidationError
 
 from kvrelay.wire.plan import AdapterRef, read_plan
-from gateway.adapters import AdapterRouter
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import AdapterRule, AdapterSettings, Breaker, GatewaySettings, InferenceSettings
-from gateway.upstreams import UpstreamPool
+from kvrelay.gateway.adapters import AdapterRouter
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import AdapterRule, AdapterSettings, Breaker, GatewaySettings, InferenceSettings
+from kvrelay.gateway.upstreams import UpstreamPool
 
 BASE = "smollm2-135m"
 SERVED = [BASE, f"{BASE}:critic", f"{BASE}:math", f"{BASE}:code"]

@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvrelay.wire.plan import Segment, SegmentPlan
-from gateway.approximation import ApproximationSettings, ApproxRule, Approximation, parse_header
-from gateway.settings import GatewaySettings
+from kvrelay.gateway.approximation import ApproximationSettings, ApproxRule, Approximation, parse_header
+from kvrelay.gateway.settings import GatewaySettings
 
 SYSTEM = "You are the critic of a small travel agency. Answer in one sentence, kindly and briefly."
 OTHER = "Earlier answer: a week in Lisbon in May is mild and the city is not yet crowded at all."

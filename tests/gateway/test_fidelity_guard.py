@@ -1,4 +1,4 @@
-"""The fidelity guard (gateway/fidelity_guard.py): rolling figures per (tenant, app,
+"""The fidelity guard (kvrelay/gateway/fidelity_guard.py): rolling figures per (tenant, app,
 method), switch-off under the floor, cool-down re-probes, operator re-enable; its
 /metrics series, the poller's handling of engine answers, and the admin API."""
 
@@ -9,10 +9,10 @@ import random
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.approximation import ApproxRule, Approximation, GuardSettings
-from gateway.fidelity_guard import FidelityGuard, Score
-from gateway.fidelity_metrics import FidelityCollector
-from gateway.fidelity_poll import FidelityPoller, _score
+from kvrelay.gateway.approximation import ApproxRule, Approximation, GuardSettings
+from kvrelay.gateway.fidelity_guard import FidelityGuard, Score
+from kvrelay.gateway.fidelity_metrics import FidelityCollector
+from kvrelay.gateway.fidelity_poll import FidelityPoller, _score
 
 GOOD, BAD = (0.99, 0.001), (0.6, 0.4)
 ADMIN = "admin-" + "s3cret" * 4
@@ -137,7 +137,7 @@ def test_the_poller_takes_valid_results_and_follows_a_restarted_engine():
 def test_upstreams_without_the_endpoint_are_left_alone_quietly(fake_upstream, start_gateway, caplog):
     fake = fake_upstream()
     gw = start_gateway([fake.url], approximation={"guard": {"poll_interval_s": 0.05}})
-    with caplog.at_level(logging.INFO, logger="gateway"):
+    with caplog.at_level(logging.INFO, logger="kvrelay.gateway"):
         with gw.client() as http:
             import time
 

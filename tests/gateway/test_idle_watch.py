@@ -1,4 +1,4 @@
-"""gateway.idle_watch: a read that waits the whole idle period fails; reads that keep
+"""kvrelay.gateway.idle_watch: a read that waits the whole idle period fails; reads that keep
 getting data never do, at one timer per idle period. Driven by a manual clock, so no
 test depends on how fast the machine is."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gateway.idle_watch import IdleTimeout, IdleWatch
+from kvrelay.gateway.idle_watch import IdleTimeout, IdleWatch
 
 
 class ManualTimer:

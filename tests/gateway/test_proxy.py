@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from kvrelay.wire.salt import TenantSalts
-from gateway.settings import Timeouts
+from kvrelay.gateway.settings import Timeouts
 from tests.gateway.support import USAGE, free_port, sse, wait_until
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi there"}]}

@@ -1,5 +1,5 @@
 """The gateway's reading of Responses API calls, without servers: the chat-shaped view
-of a body, the facts of a Response, its stream events as gateway/sse.py inspects them,
+of a body, the facts of a Response, its stream events as kvrelay/gateway/sse.py inspects them,
 what is hidden from the client, and the gateway's own error event."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.engine_params import event_without_params
-from gateway.errors import BadRequestError
-from gateway.identity import identify
-from gateway.inference.messages import call_ids, prompt_messages
-from gateway.responses_view import answer_facts, chat_view, error_event
-from gateway.sse import inspect
+from kvrelay.gateway.engine_params import event_without_params
+from kvrelay.gateway.errors import BadRequestError
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference.messages import call_ids, prompt_messages
+from kvrelay.gateway.responses_view import answer_facts, chat_view, error_event
+from kvrelay.gateway.sse import inspect
 
 BODY = {"model": "m", "instructions": "Sys.", "prompt_cache_key": "sess-9", "metadata": {"agent_id": "coder"},
         "input": [{"role": "user", "content": "Weather?"},

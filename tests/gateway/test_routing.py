@@ -7,8 +7,8 @@ import time
 
 import httpx
 
-from gateway.settings import Breaker
-from gateway.upstreams import Upstream, UpstreamPool
+from kvrelay.gateway.settings import Breaker
+from kvrelay.gateway.upstreams import Upstream, UpstreamPool
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}]}
 URLS = ["http://a", "http://b", "http://c"]

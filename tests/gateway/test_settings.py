@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import GatewaySettings
+from kvrelay.gateway.settings import GatewaySettings
 
 
 def test_defaults(clean_env):

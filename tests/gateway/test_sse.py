@@ -1,4 +1,4 @@
-"""gateway.sse: splitting a byte stream into events and looking inside them."""
+"""kvrelay.gateway.sse: splitting a byte stream into events and looking inside them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gateway.sse import inspect, split_events
+from kvrelay.gateway.sse import inspect, split_events
 
 
 def data(obj) -> bytes:

@@ -10,7 +10,7 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from gateway.sse import EventReader, inspect
+from kvrelay.gateway.sse import EventReader, inspect
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 CHUNK = 1024

@@ -1,4 +1,4 @@
-"""gateway.sse's short paths (one data line, one choice, UTF-8 JSON, whole LF events fed
+"""kvrelay.gateway.sse's short paths (one data line, one choice, UTF-8 JSON, whole LF events fed
 at once) give exactly what the general code gives: checked against that code, kept
 here as the reference, on generated events and streams."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import hypothesis
 from hypothesis import strategies as st
 
-from gateway.sse import EventInfo, EventReader, finish_reasons_of, inspect
+from kvrelay.gateway.sse import EventInfo, EventReader, finish_reasons_of, inspect
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _NOTHING = EventInfo(False, "", None, False, None, ())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gateway.supervisor import SupervisedTask
+from kvrelay.gateway.supervisor import SupervisedTask
 
 
 async def test_a_loop_that_fails_is_restarted_until_stopped():

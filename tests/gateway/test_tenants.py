@@ -64,7 +64,7 @@ def test_tenants_configured_as_a_pair_share_and_no_one_else(srv, start_gateway):
 def test_overlapping_groups_are_refused_at_startup():
     from pydantic import ValidationError
 
-    from gateway.settings import InferenceSettings
+    from kvrelay.gateway.settings import InferenceSettings
 
     with pytest.raises(ValidationError, match="two groups"):
         InferenceSettings(shared_caches=[["a", "b"], ["b", "c"]])

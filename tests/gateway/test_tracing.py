@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from gateway import GatewaySettings, create_app
-from gateway.tracing import TracingConfigError, build_tracer_provider
+from kvrelay.gateway import GatewaySettings, create_app
+from kvrelay.gateway.tracing import TracingConfigError, build_tracer_provider
 from tests.gateway.support import LoopbackServer
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}

@@ -32,7 +32,7 @@ import pytest
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
 from engine_ext.request import EngineRequest
-from gateway.settings import Timeouts
+from kvrelay.gateway.settings import Timeouts
 
 pytestmark = pytest.mark.slow
 

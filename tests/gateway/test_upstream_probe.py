@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway.upstream_probe import Probe, UpstreamProber
+from kvrelay.gateway.upstream_probe import Probe, UpstreamProber
 from kvrelay.wire.plan import PLAN_KEY
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 

@@ -13,8 +13,8 @@ from sqlalchemy import create_engine
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.storage.models import Base
-from gateway.storage.writer import RecordWriter, RequestRecord
+from kvrelay.gateway.storage.models import Base
+from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord
 from tests.gateway.support import read_rows
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}]}
@@ -119,7 +119,7 @@ async def test_overflow_drops_the_oldest_and_close_does_not_hang(db, caplog):
     assert (writer.num_dropped, writer.backlog) == (2, 3)
     writer.start()
     await wait_for(lambda: writer.num_written == 3)
-    caplog.set_level(logging.ERROR, logger="gateway.storage.writer")
+    caplog.set_level(logging.ERROR, logger="kvrelay.gateway.storage.writer")
     t0 = time.monotonic()
     await writer.close(timeout_s=1.5)
     elapsed = time.monotonic() - t0
@@ -153,7 +153,7 @@ async def test_a_record_the_database_refuses_is_quarantined_and_the_rest_are_wri
     engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
     writer = RecordWriter(engine, queue_size=1000, batch_size=8)
     real_write = writer._write
-    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+    monkeypatch.setattr("kvrelay.gateway.storage.writer.asyncio.sleep", _no_wait)
 
     async def refuse_poison(batch):
         if any(r.id == "req-0003" for r in batch):
@@ -177,7 +177,7 @@ async def _no_wait(_: float) -> None:
 async def test_a_writer_that_dies_is_restarted_with_the_batch_it_held(db, monkeypatch):
     engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
     writer = RecordWriter(engine, queue_size=1000, batch_size=4)
-    monkeypatch.setattr("gateway.storage.writer._RESTART_DELAY_S", 0.01)
+    monkeypatch.setattr("kvrelay.gateway.storage.writer._RESTART_DELAY_S", 0.01)
     real_write = writer._write
     died = []
 
@@ -205,7 +205,7 @@ async def test_errors_that_may_pass_lose_nothing_even_when_they_persist(db, monk
 
     engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
     writer = RecordWriter(engine, queue_size=1000, batch_size=4)
-    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+    monkeypatch.setattr("kvrelay.gateway.storage.writer.asyncio.sleep", _no_wait)
     real_write = writer._write
     errors = iter([PoolTimeout("QueuePool limit reached")] * 7
                   + [DBAPIError("INSERT", {}, Exception("deadlock detected"))] * 9)
@@ -228,7 +228,7 @@ async def test_errors_that_may_pass_lose_nothing_even_when_they_persist(db, monk
 async def test_a_lone_record_that_always_fails_does_not_hold_up_the_ones_behind_it(db, monkeypatch):
     engine = create_async_engine(f"sqlite+aiosqlite:///{db}")
     writer = RecordWriter(engine, queue_size=1000, batch_size=1)
-    monkeypatch.setattr("gateway.storage.writer.asyncio.sleep", _no_wait)
+    monkeypatch.setattr("kvrelay.gateway.storage.writer.asyncio.sleep", _no_wait)
     real_write = writer._write
 
     async def poison_first(batch):

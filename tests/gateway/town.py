@@ -11,7 +11,7 @@ import openai
 
 from engine_ext.config import EngineConfig, ReuseConfig
 from engine_ext.engine import LLMEngine
-from gateway.settings import Timeouts
+from kvrelay.gateway.settings import Timeouts
 
 MODEL = "smollm2"
 SESSION = "town"

@@ -80,3 +80,15 @@ def test_an_engine_with_default_tiers_runs_kvflow(tiny_model_dir) -> None:
         assert engine.prefetcher is not None
     finally:
         engine.close()
+
+
+def test_every_part_of_an_engine_holds_its_one_sized_config(tiny_model_dir) -> None:
+    """The automatic host tier is sized before any part takes the config: the scheduler,
+    the reuse lifecycle and its parts read the very object the engine reports."""
+    engine = make_engine(tiny_model_dir("llama"), num_blocks=64)
+    try:
+        assert engine.config.tiers.host_bytes == 128 * TINY_BLOCK_BYTES
+        assert engine.scheduler.config is engine.config and engine.lifecycle.config is engine.config
+        assert engine.collector is not None and engine.collector.config is engine.config.reuse.collective
+    finally:
+        engine.close()

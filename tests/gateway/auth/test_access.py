@@ -10,7 +10,7 @@ import openai
 import pytest
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.auth import KeyStore
+from kvrelay.gateway.auth import KeyStore
 
 ADMIN = "admin-" + "s3cret" * 4
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "hi"}]}

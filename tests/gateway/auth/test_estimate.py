@@ -7,8 +7,8 @@ import hashlib
 import pytest
 import tiktoken.load
 
-from gateway.auth import TokenEstimator
-from gateway.auth.estimate import seed_tiktoken_cache
+from kvrelay.gateway.auth import TokenEstimator
+from kvrelay.gateway.auth.estimate import seed_tiktoken_cache
 
 CL100K_URL = "https://openaipublic.blob.core.windows.net/encodings/cl100k_base.tiktoken"
 

@@ -8,9 +8,9 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.auth import KeyNotFoundError, KeyStore
-from gateway.auth.keys import hash_key
-from gateway.storage import migrate
+from kvrelay.gateway.auth import KeyNotFoundError, KeyStore
+from kvrelay.gateway.auth.keys import hash_key
+from kvrelay.gateway.storage import migrate
 
 
 @pytest.fixture

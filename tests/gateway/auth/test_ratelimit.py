@@ -6,8 +6,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from gateway.auth import KeyInfo, RateLimiter
-from gateway.auth.ratelimit import retry_after_header
+from kvrelay.gateway.auth import KeyInfo, RateLimiter
+from kvrelay.gateway.auth.ratelimit import retry_after_header
 
 
 class Clock:

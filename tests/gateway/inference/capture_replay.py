@@ -15,10 +15,10 @@ from typing import NamedTuple
 
 from benchmarks.agents.scoring import Key, Observed, Record
 from benchmarks.agents.workload import Request, Workload
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
-from gateway.sse import tool_call_ids
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
+from kvrelay.gateway.sse import tool_call_ids
 
 _GAP_S = 1.0  # between one app's last answer and the next app's first request
 

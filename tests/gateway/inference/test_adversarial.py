@@ -14,10 +14,10 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.inference.planner import PlanResult
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.inference.planner import PlanResult
+from kvrelay.gateway.settings import InferenceSettings
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 

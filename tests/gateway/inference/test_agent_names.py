@@ -7,11 +7,11 @@ from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.inference.views import session_detail
-from gateway.settings import InferenceSettings
-from gateway.ttft import session_ttft
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.inference.views import session_detail
+from kvrelay.gateway.settings import InferenceSettings
+from kvrelay.gateway.ttft import session_ttft
 
 TASK = "Plan a three-day trip to Lisbon on a small budget, with one museum a day."
 PLAN = "Day one: the castle and Alfama. Day two: Belem and its tower. Day three: the tile museum."

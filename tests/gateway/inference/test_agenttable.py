@@ -10,13 +10,13 @@ from collections import Counter
 
 import pytest
 
-from gateway.identity import identify
-from gateway.inference import Inference, agenttable
-from gateway.inference.agents import resolve_agent
-from gateway.inference.agenttable import MAX_COMPARED, AgentState
-from gateway.inference.prefix import PrefixLearner
-from gateway.inference.state import AppState
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference, agenttable
+from kvrelay.gateway.inference.agents import resolve_agent
+from kvrelay.gateway.inference.agenttable import MAX_COMPARED, AgentState
+from kvrelay.gateway.inference.prefix import PrefixLearner
+from kvrelay.gateway.inference.state import AppState
+from kvrelay.gateway.settings import InferenceSettings
 
 
 def _system(i: int) -> str:

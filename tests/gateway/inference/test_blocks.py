@@ -3,7 +3,7 @@ of whitespace, as offsets into the original text."""
 
 from __future__ import annotations
 
-from gateway.inference.blocks import KV_END, KV_START, TTSEP, Block, split_blocks
+from kvrelay.gateway.inference.blocks import KV_END, KV_START, TTSEP, Block, split_blocks
 
 
 def texts(text: str, blocks: list[Block]) -> list[str]:

@@ -4,9 +4,9 @@ countless pieces is not sent; each cut is counted."""
 
 from __future__ import annotations
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
 
 
 def _plan(inference: Inference, headers: dict[str, str], content: str, request_id: str = "r"):

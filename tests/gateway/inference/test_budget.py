@@ -9,10 +9,10 @@ import re
 import time
 
 from kvrelay.wire.plan import read_plan
-from gateway.identity import identify
-from gateway.inference import Inference, planner
-from gateway.inference.budget import Deadline
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference, planner
+from kvrelay.gateway.inference.budget import Deadline
+from kvrelay.gateway.settings import InferenceSettings
 
 SYSTEM = "You are the archivist of the harbour office. Answer from the ledgers."
 LEDGER = "The ledger of the third quarter lists forty ships and their cargo of grain."

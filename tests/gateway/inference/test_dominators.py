@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from gateway.inference.budget import Deadline, OutOfTime
-from gateway.inference.dominators import Dominators
+from kvrelay.gateway.inference.budget import Deadline, OutOfTime
+from kvrelay.gateway.inference.dominators import Dominators
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 

@@ -8,8 +8,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvrelay.wire.plan import RoundInfo
-from gateway.inference import RoundHold
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.inference import RoundHold
+from kvrelay.gateway.settings import InferenceSettings
 
 
 def test_the_last_request_of_a_round_releases_the_early_ones_at_once():

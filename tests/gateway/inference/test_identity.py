@@ -3,7 +3,7 @@ blank and non-string values skipped, ids cut to 128 characters."""
 
 from __future__ import annotations
 
-from gateway.identity import DEFAULT_APP, SESSION_HEADERS, Identity, identify
+from kvrelay.gateway.identity import DEFAULT_APP, SESSION_HEADERS, Identity, identify
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 

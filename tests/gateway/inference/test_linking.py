@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.identity import identify
-from gateway.inference import Inference, PlanResult
-from gateway.inference.state import TextRef
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference, PlanResult
+from kvrelay.gateway.inference.state import TextRef
+from kvrelay.gateway.settings import InferenceSettings
 
 TASK = "Plan a three-day trip to Lisbon on a small budget, with one museum a day."
 PLANNER = "You are the planner. Break the task into steps."

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from gateway.inference.prefix import PrefixLearner, PrefixObservation, common_prefix_len
+from kvrelay.gateway.inference.prefix import PrefixLearner, PrefixObservation, common_prefix_len
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 PLANNER = "You are the planner. Follow the rules below carefully."

@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.inference.question import MAX_MESSAGE_CHARS, MAX_PLACES_PER_WINDOW, MAX_QUESTION_CHARS, common_core
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.inference.question import MAX_MESSAGE_CHARS, MAX_PLACES_PER_WINDOW, MAX_QUESTION_CHARS, common_core
+from kvrelay.gateway.settings import InferenceSettings
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 QUESTION = "A train leaves Leeds at 9:40 and reaches York at 10:07; how many minutes does the trip take?"

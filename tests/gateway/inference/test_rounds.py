@@ -3,11 +3,11 @@ and what the admin views show of them."""
 
 from __future__ import annotations
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.inference.rounds import RoundDetector, read_pattern
-from gateway.inference.views import session_detail, session_summary
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.inference.rounds import RoundDetector, read_pattern
+from kvrelay.gateway.inference.views import session_detail, session_summary
+from kvrelay.gateway.settings import InferenceSettings
 
 PRODUCER = {0: "a", 1: "b", 2: "c", 3: "a", 4: "b"}
 SERIES = {"a": [0, 3], "b": [1, 4], "c": [2]}

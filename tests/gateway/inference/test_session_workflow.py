@@ -4,9 +4,9 @@ requesting agent, and its next agent is the one after it in that session."""
 
 from __future__ import annotations
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
 
 NUM_AGENTS = 6
 SYSTEMS = [f"You are agent {i} of the pipeline. Do your part of the job and pass it on. " * 3

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from gateway.inference.budget import Deadline
-from gateway.inference.stepgraph import StepGraph
+from kvrelay.gateway.inference.budget import Deadline
+from kvrelay.gateway.inference.stepgraph import StepGraph
 from tests.helpers import LINEAR_RATIO_BOUND, cpu_ratio
 
 

@@ -12,10 +12,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.identity import identify
-from gateway.inference import Inference, StateStore
-from gateway.settings import InferenceSettings
-from gateway.storage.models import InferredSessionRow, SegmentRow
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference, StateStore
+from kvrelay.gateway.settings import InferenceSettings
+from kvrelay.gateway.storage.models import InferredSessionRow, SegmentRow
 
 QUESTION = "Plan a three-day walking trip through the Lake District for two people in late spring."
 SYSTEMS = {a: f"You are the {a} of a travel agency team. Answer in short, concrete sentences." for a in

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from gateway.inference.textindex import Match, TextIndex
+from kvrelay.gateway.inference.textindex import Match, TextIndex
 
 TEXT_A = "The quarterly report shows revenue up 12 percent."
 TEXT_B = "Tool result: 42 rows returned from the orders table."

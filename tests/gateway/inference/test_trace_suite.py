@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from gateway.identity import identify
-from gateway.inference import Inference
-from gateway.settings import InferenceSettings
+from kvrelay.gateway.identity import identify
+from kvrelay.gateway.inference import Inference
+from kvrelay.gateway.settings import InferenceSettings
 from tests.gateway.inference.trace_metrics import (
     METRICS,
     Edge,
@@ -94,7 +94,7 @@ def test_print_the_metrics_table():
 
 # Known shortfalls, kept visible (strict: the day they pass, the mark must go).
 # Rounds: an agent is announced as a round member once its team has shown a composed
-# view of outputs (gateway/inference/rounds.py); an app's first rounds, answered one after
+# view of outputs (kvrelay/gateway/inference/rounds.py); an app's first rounds, answered one after
 # another, read like a transcript, so the rounds of every session that runs before the
 # first composed view are missed: the first KVCOMM round of each session (all sessions of
 # these traces start before any reaches round 2).

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.routing.cache_map import CacheMap, ReplicaBlocks
-from gateway.routing.prefix_keys import PrefixKey
+from kvrelay.gateway.routing.cache_map import CacheMap, ReplicaBlocks
+from kvrelay.gateway.routing.prefix_keys import PrefixKey
 from kvrelay.wire.cache_report import CacheReport
 
 BLOCKS = [f"{i:016x}" for i in range(10)]

@@ -6,10 +6,10 @@ import typing
 
 import pytest
 
-from gateway.routing.policies import POLICIES, Route
-from gateway.routing.prefix_keys import PrefixKey
-from gateway.settings import Breaker, RoutingPolicyName, RoutingSettings
-from gateway.upstreams import UpstreamPool
+from kvrelay.gateway.routing.policies import POLICIES, Route
+from kvrelay.gateway.routing.prefix_keys import PrefixKey
+from kvrelay.gateway.settings import Breaker, RoutingPolicyName, RoutingSettings
+from kvrelay.gateway.upstreams import UpstreamPool
 from kvrelay.wire.cache_report import CacheReport
 from kvrelay.wire.plan import Segment
 

@@ -3,7 +3,7 @@ tools never share one."""
 
 from __future__ import annotations
 
-from gateway.routing.prefix_keys import MAX_KEYS, TEXT_CHUNK_CHARS, prefix_keys
+from kvrelay.gateway.routing.prefix_keys import MAX_KEYS, TEXT_CHUNK_CHARS, prefix_keys
 
 SYSTEM = {"role": "system", "content": "You are the reviewer."}
 TASK = {"role": "user", "content": "Review the passage."}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.routing.segment_map import PlacedText, SegmentMap, placed_texts
+from kvrelay.gateway.routing.segment_map import PlacedText, SegmentMap, placed_texts
 from kvrelay.wire.plan import Segment
 
 H1, H2, H3 = "1" * 64, "2" * 64, "3" * 64

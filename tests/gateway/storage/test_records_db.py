@@ -12,9 +12,9 @@ import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.ext.asyncio import create_async_engine
 
-from gateway.storage import RecordWriter, RequestRecord, RequestRow, SessionRow
-from gateway.storage import migrate
-from gateway.storage.models import AgentRow
+from kvrelay.gateway.storage import RecordWriter, RequestRecord, RequestRow, SessionRow
+from kvrelay.gateway.storage import migrate
+from kvrelay.gateway.storage.models import AgentRow
 from tests.gateway.conftest import PG_CTL, PG_URL, needs_pg
 
 def record(i: int, session: str | None = "s1", agent: str | None = "a1") -> RequestRecord:

@@ -8,7 +8,7 @@ from urllib.parse import quote
 
 import pytest
 
-from gateway.ui.waterfall import methods_drawn, waterfall_svg
+from kvrelay.gateway.ui.waterfall import methods_drawn, waterfall_svg
 
 ADMIN = "admin-" + "s3cret" * 4
 
@@ -52,7 +52,7 @@ def test_login_refuses_cross_site_posts_and_oversized_forms(fake_upstream, start
 
 
 def test_an_old_or_forged_token_opens_nothing():
-    from gateway.ui.access import SESSION_TTL_S, _valid_token, ui_token
+    from kvrelay.gateway.ui.access import SESSION_TTL_S, _valid_token, ui_token
 
     now = 2_000_000_000
     assert _valid_token(ui_token(ADMIN, now - 60), ADMIN, now)
@@ -67,7 +67,7 @@ def test_without_an_admin_key_only_loopback_clients_get_the_page():
 
     from starlette.requests import Request
 
-    from gateway.ui.access import is_allowed
+    from kvrelay.gateway.ui.access import is_allowed
 
     state = SimpleNamespace(settings=SimpleNamespace(admin_key=None, require_api_key=False))
 
@@ -161,7 +161,7 @@ def test_a_waterfall_without_engine_reports_says_so(requests):
 def test_graph_json_cannot_end_its_script_element():
     import json
 
-    from gateway.ui.router import _script_json
+    from kvrelay.gateway.ui.router import _script_json
 
     hostile = [{"data": {"id": "</script><!--<script>&"}}]
     text = _script_json(hostile)

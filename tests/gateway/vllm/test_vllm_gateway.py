@@ -12,7 +12,7 @@ import threading
 import openai
 import pytest
 
-from gateway.settings import Timeouts
+from kvrelay.gateway.settings import Timeouts
 from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
 
 # ~430 tokens: vLLM's CPU backend caches whole 128-token blocks.

@@ -100,7 +100,7 @@ def test_the_gateway_scores_its_blend_probes_on_vllm(replica, start_gateway):
     """The product path: a gateway rule opts the app into blend, the guard probes every
     request, and since vLLM cannot score probes the gateway scores them itself on the
     replica's idle time. The replicas run blend at ratio 1, so the figures must be exact."""
-    from gateway.approximation import ApproximationSettings, GuardSettings
+    from kvrelay.gateway.approximation import ApproximationSettings, GuardSettings
     from tests.gateway.vllm.test_vllm_gateway import VLLM_TIMEOUTS
 
     approximation = ApproximationSettings(rules=[{"method": "blend"}],

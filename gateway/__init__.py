@@ -1,8 +1,0 @@
-"""kvrelay's OpenAI-compatible gateway: proxy, records, metrics, in front of any engine."""
-
-from __future__ import annotations
-
-from gateway.app import create_app
-from gateway.settings import GatewaySettings
-
-__all__ = ["GatewaySettings", "create_app"]

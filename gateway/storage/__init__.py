@@ -1,8 +1,0 @@
-"""SQL storage for the gateway's records."""
-
-from __future__ import annotations
-
-from gateway.storage.models import AgentRow, Base, RequestRow, SessionRow
-from gateway.storage.writer import RecordWriter, RequestRecord
-
-__all__ = ["AgentRow", "Base", "RecordWriter", "RequestRecord", "RequestRow", "SessionRow"]

@@ -1,0 +1,220 @@
+"""Sends requests to upstreams: failover, retries, timeouts, breakers, health checks.
+
+A request is retried (on another upstream when there is one) only on connection
+errors and 502/503, and only before any byte reached the client: those failures mean
+the upstream never started the work, so a retry cannot duplicate a generation.
+
+Why aiohttp and not httpx: with 64 streams in flight, httpx's connection pool rescans
+every pooled connection (a getpeername syscall each) on every request event; profiled
+under `kvrelay bench gateway`, that was over a third of the gateway's CPU. aiohttp's
+connector hands connections out without scanning. Its exceptions never leave this
+module: callers see the gateway's own errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import NamedTuple
+
+import aiohttp
+
+from kvrelay.gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedError, UpstreamTimeoutError,
+                            UpstreamUnreachableError)
+from kvrelay.gateway.idle_watch import IdleTimeout, IdleWatch
+from kvrelay.gateway.settings import GatewaySettings
+from kvrelay.gateway.routing.policies import Route
+from kvrelay.gateway.upstreams import Upstream, UpstreamPool
+from kvrelay.json_values import encodable
+
+logger = logging.getLogger(__name__)
+_MAX_MODELS = 1024  # models read from one upstream's listing
+_RETRYABLE_STATUS = (502, 503)
+
+
+class UpstreamResponse:
+    """An upstream's answer, headers received. Its body is read through here, and a
+    stall or a broken connection comes out as UpstreamTimeoutError / UpstreamFailedError."""
+
+    def __init__(self, url: str, raw: aiohttp.ClientResponse, idle_s: float) -> None:
+        self._url = url
+        self._raw = raw
+        self._idle_s = idle_s
+        self.status = raw.status
+
+    async def read(self) -> bytes:
+        try:
+            async with asyncio.timeout(self._idle_s):
+                return await self._raw.read()
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(f"{self._url} stalled mid-response") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the connection: {type(exc).__name__}") from exc
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive; no chunk may take longer than idle_s."""
+        content = self._raw.content
+        watch = IdleWatch(content, self._idle_s)  # one timer per idle period, not one per chunk
+        try:
+            while True:
+                watch.reading()
+                chunk = await content.readany()
+                watch.done()
+                if not chunk:
+                    return
+                yield chunk
+        except IdleTimeout as exc:
+            raise UpstreamTimeoutError(f"{self._url} stalled mid-stream") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the stream: {type(exc).__name__}") from exc
+        finally:
+            watch.close()
+
+    def close(self) -> None:
+        """Keep the connection for reuse when the body was read to the end; otherwise drop
+        it, which is also how a client's disconnect cancels the upstream's generation."""
+        if self._raw.content.at_eof():
+            self._raw.release()
+        else:
+            self._raw.close()
+
+
+class Occupancy:
+    """A request's share of an upstream's load: counted in `in_flight`, and its prompt
+    tokens to compute (`prefill_tokens`) in `in_flight_tokens` until its first token,
+    when the prefill is done and only decoding is left (what cache-aware routing weighs)."""
+
+    def __init__(self, upstream: Upstream, prefill_tokens: int) -> None:
+        self.upstream = upstream
+        self.prefill_tokens = prefill_tokens
+        upstream.in_flight += 1
+        upstream.in_flight_tokens += prefill_tokens
+
+    def prefilled(self) -> None:
+        self.upstream.in_flight_tokens -= self.prefill_tokens
+        self.prefill_tokens = 0
+
+    def release(self) -> None:
+        self.prefilled()
+        self.upstream.in_flight -= 1
+
+
+class Dispatch(NamedTuple):
+    upstream: Upstream
+    response: UpstreamResponse
+    sent_at: float  # perf_counter when the request went out
+    occupancy: Occupancy
+
+
+def build_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
+    """One session for all upstreams; call inside the running event loop."""
+    t = settings.timeouts
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0,
+                                     keepalive_timeout=settings.keepalive_s)
+    # Header and body timeouts are applied per call (first_byte_s, idle_s); these bound
+    # connecting and a stuck write.
+    timeout = aiohttp.ClientTimeout(total=None, connect=t.connect_s, sock_connect=t.connect_s)
+    return aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=True)
+
+
+class UpstreamClient:
+    def __init__(self, http: aiohttp.ClientSession, pool: UpstreamPool, settings: GatewaySettings) -> None:
+        self.http = http
+        self.pool = pool
+        self.settings = settings
+
+    @asynccontextmanager
+    async def dispatch(self, path: str, body: bytes, headers: dict[str, str], model: str,
+                       session_id: str | None, hold: bool = False, route: Route | None = None
+                       ) -> AsyncIterator[Dispatch]:
+        """Open the response of the first upstream that accepts the request."""
+        candidates = self.pool.candidates(model, session_id, hold, route)
+        if not candidates:
+            if self.pool.knows_no(model):
+                raise ModelNotFoundError(f"The model `{model}` does not exist.", param="model")
+            raise NoUpstreamError(f"no healthy upstream serves model {model!r}")
+        last_error = "no attempt"
+        for attempt in range(self.settings.retries + 1):
+            upstream = candidates[attempt % len(candidates)]
+            occupancy = Occupancy(upstream, self.pool.expected_work(route, upstream))
+            try:
+                response = await self._send(upstream, path, body, headers)
+            except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
+                occupancy.release()
+                last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
+                _failed(upstream, last_error)
+                continue
+            except BaseException:
+                occupancy.release()
+                raise
+            if response.status in _RETRYABLE_STATUS:
+                response.close()
+                occupancy.release()
+                last_error = f"{upstream.url}: HTTP {response.status}"
+                _failed(upstream, last_error)
+                continue
+            if response.status >= 500:
+                upstream.record_failure(time.monotonic())
+            else:
+                upstream.record_success()
+            self.pool.routed(route, upstream)
+            try:
+                yield Dispatch(upstream, response, time.perf_counter(), occupancy)
+            finally:
+                occupancy.release()
+                response.close()
+            return
+        raise UpstreamUnreachableError(f"no upstream accepted the request ({last_error})")
+
+    async def _send(self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
+        t = self.settings.timeouts
+        try:
+            async with asyncio.timeout(t.first_byte_s):
+                raw = await self.http.post(upstream.url + path, data=body, headers=headers)
+        except TimeoutError as exc:
+            # The engine may be working on it: a retry could run the generation twice.
+            upstream.record_failure(time.monotonic())
+            raise UpstreamTimeoutError(f"{upstream.url} sent no response within "
+                                       f"{t.first_byte_s:g}s") from exc
+        return UpstreamResponse(upstream.url, raw, t.idle_s)
+
+    # -- health --------------------------------------------------------------------------
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(u) for u in self.pool.upstreams))
+
+    async def _check(self, upstream: Upstream) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s)
+        try:
+            async with self.http.get(upstream.url + "/health", timeout=timeout) as health:
+                ok = health.status == 200
+            if ok:
+                async with self.http.get(upstream.url + "/v1/models", timeout=timeout) as models:
+                    if models.status == 200:
+                        listing = await models.json(content_type=None)
+                        # Names become metric labels: only strings that can be written out.
+                        upstream.models = frozenset(m["id"] for m in listing.get("data", [])[:_MAX_MODELS]
+                                                    if isinstance(m["id"], str) and encodable(m["id"]))
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+            ok = False
+        if ok and not upstream.healthy:
+            logger.info("upstream %s is healthy again", upstream.url)
+        if not ok and upstream.healthy:
+            logger.warning("upstream %s failed its health check", upstream.url)
+        # A passing health check does not close the breaker: an upstream can answer /health
+        # and still fail every completion. Only a successful request resets it.
+        upstream.healthy = ok
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.settings.health_interval_s)
+
+
+def _failed(upstream: Upstream, why: str) -> None:
+    """Count a failed attempt; say so when it opens the upstream's breaker."""
+    if upstream.record_failure(time.monotonic()):
+        logger.warning("upstream %s: breaker open after %d failures in a row (last: %s)",
+                       upstream.url, upstream.consecutive_failures, why)
