@@ -1,12 +1,12 @@
 """Model and engine configuration, validated once at construction.
 
 The engine's options (EngineConfig and the configs it holds) are pydantic dataclasses
-whose fields carry their bounds and choices as the `Annotated` types below. Those types
-are the options' one declaration: the operator's settings (kvrelay/engine_settings.py,
-read from flags, environment and YAML) use the same types, so a bound cannot differ
-between what the CLI accepts and what the engine accepts. `__post_init__` checks only
-what spans several fields. No torch here: the CLI refuses a bad option before the model
-stack loads (the dtype names map to torch's in engine_ext/model/dtypes.py).
+whose fields carry their bounds and choices as the `Annotated` types of
+kvrelay/engine_options.py. Those types are the options' one declaration: the operator's
+settings (kvrelay/engine_settings.py, read from flags, environment and YAML) use the same
+types, so a bound cannot differ between what the CLI accepts and what the engine accepts.
+`__post_init__` checks only what spans several fields. No torch here (the dtype names map
+to torch's in engine_ext/model/dtypes.py).
 """
 
 from __future__ import annotations
@@ -20,25 +20,29 @@ from pydantic import Field
 from pydantic.dataclasses import dataclass as options
 
 from engine_ext.errors import ModelLoadError
+from kvrelay.engine_options import (
+    AdapterMode,
+    AtLeastOne,
+    BlockTokens,
+    Dtype,
+    EvictionPolicyName,
+    FirstToken,
+    Fraction,
+    IdleMs,
+    KvcommCorrection,
+    KvcommNewSamples,
+    LinearKernel,
+    LoadAhead,
+    ModelLen,
+    NonNegative,
+    RepairRatio,
+    RoundWindowMs,
+    Temperature,
+)
 from kvrelay.wire.plan import ReuseMethod
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-Dtype = Literal["float32", "bfloat16", "float16"]
-# How weight products run (engine_ext/model/linear.py): oneDNN on prepacked weights, plain
-# F.linear, or auto (packed for bf16/fp16; for fp32 whichever a timing at load finds faster).
-LinearKernel = Literal["auto", "packed", "plain"]
 
-# The options' bounds, each written once (see the module docstring).
-AtLeastOne = Annotated[int, Field(ge=1)]
-NonNegative = Annotated[int, Field(ge=0)]
-Fraction = Annotated[float, Field(ge=0.0, le=1.0)]
-BlockTokens = Annotated[int, Field(ge=1, le=1024)]
-ModelLen = Annotated[int, Field(ge=2)]
-IdleMs = Annotated[float, Field(ge=0.0, le=60_000.0)]  # waits of up to a minute
-RoundWindowMs = Annotated[float, Field(ge=0.0, le=10_000.0)]
-LoadAhead = Annotated[int, Field(ge=0, le=64)]
-Temperature = Annotated[float, Field(gt=0.0)]
-RepairRatio = Annotated[float, Field(ge=0.0, lt=1.0)]  # 1.0 would recompute all: that is dense
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 
 @dataclass(frozen=True)
@@ -191,14 +195,6 @@ def _attention_window(raw: dict[str, Any]) -> int | None:
     return int(window) if uses_window else None
 
 
-# What KVCOMM adds to a placed placeholder (the paper's ablation): the RoPE shift alone,
-# plus the placeholder offset, or plus the offset of the fixed segment that follows it.
-KvcommCorrection = Literal["rotation", "placeholder", "full"]
-# How KVCOMM serves a placeholder sample no anchor was measured for in this agent's prompt
-# (engine_ext/kvcomm/bank.py): "readers" places it from KV some prompt computed (another
-# reader's measured KV, or a base that is already a prompt's) and has an answer's first
-# reader measure it; "predict" predicts its offsets from other samples' anchors (the paper).
-KvcommNewSamples = Literal["readers", "predict"]
 
 
 @options(frozen=True)
@@ -301,8 +297,6 @@ class ReuseConfig:
     collective: CollectiveConfig = field(default_factory=CollectiveConfig)
 
 
-AdapterMode = Literal["auto", "icarus", "multi_lora"]
-FirstToken = Literal["adapter", "base"]
 
 
 @options(frozen=True)
@@ -331,7 +325,6 @@ class AdapterSpec:
             raise ValueError(f"adapter name {self.name!r} must be non-empty, without ':' or '/'")
 
 
-EvictionPolicyName = Literal["lru", "workflow"]
 DEFAULT_LOAD_AHEAD = 2  # KVFlow's: the agents up to two steps from running are loaded back
 
 

@@ -12,45 +12,24 @@ The settings are the operator's words (MiB, a method name, a comma list of layer
 `engine_config()` turns them into the engine's frozen EngineConfig, whose own checks
 cover what spans several fields (a pool's prune window within its size, a disk tier
 needing both a directory and a size). Each option's type, bound and choices are declared
-once, in engine_ext/config.py, and used here by name: the settings add the operator's
-description and unit. Neither module imports torch, so a bad flag is refused before the
-model stack loads.
+once, in kvrelay/engine_options.py, which the engine's config uses too: the settings add
+the operator's description and unit. This module imports no torch and no engine package
+until a config is built, so a bad flag is refused before the model stack loads.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from engine_ext.config import (
-    AdapterMode,
-    AdapterSpec,
-    AnchorConfig,
-    AtLeastOne,
-    BlockTokens,
-    CollectiveConfig,
-    Dtype,
-    EngineConfig,
-    EvictionPolicyName,
-    FirstToken,
-    Fraction,
-    IdleMs,
-    KvcommCorrection,
-    KvcommNewSamples,
-    LinearKernel,
-    LoadAhead,
-    ModelLen,
-    NonNegative,
-    RepairRatio,
-    ReuseConfig,
-    RoundWindowMs,
-    Temperature,
-    TierConfig,
-)
+from kvrelay import engine_options as option
 from kvrelay.wire.plan import ReuseMethod
 from kvrelay.yaml_source import YamlFileSettings
+
+if TYPE_CHECKING:
+    from engine_ext.config import AdapterSpec, EngineConfig
 
 MiB = 2**20
 
@@ -66,18 +45,19 @@ class EngineSettings(YamlFileSettings):
     # 2 GiB: about 45k tokens of SmolLM2's fp32 KV. 512 MiB (11k tokens) held less than one
     # task of a five-agent team over a long document once KVCOMM keeps each reader's offsets,
     # so the anchors were evicted before the next task could use them (docs/engine.md).
-    kv_cache_mb: Annotated[AtLeastOne, Field(description="KV cache budget in MiB (stands for GPU memory)")] = 2048
-    block_size: Annotated[BlockTokens, Field(description="tokens per KV block")] = 16
-    max_num_seqs: Annotated[AtLeastOne, Field(description="requests running at once")] = 64
-    max_num_batched_tokens: Annotated[AtLeastOne, Field(description="tokens computed per engine step")] = 2048
-    probe_chunk_tokens: Annotated[AtLeastOne, Field(description="tokens a fidelity probe's dense score computes per "
-                                                               "step: the most a request arriving meanwhile waits "
-                                                               "for")] = 64
-    probe_idle_ms: Annotated[IdleMs, Field(description="ms without requests before a fidelity "
-                                                                          "probe's dense score may take a step")] = 300.0
-    max_model_len: Annotated[ModelLen | None, Field(description="cap on prompt + completion tokens")] = None
-    dtype: Annotated[Dtype, Field(description="weights and KV dtype")] = "float32"
-    linear_kernel: Annotated[LinearKernel, Field(
+    kv_cache_mb: Annotated[option.AtLeastOne, Field(
+        description="KV cache budget in MiB (stands for GPU memory)")] = 2048
+    block_size: Annotated[option.BlockTokens, Field(description="tokens per KV block")] = 16
+    max_num_seqs: Annotated[option.AtLeastOne, Field(description="requests running at once")] = 64
+    max_num_batched_tokens: Annotated[option.AtLeastOne, Field(description="tokens computed per engine step")] = 2048
+    probe_chunk_tokens: Annotated[option.AtLeastOne, Field(
+        description="tokens a fidelity probe's dense score computes per step: the most a request arriving "
+                    "meanwhile waits for")] = 64
+    probe_idle_ms: Annotated[option.IdleMs, Field(
+        description="ms without requests before a fidelity probe's dense score may take a step")] = 300.0
+    max_model_len: Annotated[option.ModelLen | None, Field(description="cap on prompt + completion tokens")] = None
+    dtype: Annotated[option.Dtype, Field(description="weights and KV dtype")] = "float32"
+    linear_kernel: Annotated[option.LinearKernel, Field(
         description="weight products: packed (oneDNN on prepacked weights) | plain (F.linear) | auto (bf16 and "
                     "fp16 packed; fp32 timed both ways on the model's weights at load, the faster kept)")] = "auto"
     # Reuse beyond the prefix cache.
@@ -86,58 +66,60 @@ class EngineSettings(YamlFileSettings):
                     "tiers only) | dense | off, or an approximate method: blend | shift | link | kvcomm (this "
                     "engine's default for every request; through the gateway, opt in per app with its reuse rules)")
     ] = "prefix"
-    blend_ratio: Annotated[Fraction, Field(description="blend: fraction of a segment's tokens "
-                                                                    "recomputed")] = 0.15
+    blend_ratio: Annotated[option.Fraction, Field(description="blend: fraction of a segment's tokens "
+                                                             "recomputed")] = 0.15
     check_layers: Annotated[str, Field(description="blend: comma-separated layers whose key deviation selects "
                                                    "the tokens")] = "1"
-    link_tokens: Annotated[NonNegative, Field(description="link: tokens recomputed at the start of each segment")] = 8
-    anchor_gamma: Annotated[Fraction, Field(description="kvcomm: entropy threshold; higher predicts "
-                                                                     "more samples from anchors")] = 0.3
-    anchor_pool_size: Annotated[AtLeastOne, Field(description="kvcomm: anchors kept per placeholder")] = 20
-    anchor_prune_window: Annotated[AtLeastOne, Field(description="kvcomm: a full pool drops the least used of this "
-                                                                "many oldest anchors")] = 5
-    anchor_temperature: Annotated[Temperature, Field(description="kvcomm: softmax temperature over anchor "
-                                                                   "distances")] = 1.0
-    kvcomm_correction: Annotated[KvcommCorrection, Field(
+    link_tokens: Annotated[option.NonNegative, Field(
+        description="link: tokens recomputed at the start of each segment")] = 8
+    anchor_gamma: Annotated[option.Fraction, Field(description="kvcomm: entropy threshold; higher predicts "
+                                                              "more samples from anchors")] = 0.3
+    anchor_pool_size: Annotated[option.AtLeastOne, Field(description="kvcomm: anchors kept per placeholder")] = 20
+    anchor_prune_window: Annotated[option.AtLeastOne, Field(
+        description="kvcomm: a full pool drops the least used of this many oldest anchors")] = 5
+    anchor_temperature: Annotated[option.Temperature, Field(
+        description="kvcomm: softmax temperature over anchor distances")] = 1.0
+    kvcomm_correction: Annotated[option.KvcommCorrection, Field(
         description="kvcomm: what a placed placeholder gets besides its rotation (the paper's ablation)")] = "full"
-    kvcomm_new_samples: Annotated[KvcommNewSamples, Field(
+    kvcomm_new_samples: Annotated[option.KvcommNewSamples, Field(
         description="kvcomm: a sample with no anchor for this agent is placed from another reader's KV or "
                     "its prompt-computed base, an answer's first reader measuring it (readers), or predicted "
                     "from other samples' anchors (predict, the paper)")] = "readers"
-    anchor_chunk_tokens: Annotated[AtLeastOne, Field(description="kvcomm: placeholders are predicted in chunks of "
-                                                                "this many tokens, each from its own anchors")] = 16
-    kvcomm_recompute_ratio: Annotated[RepairRatio, Field(description=(
+    anchor_chunk_tokens: Annotated[option.AtLeastOne, Field(
+        description="kvcomm: placeholders are predicted in chunks of this many tokens, each from its own "
+                    "anchors")] = 16
+    kvcomm_recompute_ratio: Annotated[option.RepairRatio, Field(description=(
         "kvcomm: fraction of a predicted placeholder's tokens recomputed, those whose keys deviate most on the "
         "check layers (0: offsets alone, as in the paper)"))] = 0.0
     collective: Annotated[bool, Field(description="prefill the requests of one All-Gather round together "
                                                   "(TokenDance)")] = True
-    round_window_ms: Annotated[RoundWindowMs, Field(description="collective: ms a round's first "
-                                                                             "request waits for its siblings")] = 0.0
+    round_window_ms: Annotated[option.RoundWindowMs, Field(
+        description="collective: ms a round's first request waits for its siblings")] = 0.0
     diff_store: Annotated[bool, Field(description="collective: keep a round's caches as one master and "
                                                   "block-sparse mirrors")] = True
     # Where evicted prefix-cache blocks go (KVFlow).
-    kv_policy: Annotated[EvictionPolicyName, Field(
+    kv_policy: Annotated[option.EvictionPolicyName, Field(
         description="which cached KV leaves the device first: workflow (KVFlow: the plan's steps-to-execution, "
                     "per session; exact) | lru")] = "workflow"
-    host_kv_mb: Annotated[NonNegative | None, Field(
+    host_kv_mb: Annotated[option.NonNegative | None, Field(
         description="host-memory KV tier in MiB; evicted prefixes load back from it. Default: sized at "
-                          "start, twice --kv-cache-mb but at most a quarter of the memory then available "
-                          "(MemAvailable); 0: none")] = None
+                    "start, twice --kv-cache-mb but at most a quarter of the memory then available "
+                    "(MemAvailable); 0: none")] = None
     disk_kv_dir: str | None = Field(None, description="directory for a disk KV tier (a memory-mapped file, "
                                                       "removed on exit)")
-    disk_kv_mb: Annotated[NonNegative, Field(description="disk KV tier size in MiB (with --disk-kv-dir)")] = 0
-    load_ahead: Annotated[LoadAhead | None, Field(
+    disk_kv_mb: Annotated[option.NonNegative, Field(description="disk KV tier size in MiB (with --disk-kv-dir)")] = 0
+    load_ahead: Annotated[option.LoadAhead | None, Field(
         description="prefetch prefixes of agents this many steps from running (needs --kv-policy "
-                                 "workflow and a lower tier). Default: 2 with the workflow policy and a lower "
-                                 "tier, else 0; 0: off")] = None
+                    "workflow and a lower tier). Default: 2 with the workflow policy and a lower "
+                    "tier, else 0; 0: off")] = None
     # LoRA adapters on the base model (ICaRus or multi-LoRA).
     adapter: list[str] = Field(default_factory=list, description="serve a PEFT LoRA adapter as NAME=PATH "
                                                                  "(repeat); clients ask for model 'BASE:NAME'")
-    adapter_mode: Annotated[AdapterMode, Field(
+    adapter_mode: Annotated[option.AdapterMode, Field(
         description="adapters: auto (icarus for adapters `kvrelay train icarus` marked, multi_lora for others) | "
                     "icarus (one shared KV cache; refuses adapters not marked as ICaRus-trained) | multi_lora")
     ] = "auto"
-    adapter_first_token: Annotated[FirstToken, Field(
+    adapter_first_token: Annotated[option.FirstToken, Field(
         description="icarus: sample the first token from the adapter or from the base (the paper's variant)")
     ] = "adapter"
     generic_tool_auto: Annotated[Literal["call-first", "model"], Field(
@@ -163,6 +145,8 @@ class EngineSettings(YamlFileSettings):
         return items
 
     def adapter_specs(self) -> tuple[AdapterSpec, ...]:
+        from engine_ext.config import AdapterSpec
+
         specs = []
         for item in self.adapter:
             name, _, path = item.partition("=")
@@ -181,6 +165,8 @@ class EngineSettings(YamlFileSettings):
             raise ValueError(f"invalid engine settings ({exc.title}): {_reasons(exc)}") from exc
 
     def _engine_config(self) -> EngineConfig:
+        from engine_ext.config import AnchorConfig, CollectiveConfig, EngineConfig, ReuseConfig, TierConfig
+
         reuse = ReuseConfig(
             enabled=self.reuse_method != "off",
             default_method="dense" if self.reuse_method == "off" else self.reuse_method,

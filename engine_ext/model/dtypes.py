@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_ext.config import Dtype
+from kvrelay.engine_options import Dtype
 
 TORCH_DTYPES: dict[Dtype, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,

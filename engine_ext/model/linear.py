@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_ext.config import LinearKernel
+from kvrelay.engine_options import LinearKernel
 
 # Decode batches the choice is timed at: one sequence, and a batch of agents.
 _TIMED_ROWS = (1, 8)

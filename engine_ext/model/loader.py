@@ -9,7 +9,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from engine_ext.config import Dtype, LinearKernel, ModelConfig
+from engine_ext.config import ModelConfig
+from kvrelay.engine_options import Dtype, LinearKernel
 from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.errors import ModelLoadError
 from engine_ext.model.llama import CausalLM

@@ -22,7 +22,7 @@ import pytest
 
 # The `engine` extra of pyproject.toml, and the engine's package: a gateway-only install has none of them.
 ENGINE_ONLY = ("torch", "safetensors", "tokenizers", "llguidance", "gguf", "transformers", "accelerate", "triton",
-               "engine_ext", "kernels")
+               "engine_ext")
 
 BLOCKER = f"""
 import importlib.abc, sys
