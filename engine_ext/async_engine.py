@@ -19,6 +19,7 @@ from typing import TypeVar
 from engine_ext.engine import LLMEngine, RequestOutput
 from engine_ext.errors import EngineDeadError, EngineError
 from engine_ext.probes import Probes
+from engine_ext.served import ReuseCounters
 from engine_ext.timeline import Timeline
 from engine_ext.request import EngineRequest
 
@@ -58,6 +59,7 @@ class _Wake:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, probes: Probes | None = None) -> None:
         self.engine = engine
+        self.model = engine.served()  # what the serving layer reads of the model (engine_ext/served.py)
         self.probes = probes if probes is not None else Probes(chunk_tokens=engine.config.probe_chunk_tokens)
         self._commands: queue.SimpleQueue[_Add | _Abort | _Wake | None] = queue.SimpleQueue()
         # The engine thread sleeps on this queue alone: a landed transfer rings it too. The
@@ -70,6 +72,14 @@ class AsyncEngine:
         self._sinks: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._dead: BaseException | None = None
+
+    def reuse_counters(self) -> ReuseCounters:
+        """What the reuse methods did since start (for /metrics), read off the engine thread."""
+        return self.engine.reuse_counters()
+
+    def resident_blocks(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes of the blocks on the device and of those only in a lower tier."""
+        return self.engine.resident_blocks()
 
     @property
     def is_alive(self) -> bool:

@@ -41,6 +41,7 @@ from engine_ext.reuse.segments import (
 from engine_ext.sampling import Sampler, SamplingParams
 from engine_ext.scheduler import ScheduledChunk, Scheduler
 from engine_ext.sequence import Sequence
+from engine_ext.served import MirrorCounters, ReuseCounters, ServedModel
 from engine_ext.tiers import AgentKey, Prefetcher, TieredStore, WorkflowPolicy, WorkflowTable, with_sized_host_tier
 from engine_ext.timeline import Interval, PrefillRate, PrefixShadow, Timeline
 from engine_ext.tokenizer import Tokenizer
@@ -136,6 +137,22 @@ class LLMEngine:
             return store, None
         return store, Prefetcher(self.workflows, store, self.kv.pool.policy, settings.load_ahead,
                                  settings.max_prefetches)
+
+    def served(self) -> ServedModel:
+        """The model's facts the serving layer reads (engine_ext/served.py)."""
+        return ServedModel(self.model_name, self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                           self.max_model_len, tuple(self.adapters.names), self.config.block_size)
+
+    def reuse_counters(self) -> ReuseCounters:
+        """A snapshot of what the reuse methods did since start, for /metrics. Read from
+        outside the engine thread: each counter is one int, read whole."""
+        bank, collective, store = self.anchor_bank, self.runner.collective, self.diff_store
+        return ReuseCounters(
+            kvcomm_tokens=None if bank is None else (bank.num_predicted_tokens, bank.num_measured_tokens),
+            collective=None if collective is None else (collective.num_rounds, collective.num_members),
+            mirrors=None if store is None else MirrorCounters(store.mirror_bytes, store.mirrored_dense_bytes,
+                                                             store.mirrored_rows, store.mirror_rows),
+            interrupted_steps=self.num_interrupted_steps)
 
     def resident_blocks(self) -> tuple[list[bytes], list[bytes]]:
         """Hashes of the blocks held on the device, and of those only in a lower tier:

@@ -87,7 +87,7 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics(service: Service) -> Response:
-        return PlainTextResponse(service.plans.metrics() + reuse_metrics(service.engine.engine))
+        return PlainTextResponse(service.plans.metrics() + reuse_metrics(service.engine.reuse_counters()))
 
     @app.get("/v1/models")
     async def models(service: Service) -> dict[str, Any]:
@@ -107,9 +107,8 @@ def create_app(engine: AsyncEngine, model_name: str, tracer_provider: TracerProv
         """The blocks this engine holds (their digests), for the gateway's cache-aware
         routing: what a client could learn here it could learn from its own hits' timing
         too, and every digest is keyed by its tenant's salted root."""
-        engine = service.engine.engine
-        device, lower = engine.resident_blocks()
-        return CacheReport(block_size=engine.config.block_size, device=digests(device), lower=digests(lower))
+        device, lower = service.engine.resident_blocks()
+        return CacheReport(block_size=service.engine.model.block_size, device=digests(device), lower=digests(lower))
 
     @app.post("/v1/chat/completions", responses=COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request, service: Service) -> Response:

@@ -10,40 +10,38 @@ what a dashboard plots.
 
 from __future__ import annotations
 
-from engine_ext.engine import LLMEngine
+from engine_ext.served import ReuseCounters
 
 PREFIX = "kvrelay_engine_"
 
 
-def reuse_metrics(engine: LLMEngine) -> str:
+def reuse_metrics(counters: ReuseCounters) -> str:
     lines: list[str] = []
 
     def counter(name: str, help_: str, samples: list[tuple[str, int]]) -> None:
         lines.extend([f"# HELP {PREFIX}{name} {help_}", f"# TYPE {PREFIX}{name} counter"])
         lines.extend(f"{PREFIX}{name}{labels} {value}" for labels, value in samples)
 
-    bank = engine.anchor_bank
-    if bank is not None:
+    if counters.kvcomm_tokens is not None:
+        predicted, measured = counters.kvcomm_tokens
         counter("kvcomm_tokens_total", ("KVCOMM placeholder tokens placed (from anchors, another reader's KV or "
                                          "shifted) or computed to be measured"),
-                [('{kind="predicted"}', bank.num_predicted_tokens), ('{kind="measured"}', bank.num_measured_tokens)])
-    collective = engine.runner.collective
-    if collective is not None:
-        counter("collective_rounds_total", "All-Gather round groups prefilled collectively",
-                [("", collective.num_rounds)])
-        counter("collective_members_total", "requests prefilled in collective round groups",
-                [("", collective.num_members)])
-    store = engine.diff_store
-    if store is not None:
+                [('{kind="predicted"}', predicted), ('{kind="measured"}', measured)])
+    if counters.collective is not None:
+        rounds, members = counters.collective
+        counter("collective_rounds_total", "All-Gather round groups prefilled collectively", [("", rounds)])
+        counter("collective_members_total", "requests prefilled in collective round groups", [("", members)])
+    mirrors = counters.mirrors
+    if mirrors is not None:
         counter("round_mirror_bytes_total", "bytes of round caches kept as diffs against their round's master",
-                [("", store.mirror_bytes)])
+                [("", mirrors.mirror_bytes)])
         counter("round_mirrored_dense_bytes_total", "bytes those mirrored caches would take kept densely",
-                [("", store.mirrored_dense_bytes)])
+                [("", mirrors.mirrored_dense_bytes)])
         counter("round_mirrored_rows_total", "region rows (tokens) of those mirrored caches",
-                [("", store.mirrored_rows)])
+                [("", mirrors.mirrored_rows)])
         counter("round_mirror_rows_total", "rows their diffs hold verbatim: text no master row holds (unshared), "
                 "values unlike the master's (differing), equal ones in a touched block (alongside)",
-                [(f'{{cause="{cause}"}}', value) for cause, value in store.mirror_rows._asdict().items()])
+                [(f'{{cause="{cause}"}}', value) for cause, value in mirrors.mirror_rows._asdict().items()])
     counter("background_steps_interrupted_total", "background steps (fidelity probes) stopped by an arriving request",
-            [("", engine.num_interrupted_steps)])
+            [("", counters.interrupted_steps)])
     return "\n".join(lines) + "\n"

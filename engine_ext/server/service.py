@@ -53,7 +53,7 @@ class CompletionService:
         self.model_name = model_name
         self.plans = plans if plans is not None else PlanReader()
         self.tracer = tracer if tracer is not None else NoOpTracer()
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.model.tokenizer
         self.aligner = PromptAligner(self.tokenizer)
         self.tool_format = pick_format(self.tokenizer, FORMATS)  # how this model's template takes tools
         self._grammars: GrammarCompiler | None = None
@@ -63,9 +63,9 @@ class CompletionService:
 
     def models(self) -> dict[str, Any]:
         """The base model, then each adapter as `base:adapter`."""
-        ids = [self.model_name] + [f"{self.model_name}:{name}" for name in self.engine.engine.adapters.names]
+        ids = [self.model_name] + [f"{self.model_name}:{name}" for name in self.engine.model.adapter_names]
         cards = [{"id": model_id, "object": "model", "created": 0, "owned_by": "kvrelay",
-                  "max_model_len": self.engine.engine.max_model_len} for model_id in ids]
+                  "max_model_len": self.engine.model.max_model_len} for model_id in ids]
         return {"object": "list", "data": cards}
 
     def _adapter(self, model: str) -> str | None:
@@ -77,7 +77,7 @@ class CompletionService:
             ref = AdapterRef.of(model)
         except ValueError as exc:  # an empty base or adapter name: no such model
             raise ModelNotFoundError(model) from exc
-        if ref.base != self.model_name or ref.name not in self.engine.engine.adapters.names:
+        if ref.base != self.model_name or ref.name not in self.engine.model.adapter_names:
             raise ModelNotFoundError(model)
         return ref.name
 
@@ -169,9 +169,8 @@ class CompletionService:
         in a worker thread: two first requests must not both build it)."""
         with self._grammars_lock:
             if self._grammars is None:
-                engine = self.engine.engine
-                self._grammars = GrammarCompiler(self.tokenizer.to_json(), engine.model_config.vocab_size,
-                                                 engine.eos_token_ids)
+                model = self.engine.model
+                self._grammars = GrammarCompiler(self.tokenizer.to_json(), model.vocab_size, model.eos_token_ids)
             return self._grammars
 
     # -- non-streaming -----------------------------------------------------------------

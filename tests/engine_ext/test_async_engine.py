@@ -189,3 +189,17 @@ def test_build_off_thread_builds_on_a_thread_that_has_ended_and_reraises_its_err
     assert built_on[0] is not threading.current_thread() and not built_on[0].is_alive()
     with pytest.raises(ValueError, match="no model"):
         build_off_thread(lambda: (_ for _ in ()).throw(ValueError("no model")))
+
+
+def test_the_serving_layer_reads_the_model_s_facts_and_counters_as_values(engines):
+    """The service reads `AsyncEngine.model` and `reuse_counters()`, never the engine's parts:
+    the facts are the loaded model's, and the counters a snapshot of what reuse did."""
+    llm, eng = engines
+    model = eng.model
+    assert (model.name, model.vocab_size, model.max_model_len, model.block_size) == (
+        llm.model_name, llm.model_config.vocab_size, llm.max_model_len, llm.config.block_size)
+    assert model.tokenizer is llm.tokenizer and model.eos_token_ids == llm.eos_token_ids
+    assert model.adapter_names == ()
+    counters = eng.reuse_counters()
+    assert counters.interrupted_steps == llm.num_interrupted_steps == 0
+    assert counters.collective == (0, 0)  # collective reuse is on by default, and nothing ran yet

@@ -20,14 +20,14 @@ def _counters(text: str) -> dict[str, float]:
 
 def test_a_collective_round_shows_in_the_counters(deep_llama):
     eng = engine(deep_llama)
-    before = _counters(reuse_metrics(eng))
+    before = _counters(reuse_metrics(eng.reuse_counters()))
     assert before["kvrelay_engine_collective_rounds_total"] == 0
     assert before['kvrelay_engine_kvcomm_tokens_total{kind="predicted"}'] == 0
     rnd = Round.make(num_agents=3)
     rnd.cache_outputs(eng)
     rnd.add(eng, publish=True)
     run_all(eng)
-    after = _counters(reuse_metrics(eng))
+    after = _counters(reuse_metrics(eng.reuse_counters()))
     assert after["kvrelay_engine_collective_rounds_total"] == 1
     assert after["kvrelay_engine_collective_members_total"] == 3
     store = eng.diff_store
