@@ -323,7 +323,8 @@ class LLMEngine:
         if self.tiers is not None:
             self.tiers.poll(timeout)
             if self.prefetcher is not None:
-                self.prefetcher.run(self.scheduler.num_blocks_to_finish())
+                if due := self.prefetcher.due():  # the reserve is summed only when a load may start
+                    self.prefetcher.run(due, self.scheduler.num_blocks_to_finish())
 
     def _observe_prefill(self, chunks: list[ScheduledChunk], seconds: float) -> None:
         """What TTFT breakdowns price reuse against (engine_ext/timeline.py), before the

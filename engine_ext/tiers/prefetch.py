@@ -15,7 +15,7 @@ from functools import partial
 
 from engine_ext.kv.eviction import EvictionPolicy
 from engine_ext.tiers.store import TieredStore
-from engine_ext.tiers.workflow import WorkflowTable
+from engine_ext.tiers.workflow import UpcomingAgent, WorkflowTable
 
 
 class Prefetcher:
@@ -28,12 +28,16 @@ class Prefetcher:
         self.max_prefetches = max_prefetches
         self.num_started = 0  # loads started (one per agent prefix that needed one)
 
-    def run(self, num_reserved: int) -> int:
-        """Start the loads the upcoming agents need, leaving `num_reserved` blocks free
-        (those the running requests may still allocate: the scheduler's figure, which the
-        engine passes in); returns how many blocks it started."""
+    def due(self) -> list[UpcomingAgent]:
+        """The agents within `load_ahead` steps of running, soonest first."""
+        return self.table.upcoming(self.load_ahead)
+
+    def run(self, due: list[UpcomingAgent], num_reserved: int) -> int:
+        """Start the loads the `due` agents need, leaving `num_reserved` blocks free (those
+        the running requests may still allocate: the scheduler's figure, which the engine
+        asks for only when some agent is due); returns how many blocks it started."""
         num_blocks = 0
-        for upcoming in self.table.upcoming(self.load_ahead):
+        for upcoming in due:
             if self.store.num_loads_in_flight >= self.max_prefetches:
                 break
             started = self.store.load(upcoming.prefix, partial(self.policy.spares, steps=upcoming.steps),
