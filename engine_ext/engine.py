@@ -108,8 +108,8 @@ class LLMEngine:
         self.prefill_rate = PrefillRate(config.max_num_batched_tokens)
         self.prefix_shadow = PrefixShadow(self.kv_cache.num_blocks)
         self.scheduler = Scheduler(config, self.kv, self.lifecycle)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), self.lifecycle,
-                                  parts.reuse_prefill, parts.collective)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.kv, Sampler(), parts.reuse_prefill,
+                                  parts.collective)
         limits = [self.model_config.max_position_embeddings]
         if config.max_model_len:
             limits.append(config.max_model_len)
@@ -298,22 +298,29 @@ class LLMEngine:
             self._transfers(timeout=self._transfer_wait_s)  # wake as soon as a load lands, without spinning
             return []
         started = time.monotonic()
+        # Prefills around placed KV: once computed (or failed), they let go of what they read.
+        placing = [seq for seq, _ in step.chunks if seq.group is not None or seq.placement is not None]
         try:
-            sampled = self.runner.run(step, interrupt)
+            run = self.runner.run(step, interrupt)
+            for computed_round in run.rounds:  # kept while the segments its members read are still pinned
+                self.lifecycle.round_computed(*computed_round)
         except StepInterrupted:
             self.num_interrupted_steps += 1
             return []
+        finally:
+            for seq in placing:
+                self.lifecycle.prefill_done(seq)
         computed = self.runner.last_forward_end  # the forward passes; sampling follows
         self._observe_prefill(step.chunks, computed - started)
         for seq, num_tokens in step.chunks:
-            seq.num_computed_tokens += num_tokens
+            self.kv.computed(seq, seq.num_computed_tokens + num_tokens)
             if seq.timeline.prefilled is None:
                 seq.timeline.prefill_steps.append(Interval(started, computed))
                 if seq.num_computed_tokens >= seq.num_prompt_tokens:
                     seq.timeline.prefilled = computed
             self._publish(seq)
             self.lifecycle.after_prefill(seq)
-        return [self._append(seq, token) for seq, token in sampled]
+        return [self._append(seq, token) for seq, token in run.sampled]
 
     def _transfers(self, timeout: float = 0.0) -> None:
         """Apply finished transfers (loaded prefixes become hits, backups unpin), then start
@@ -351,10 +358,12 @@ class LLMEngine:
         """Compute the KV of the sequence's tokens up to `end` (its sampled, never
         computed last tokens) and publish it; False when the pool has no room now."""
         num_new = end - seq.num_computed_tokens
+        if num_new <= 0:
+            return True
         if not self.kv.allocate(seq, num_new):
             return False
         self.runner.compute(seq, num_new)
-        seq.num_computed_tokens = end
+        self.kv.computed(seq, end)
         self._publish(seq)
         return True
 
@@ -384,7 +393,8 @@ class LLMEngine:
             reason = "stop"
         if reason is not None:
             ending: Ending = "stop_string" if text.stopped else "stop_token" if ended_on_token else "length"
-            self.lifecycle.register_output(seq, ending, self._compute_tail)
+            if (end := self.lifecycle.answer_end(seq, ending)) is not None and self._compute_tail(seq, end):
+                self.lifecycle.keep_answer(seq, end)
             self._finish(seq, reason)
         return RequestOutput(
             request_id=seq.request_id,

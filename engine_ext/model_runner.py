@@ -1,4 +1,9 @@
-"""Turns a scheduled step into model inputs, runs the model, samples next tokens."""
+"""Turns a scheduled step into model inputs, runs the model, samples next tokens.
+
+The runner computes and reports; it calls nothing above it. What reuse does once
+placed KV is computed (keep a round's caches, let go of what the prefill read) is the
+engine's to ask of the ReuseLifecycle, from the `StepRun` the runner returns.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,11 @@ import torch
 from engine_ext.adapters.lora import LoraAdapter
 from engine_ext.adapters.rows import AdapterRows, AdapterSpan
 from engine_ext.collective.collector import CollectiveGroup
-from engine_ext.collective.prefill import CollectivePrefill, GroupMember
+from engine_ext.collective.prefill import CollectivePrefill, CollectiveResult, GroupMember
 from engine_ext.kv.cache import KVCache
 from engine_ext.kv.manager import KVCacheManager
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.reuse.assembler import Assembly
-from engine_ext.reuse.lifecycle import ReuseLifecycle
 from engine_ext.reuse.prefill import ReusePrefill
 from engine_ext.sampling import Sampler
 from engine_ext.scheduler import ScheduledChunk, SchedulerOutput
@@ -34,22 +38,33 @@ class DecoderRow(NamedTuple):
     position: int
 
 
+class RoundComputed(NamedTuple):
+    """A round group's collective prefill, as the lifecycle keeps it."""
+
+    seqs: list[Sequence]
+    members: list[GroupMember]
+    result: CollectiveResult
+
+
+class StepRun(NamedTuple):
+    sampled: list[tuple[Sequence, int]]  # each sequence whose chunk reached its end, and its next token
+    rounds: list[RoundComputed]  # the step's collective prefills
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, kv: KVCacheManager, sampler: Sampler,
-                 lifecycle: ReuseLifecycle, reuse: ReusePrefill | None = None,
-                 collective: CollectivePrefill | None = None) -> None:
+                 reuse: ReusePrefill | None = None, collective: CollectivePrefill | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
         self.sampler = sampler
-        self.lifecycle = lifecycle  # told when placed KV was computed (engine_ext/reuse/lifecycle.py)
         self.reuse = reuse
         self.collective = collective
         # When the last run's forward passes ended and its sampling began (monotonic): the
         # engine's timelines split a request's prefill from its first token there.
         self.last_forward_end = 0.0
 
-    def run(self, step: SchedulerOutput, interrupt: Callable[[], bool] | None = None) -> list[tuple[Sequence, int]]:
+    def run(self, step: SchedulerOutput, interrupt: Callable[[], bool] | None = None) -> StepRun:
         """Compute the scheduled tokens; sample for each sequence whose chunk reaches its end.
         A round group's prefills run together, other prefills around placed segments one
         by one; everything else runs as one batch. A background step stops between layers
@@ -57,16 +72,19 @@ class ModelRunner:
         rows: list[tuple[Sequence, torch.Tensor]] = []  # (sequence, final hidden state (1, hidden))
         batch: list[ScheduledChunk] = []
         groups: dict[int, CollectiveGroup] = {}
+        rounds: list[RoundComputed] = []
         for chunk in step.chunks:
             seq = chunk.seq
             if seq.group is not None:
                 groups[id(seq.group)] = seq.group
-            elif (assembly := self.lifecycle.placement(seq)) is not None:
+            elif (assembly := seq.placement) is not None:
                 rows.append((seq, self._run_reuse(seq, assembly)))
             else:
                 batch.append(chunk)
         for group in groups.values():
-            rows += self._run_group(group)
+            computed = self._run_group(group)
+            rounds.append(computed)
+            rows += zip(computed.seqs, computed.result.last_hidden)
         rows = self._decode_first_tokens(rows)
         scored: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         if batch:
@@ -76,7 +94,7 @@ class ModelRunner:
             for row in self.model.compute_logits(hidden):
                 kept_logits.append(row)
         if not rows:
-            return []
+            return StepRun([], rounds)
         seqs = [seq for seq, _ in rows]
         logits = self.model.compute_logits(torch.cat([h for _, h in rows]))  # (num_sampling, vocab)
         tokens = self.sampler.sample(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
@@ -85,7 +103,7 @@ class ModelRunner:
                 seq.logits.append(logits[i].clone())
             if seq.forced_token_ids is not None:
                 tokens[i] = seq.forced_token_ids[len(seq.output_token_ids)]
-        return list(zip(seqs, tokens))
+        return StepRun(list(zip(seqs, tokens)), rounds)
 
     def compute(self, seq: Sequence, num_tokens: int) -> None:
         """Write the KV of the sequence's next `num_tokens` tokens (slots allocated), and
@@ -94,28 +112,18 @@ class ModelRunner:
         self._run_batch([ScheduledChunk(seq, num_tokens)])
 
     def _run_reuse(self, seq: Sequence, assembly: Assembly) -> torch.Tensor:
-        try:
-            # Segments are placed only from the segment index, which comes with its prefill (reuse/parts.py).
-            assert self.reuse is not None, "placed segments without a reuse prefill"
-            slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
-            return self.reuse.run(assembly, seq.token_ids, slots, seq.timeline)
-        finally:
-            self.lifecycle.prefill_done(seq)
+        # Segments are placed only from the segment index, which comes with its prefill (reuse/parts.py).
+        assert self.reuse is not None, "placed segments without a reuse prefill"
+        slots = self.kv.slots(seq, seq.num_tokens)  # (T,)
+        return self.reuse.run(assembly, seq.token_ids, slots, seq.timeline)
 
-    def _run_group(self, group: CollectiveGroup) -> list[tuple[Sequence, torch.Tensor]]:
-        """One collective prefill for the round's members; the lifecycle then keeps their
-        caches (while the segments they read are still pinned)."""
+    def _run_group(self, group: CollectiveGroup) -> RoundComputed:
+        """One collective prefill for the round's members."""
         seqs = group.members
         members = [self._member(s) for s in seqs]
-        try:
-            # Groups are formed only by the collector, which comes with the collective prefill (reuse/parts.py).
-            assert self.collective is not None, "a round group without a collective prefill"
-            result = self.collective.run(group.round_id, members)
-            self.lifecycle.round_computed(seqs, members, result)
-        finally:
-            for seq in seqs:
-                self.lifecycle.prefill_done(seq)
-        return list(zip(seqs, result.last_hidden))
+        # Groups are formed only by the collector, which comes with the collective prefill (reuse/parts.py).
+        assert self.collective is not None, "a round group without a collective prefill"
+        return RoundComputed(seqs, members, self.collective.run(group.round_id, members))
 
     def _member(self, seq: Sequence) -> GroupMember:
         """A round group member's inputs to the collective prefill."""

@@ -209,8 +209,6 @@ class Scheduler:
         if placements is None:
             self._undo_admission(seq)
             return None
-        if seq.num_preemptions == 0:
-            seq.num_cached_tokens = plan.num_ready
         seq.status = SequenceStatus.RUNNING
         if not seq.background:
             self.waiting.remove(seq)
@@ -229,15 +227,13 @@ class Scheduler:
     def _undo_admission(self, seq: Sequence) -> None:
         """Give back what `_admit` took for a sequence that stays waiting."""
         self.lifecycle.release(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        self.kv.reset(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a sequence's KV, to be recomputed later: a request (already out of
         `running`) goes back to the head of the queue, background work stays in place."""
         self.lifecycle.release(seq)
-        self.kv.free(seq)
-        seq.num_computed_tokens = 0
+        self.kv.reset(seq)
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         if not seq.background:

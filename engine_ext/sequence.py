@@ -115,6 +115,11 @@ class Sequence:
         return last if self.logits_from is None else min(last, self.logits_from)
 
     @property
+    def placement(self) -> Assembly | None:
+        """The assembly its next prefill runs around when that places segments, else None."""
+        return self.assembly if self.assembly is not None and self.assembly.placed else None
+
+    @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 

@@ -1,4 +1,10 @@
-"""Maps sequences to KV blocks: prefix-cache lookup, slot allocation, publication, release."""
+"""Maps sequences to KV blocks: prefix-cache lookup, slot allocation, publication, release.
+
+The manager is the one writer of `Sequence.num_computed_tokens`: how many of a
+sequence's tokens have their K/V in its blocks is a fact about those blocks, so it
+changes only here (a prefix hit, `computed`, `reset`), whoever computed, fetched or
+restored the KV.
+"""
 
 from __future__ import annotations
 
@@ -115,7 +121,23 @@ class KVCacheManager:
         seq.num_published_blocks = max(seq.num_published_blocks, num_full)
         return published
 
+    def computed(self, seq: Sequence, end: int) -> None:
+        """The sequence's tokens [0, end) now have their K/V in its blocks (computed by a
+        step, fetched from a lower tier, or restored from a round cache)."""
+        if not seq.num_computed_tokens <= end <= len(seq.blocks) * self.block_size:
+            raise ValueError(f"{seq.request_id}: {end} computed tokens, from {seq.num_computed_tokens}, "
+                             f"do not fit its {len(seq.blocks)} blocks")
+        seq.num_computed_tokens = end
+
     def free(self, seq: Sequence) -> None:
+        """Let go of a finished sequence's blocks (they stay cached for reuse); its count
+        of computed tokens stays, as a record of what it ran."""
         self.pool.release(list(reversed(seq.blocks)))
         seq.blocks = []
         seq.num_published_blocks = 0
+
+    def reset(self, seq: Sequence) -> None:
+        """Let go of the blocks of a sequence that will be computed again (preempted, or
+        its admission undone): none of its tokens is computed any more."""
+        self.free(seq)
+        seq.num_computed_tokens = 0

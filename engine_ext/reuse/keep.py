@@ -11,7 +11,6 @@ is logged and the request goes on.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -111,22 +110,21 @@ class Keeper:
             return True
         return any(seg.method in PLACED_METHODS for seg in seq.segments)
 
-    def register_output(self, seq: Sequence, ending: Ending, compute: Callable[[Sequence, int], bool]) -> None:
-        """Keep a finished answer as a segment: the next agent reading it reuses its KV
-        without ever prefilling it alone. The tokens kept are exactly the answer's text
-        (engine_ext/reuse/answers.py); a last token that was sampled but never computed
-        (an answer cut by length) is computed first by `compute(seq, end)`, False when
-        the pool has no room for it now."""
-        index = self.parts.segment_index
-        if (index is None or not self.config.reuse.register_outputs or not seq.segments
+    def answer_end(self, seq: Sequence, ending: Ending) -> int | None:
+        """Where a finished answer kept as a segment ends (None: not kept), so the next
+        agent reading it reuses its KV without ever prefilling it alone. The tokens kept
+        are exactly the answer's text (engine_ext/reuse/answers.py); a last token that was
+        sampled but never computed (an answer cut by length) is the caller's to compute."""
+        if (self.parts.segment_index is None or not self.config.reuse.register_outputs or not seq.segments
                 or not self.keeps_segments(seq)):
-            return
+            return None
         count = answer_tokens(seq.output_token_ids, seq.detokenizer.text, ending, self.tokenizer)
-        if count < self.config.reuse.min_segment_tokens:
-            return
+        return seq.num_prompt_tokens + count if count >= self.config.reuse.min_segment_tokens else None
+
+    def keep_answer(self, seq: Sequence, end: int) -> None:
+        """Put the answer's tokens, computed up to `end`, into the segment index."""
+        index = self.parts.segment_index
+        assert index is not None and end <= seq.num_computed_tokens, "keep_answer follows answer_end and its compute"
         start = seq.num_prompt_tokens
-        end = start + count
-        if end > seq.num_computed_tokens and not compute(seq, end):
-            return
         slots = self.kv.slots(seq, end)[start:]  # (n,)
         index.register(seq.token_ids[start:end], slots, start, seq.tenant, generated=True)

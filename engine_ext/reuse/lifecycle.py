@@ -7,12 +7,13 @@ has been computed, once its prompt is done (commit what it measured, keep what o
 may reuse) and whenever it stops running (let go of every pin). These used to be
 branches inside the scheduler, the model runner and the engine, each knowing which
 optional piece (restorer, tiers, collector, assembler, diff store) exists. Here they
-are methods; the scheduler budgets with an `AdmissionPlan`, the runner computes, and
-both call in here at those points only.
+are methods; the scheduler budgets with an `AdmissionPlan` and calls in here at
+admission, the runner computes and calls nothing above it, and the engine tells the
+lifecycle what each step computed.
 
 The request's path: `plan` (admission: what is ready, what to compute, at what cost)
 -> `place` (copy fetched and restored KV in, once its blocks are allocated) -> the
-prefill (the runner; `prefill_done` / `round_computed` after placed KV was computed)
+prefill (the runner; the engine then calls `round_computed` and `prefill_done`)
 -> `after_prefill` (commit, register, store) -> `release` (preempted, finished, or an
 admission undone: every pin let go in one idempotent call).
 """
@@ -20,7 +21,7 @@ admission undone: every pin let go in one idempotent call).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine_ext.collective.collector import KVCollector
@@ -29,7 +30,6 @@ from engine_ext.config import EngineConfig
 from engine_ext.diffs.restorer import Restore
 from engine_ext.kv.manager import KVCacheManager, PrefixMatch
 from engine_ext.reuse.answers import Ending
-from engine_ext.reuse.assembler import Assembly
 from engine_ext.reuse.keep import Keeper
 from engine_ext.reuse.parts import ReuseParts
 from engine_ext.sequence import Sequence
@@ -129,7 +129,7 @@ class ReuseLifecycle:
             if not self.tiers.fetch(list(plan.fetch), seq.blocks[num_hits : num_hits + len(plan.fetch)]):
                 return None
             placements.append(("tier_fetch", Placement(fetched_at, time.monotonic(), num_fetched)))
-            seq.num_computed_tokens += num_fetched
+            self.kv.computed(seq, seq.num_computed_tokens + num_fetched)
             if seq.num_preemptions == 0:
                 seq.num_fetched_tokens = num_fetched
         restore = plan.restore
@@ -139,9 +139,11 @@ class ReuseLifecycle:
             placements.append(("diff_restore", Placement(restored_at, time.monotonic(),
                                                          restore.num_tokens - restore.region_start)))
             seq.restore = restore
-            seq.num_computed_tokens = restore.num_tokens
+            self.kv.computed(seq, restore.num_tokens)
             exact = seq.num_exact_tokens
             seq.num_exact_tokens = restore.region_start if exact is None else min(exact, restore.region_start)
+        if seq.num_preemptions == 0:  # what it reports as cached: what it started with, at its first admission
+            seq.num_cached_tokens = plan.num_ready
         return placements
 
     def _lower_match(self, tiers: TieredStore, seq: Sequence, num_hits: int) -> LowerMatch:
@@ -151,11 +153,6 @@ class ReuseLifecycle:
         return tiers.match(seq.block_hashes[num_hits:max_blocks])
 
     # -- the prefill -------------------------------------------------------------------
-    @staticmethod
-    def placement(seq: Sequence) -> Assembly | None:
-        """The assembly its next prefill runs around when that places segments, else None."""
-        return seq.assembly if seq.assembly is not None and seq.assembly.placed else None
-
     def round_computed(self, seqs: list[Sequence], members: list[GroupMember], result: CollectiveResult) -> None:
         """A round group's collective prefill ran: report it on each member, and keep
         the round's caches (while the segments they read are still pinned)."""
@@ -184,9 +181,14 @@ class ReuseLifecycle:
         self.keeper.keep(seq)
         seq.timeline.keep_s = time.monotonic() - kept  # reuse's bookkeeping, before its first token
 
-    def register_output(self, seq: Sequence, ending: Ending, compute: Callable[[Sequence, int], bool]) -> None:
-        """Keep a finished answer as a segment (`compute` writes a sampled, never computed tail)."""
-        self.keeper.register_output(seq, ending, compute)
+    def answer_end(self, seq: Sequence, ending: Ending) -> int | None:
+        """Where the finished answer kept as a segment ends, None when it is not kept. The
+        caller computes its tokens up to there first (a last token sampled, never computed)."""
+        return self.keeper.answer_end(seq, ending)
+
+    def keep_answer(self, seq: Sequence, end: int) -> None:
+        """Keep the answer, computed up to `end` (`answer_end`), as a segment."""
+        self.keeper.keep_answer(seq, end)
 
     # -- the end -----------------------------------------------------------------------
     @staticmethod
@@ -204,5 +206,5 @@ class ReuseLifecycle:
 
     def runs_dense(self, seq: Sequence) -> bool:
         """Whether its chunk computes every token it names (no placed KV, no round group)."""
-        return "collective" not in seq.timeline.assembly and self.placement(seq) is None
+        return "collective" not in seq.timeline.assembly and seq.placement is None
 

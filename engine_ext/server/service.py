@@ -1,7 +1,7 @@
 """Turns validated OpenAI requests into engine requests and engine outputs into OpenAI bodies.
 
 One class serves both endpoints: chat and text completions differ only in how the
-prompt is built and how a choice is shaped.
+prompt is built and how a choice is shaped (engine_ext/server/choices.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 import json
 import threading
 import logging
-import time
 import uuid
 from collections.abc import AsyncGenerator, Mapping
 from typing import Any
@@ -28,12 +27,13 @@ from kvrelay.wire.plan import PLAN_KEY, AdapterRef, SegmentPlan
 from engine_ext.reuse.aligner import AlignedPrompt, PromptAligner
 from engine_ext.kv.hashing import DEFAULT_TENANT
 from engine_ext.reuse.segments import DEFAULT_APP, ReuseScope, report
+from engine_ext.server.choices import Choices, choices_for, finish_with_calls
 from engine_ext.server.errors import ModelNotFoundError, engine_error_status, error_body
 from engine_ext.server.plans import MessageShift, PlanReader
 from engine_ext.server.schemas import ChatCompletionRequest, ChatTool, CompletionRequest
 from engine_ext.server.shaping import ChatShape, shape_chat
 from engine_ext.structured.grammar import Grammar, GrammarCompiler, TokenConstraint
-from engine_ext.tools.calls import ParsedAnswer, ToolCall
+from engine_ext.tools.calls import ToolCall
 from engine_ext.tools.formats import FORMATS, pick_format
 from engine_ext.tools.formats.generic import AutoPolicy, GenericFormat
 from engine_ext.server.tracing import emit_request_spans
@@ -176,8 +176,8 @@ class CompletionService:
     # -- non-streaming -----------------------------------------------------------------
     async def complete(self, req: Request, headers: Mapping[str, str] | None = None,
                        shift: MessageShift | None = None) -> dict[str, Any]:
-        is_chat = isinstance(req, ChatCompletionRequest)
-        request_id = _new_id(is_chat)
+        choices = choices_for(req)
+        request_id = choices.new_id()
         text: list[str] = []
         line, last = Timeline(), None
         error: str | None = "cancelled"  # stays "cancelled" if the client goes away
@@ -192,20 +192,12 @@ class CompletionService:
             error = type(exc).__name__
             raise
         finally:
-            self._trace(headers or {}, is_chat, req.model, line, last, error)
+            self._trace(headers or {}, choices, req.model, line, last, error)
         if last is None:
             raise EngineError(f"request {request_id} ended without output")
-        content = "".join(text)
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": last.finish_reason}
-        if is_chat:
-            answer = shape.parse(content) if shape is not None else ParsedAnswer(content)
-            choice["message"] = {"role": "assistant", "content": answer.content}
-            if answer.calls:
-                choice["message"]["tool_calls"] = [call.to_openai() for call in answer.calls]
-                choice["finish_reason"] = _finish_with_calls(last.finish_reason)
-        else:
-            choice["text"] = content
-        body = self._envelope(req, request_id, is_chat, chunk=False)
+        choices.answer(choice, "".join(text), shape)
+        body = choices.envelope(request_id, req.model, chunk=False)
         body["choices"] = [choice]
         body["usage"] = _usage(last)
         params = self._response_params(req, last, note, headers or {})
@@ -218,34 +210,28 @@ class CompletionService:
                      shift: MessageShift | None = None) -> AsyncGenerator[str, None]:
         """SSE lines. Validation errors surface before the first yield so the route can
         still answer with a proper error status."""
-        is_chat = isinstance(req, ChatCompletionRequest)
-        request_id = _new_id(is_chat)
+        choices = choices_for(req)
+        request_id = choices.new_id()
         line = Timeline()
         try:
             outputs, note, shape = await self._outputs(req, request_id, line, shift)
             first = await anext(outputs)  # raises validation errors here, before any byte is sent
         except Exception as exc:
-            self._trace(headers or {}, is_chat, req.model, line, None, type(exc).__name__)
+            self._trace(headers or {}, choices, req.model, line, None, type(exc).__name__)
             raise
-        return self._sse(req, request_id, is_chat, first, outputs, note, headers or {}, line, shape)
+        return self._sse(req, request_id, choices, first, outputs, note, headers or {}, line, shape)
 
-    async def _sse(self, req: Request, request_id: str, is_chat: bool, first: RequestOutput,
+    async def _sse(self, req: Request, request_id: str, choices: Choices, first: RequestOutput,
                    rest: AsyncGenerator[RequestOutput, None], note: str | None,
                    headers: Mapping[str, str], line: Timeline, shape: ChatShape | None
                    ) -> AsyncGenerator[str, None]:
         reader = shape.stream() if shape is not None else None
-        envelope = self._envelope(req, request_id, is_chat, chunk=True)
+        envelope = choices.envelope(request_id, req.model, chunk=True)
 
         def chunk(delta: str | None, finish_reason: str | None, role: bool = False,
                   calls: tuple[ToolCall, ...] = ()) -> str:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish_reason}
-            if is_chat:
-                choice["delta"] = ({"role": "assistant", "content": ""} if role
-                                   else ({} if delta is None else {"content": delta}))
-                if calls:
-                    choice["delta"]["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
-            else:
-                choice["text"] = delta or ""
+            choices.delta(choice, delta, role, calls)
             body = {**envelope, "choices": [choice]}
             params = self._response_params(req, last, note, headers) if finish_reason is not None else None
             if params is not None:
@@ -254,7 +240,7 @@ class CompletionService:
 
         last, error, traced = first, "cancelled", False
         try:
-            if is_chat:
+            if choices.opens_with_role:
                 yield chunk(None, None, role=True)
             out: RequestOutput | None = first
             answer = ""  # the whole text so far, which a tool format reads
@@ -273,9 +259,9 @@ class CompletionService:
                     yield chunk(delta, None)
                 if calls:
                     yield chunk(None, None, calls=calls)
-                    finish_reason = _finish_with_calls(finish_reason)
+                    finish_reason = finish_with_calls(finish_reason)
             yield chunk(None, finish_reason)
-            self._trace(headers, is_chat, req.model, line, last, None)
+            self._trace(headers, choices, req.model, line, last, None)
             traced = True
             if req.include_usage:
                 yield _sse_line({**envelope, "choices": [], "usage": _usage(last)})
@@ -288,15 +274,15 @@ class CompletionService:
         finally:
             await rest.aclose()  # aborts the request if the client went away mid-stream
             if not traced:
-                self._trace(headers, is_chat, req.model, line, last if last.finished else None, error)
+                self._trace(headers, choices, req.model, line, last if last.finished else None, error)
         yield "data: [DONE]\n\n"
 
-    def _trace(self, headers: Mapping[str, str], is_chat: bool, model: str, line: Timeline,
+    def _trace(self, headers: Mapping[str, str], choices: Choices, model: str, line: Timeline,
                last: RequestOutput | None, error: str | None) -> None:
         """The request's spans, failed ones included; a tracing failure is logged and
         never reaches the response."""
         try:
-            emit_request_spans(self.tracer, headers, _operation(is_chat), model, line, last, error)
+            emit_request_spans(self.tracer, headers, choices.operation, model, line, last, error)
         except Exception:
             logger.exception("emitting the spans of a %s request failed", model)
 
@@ -322,24 +308,6 @@ class CompletionService:
             params = params if params is not None else {}
             params[BLOCKS_KEY] = digests(last.prompt_blocks)  # for the gateway's cache-aware routing
         return params
-
-    def _envelope(self, req: Request, request_id: str, is_chat: bool, chunk: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if is_chat else "text_completion"
-        # The model the client asked for: the base, or `base:adapter` (validated in _prompt).
-        return {"id": request_id, "object": kind, "created": int(time.time()), "model": req.model}
-
-
-def _finish_with_calls(reason: str | None) -> str | None:
-    """An answer that ends in tool calls finishes with "tool_calls", unless it was cut short."""
-    return "tool_calls" if reason == "stop" else reason
-
-
-def _operation(is_chat: bool) -> str:
-    return "chat" if is_chat else "text_completion"
-
-
-def _new_id(is_chat: bool) -> str:
-    return ("chatcmpl-" if is_chat else "cmpl-") + uuid.uuid4().hex
 
 
 def _usage(out: RequestOutput) -> dict[str, Any]:

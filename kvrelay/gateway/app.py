@@ -28,6 +28,7 @@ from kvrelay.gateway.admin import install_admin
 from kvrelay.gateway.ui import install_ui
 from kvrelay.gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from kvrelay.gateway.call import GatewayState, ProxiedCall
+from kvrelay.gateway.endpoints import ENDPOINTS
 from kvrelay.gateway.inference import Inference, RoundHold, StateStore
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES, RESPONSES_BODY
@@ -112,15 +113,15 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
 
     @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY, responses=PROXY_RESPONSES)
     async def chat(request: Request, state: State) -> Response:
-        return await ProxiedCall(state, "/v1/chat/completions", request).run()
+        return await ProxiedCall(state, ENDPOINTS["/v1/chat/completions"], request).run()
 
     @app.post("/v1/completions", openapi_extra=COMPLETION_BODY, responses=PROXY_RESPONSES)
     async def completions(request: Request, state: State) -> Response:
-        return await ProxiedCall(state, "/v1/completions", request).run()
+        return await ProxiedCall(state, ENDPOINTS["/v1/completions"], request).run()
 
     @app.post("/v1/responses", openapi_extra=RESPONSES_BODY, responses=PROXY_RESPONSES)
     async def responses(request: Request, state: State) -> Response:
-        return await ProxiedCall(state, "/v1/responses", request).run()
+        return await ProxiedCall(state, ENDPOINTS["/v1/responses"], request).run()
 
     @app.get("/v1/models")
     async def models(state: State) -> dict[str, Any]:

@@ -30,9 +30,8 @@ from kvrelay.gateway.identity import Identity, identify
 from kvrelay.gateway.inference import Inference, RoundHold, StateStore
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.settings import GatewaySettings
-from kvrelay.gateway.limits import check_messages, check_prompt
-from kvrelay.gateway.responses_view import ResponseSessions, answer_facts, chat_view, error_event
-from kvrelay.gateway.sse import EventReader, EventTooLargeError, finish_reasons_of, inspect, is_done, tool_call_ids
+from kvrelay.gateway.endpoints import Endpoint, ResponseSessions
+from kvrelay.gateway.sse import EventReader, EventTooLargeError, inspect, is_done
 from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from kvrelay.gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from kvrelay.gateway.routing.policies import Route
@@ -44,7 +43,7 @@ from kvrelay.wire.cache_report import BLOCKS_HEADER, read_prompt_blocks
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from kvrelay.gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
-from kvrelay.wire.errors import error_body, error_response
+from kvrelay.wire.errors import error_response
 from kvrelay.json_values import first_misfit
 
 logger = logging.getLogger(__name__)
@@ -52,7 +51,6 @@ REUSE_HEADER = "x-kvrelay-reuse"
 REQUEST_ID_HEADER = "x-kvrelay-request-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
-RESPONSES = "/v1/responses"
 
 
 @dataclass
@@ -75,15 +73,15 @@ class GatewayState:
 
 
 class ProxiedCall:
-    def __init__(self, state: GatewayState, endpoint: str, request: Request) -> None:
+    def __init__(self, state: GatewayState, endpoint: Endpoint, request: Request) -> None:
         self.state = state
-        self.endpoint = endpoint  # "/v1/chat/completions", "/v1/completions" or "/v1/responses"
+        self.endpoint = endpoint  # how the route's bodies and answers read
         self.request = request
         self.view: dict[str, Any] = {}  # the body as planning reads it: chat-shaped for /v1/responses
         self.received = time.perf_counter()
         self.started_at = datetime.now(UTC)
         self.record = RequestRecord(
-            id=f"req-{uuid.uuid4().hex}", endpoint=endpoint, stream=False, started_at=self.started_at,
+            id=f"req-{uuid.uuid4().hex}", endpoint=endpoint.path, stream=False, started_at=self.started_at,
             finished_at=self.started_at, latency_ms=0.0, status="ok", http_status=200,
             prompt_sha256=sha256_text(""), prompt_chars=0,
         )
@@ -109,7 +107,7 @@ class ProxiedCall:
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self._route: Route | None = None  # what the routing policy knows of the prompt
         self._segments: list[Segment] = []  # the plan's, as sent: what routing may weigh
-        self.span = start_call_span(state.tracer, endpoint, request.headers)
+        self.span = start_call_span(state.tracer, endpoint.path, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
     async def run(self) -> Response:
@@ -129,9 +127,8 @@ class ProxiedCall:
             body = self._parse(await self._read_body())
             self._charge = self.state.access.admit(key, self.view)
             ident = identify(self.request.headers, self.view, self.record.api_key_id)
-            if self.endpoint == RESPONSES and ident.session_id is None:
-                continued = self.state.responses.session_of(ident.app_id, body.get("previous_response_id"))
-                ident = ident._replace(session_id=continued)
+            if ident.session_id is None and (previous := self.endpoint.continues(body)) is not None:
+                ident = ident._replace(session_id=self.state.responses.session_of(ident.app_id, previous))
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
             body = self._infer(body, ident)
@@ -142,7 +139,7 @@ class ProxiedCall:
             if self._round is not None and self.state.round_hold is not None:
                 await self.state.round_hold.wait(self._round)
             dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
-                self.endpoint, payload, self._headers(), self.record.model or "", self.record.session_id,
+                self.endpoint.path, payload, self._headers(), self.record.model or "", self.record.session_id,
                 hold=self._holds_round, route=self._route))
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
@@ -196,25 +193,8 @@ class ProxiedCall:
         if not isinstance(model, str) or not model:
             raise BadRequestError("model: a non-empty string is required", param="model")
         self.record.model = model[:256]
-        if self.endpoint == RESPONSES and not isinstance(body.get("input"), (str, list)):
-            raise BadRequestError("input: a string or a list of input items is required", param="input")
-        self.view = chat_view(body) if self.endpoint == RESPONSES else body
-        describe_request(self.span, self.endpoint, self.view, self.record.model)
-        if self.endpoint == RESPONSES:
-            check_messages(self.view["messages"], self.state.settings.limits)
-            prompt_text = json.dumps(self.view["messages"], sort_keys=True, ensure_ascii=False)
-        elif self.endpoint.endswith("chat/completions"):
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-                raise BadRequestError("messages: a non-empty list of message objects is required", param="messages")
-            check_messages(messages, self.state.settings.limits)
-            prompt_text = json.dumps(messages, sort_keys=True, ensure_ascii=False)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, (str, list)) or not prompt:
-                raise BadRequestError("prompt: a non-empty string or list is required", param="prompt")
-            check_prompt(prompt, self.state.settings.limits)
-            prompt_text = prompt if isinstance(prompt, str) else json.dumps(prompt)
+        self.view, prompt_text = self.endpoint.view(body, self.state.settings.limits)
+        describe_request(self.span, self.endpoint.path, self.view, self.record.model)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequestError("stream: must be a boolean", param="stream")
@@ -269,15 +249,8 @@ class ProxiedCall:
             raise BadRequestError(f"{REUSE_HEADER} {exc}", param=REUSE_HEADER) from exc
 
     def _prepare(self, body: dict[str, Any]) -> bytes:
-        """The upstream body: usage is always requested for chat and completion streams,
-        and stripped again for a client that did not ask for it (a Responses stream
-        always ends with its usage)."""
-        if self.record.stream and self.endpoint != RESPONSES:
-            options = body.get("stream_options")
-            options = options if isinstance(options, dict) else {}
-            if not options.get("include_usage"):
-                self.strip_usage = True
-                body = {**body, "stream_options": {**options, "include_usage": True}}
+        """The upstream body, its stream's usage asked for (Endpoint.upstream_body)."""
+        body, self.strip_usage = self.endpoint.upstream_body(body, self.record.stream)
         return _COMPACT_JSON.encode(body).encode()
 
     def _headers(self) -> dict[str, str]:
@@ -300,35 +273,17 @@ class ProxiedCall:
         except (ValueError, RecursionError) as exc:
             raise UpstreamFailedError("the upstream answered with invalid JSON") from exc
         if isinstance(parsed, dict):
-            self._take_answer(parsed)
+            facts = self.endpoint.answer(parsed)
+            self._response_id = facts.response_id
+            self._take_usage(facts.usage)
+            self._completion.append(facts.text)
+            self._tool_call_ids += facts.call_ids
+            self._finish_reasons.extend(facts.finish_reasons)
             params = parsed.get("kv_transfer_params")
             self._take_engine_reports(params)
             if isinstance(params, dict) and any(key in params for key in self.hidden):
                 content = json.dumps(without_params(parsed, self.hidden), separators=(",", ":")).encode()
         return Response(content, status_code=dispatch.response.status, media_type="application/json")
-
-    def _take_answer(self, parsed: dict[str, Any]) -> None:
-        """Usage, text, tool-call ids and finish reasons of a unary answer."""
-        if self.endpoint == RESPONSES:
-            self._response_id = parsed.get("id") if isinstance(parsed.get("id"), str) else None
-            facts = answer_facts(parsed)
-            self._take_usage(facts.usage)
-            self._completion.append(facts.text)
-            self._tool_call_ids += facts.call_ids
-            self._finish_reasons.extend(facts.finish_reasons)
-            return
-        self._take_usage(parsed.get("usage"))
-        raw_choices = parsed.get("choices")
-        choices: list[Any] = raw_choices if isinstance(raw_choices, list) else []
-        self._finish_reasons.extend(finish_reasons_of(choices))
-        for choice in choices:
-            if not isinstance(choice, dict):
-                continue
-            message = choice.get("message") or {}
-            text = message.get("content") if isinstance(message, dict) else None
-            text = text if isinstance(text, str) else choice.get("text")
-            self._completion.append(text if isinstance(text, str) else "")
-            self._tool_call_ids += tool_call_ids([message])
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:
         content = await dispatch.response.read()
@@ -402,10 +357,7 @@ class ProxiedCall:
             self._finish()
 
     def _sse_error(self, message: str, type_: str, code: str) -> bytes:
-        """The gateway's own in-band error: a chat error chunk, or a Responses error event."""
-        if self.endpoint == RESPONSES:
-            return error_event(message, type_, code, self._last_sequence + 1)
-        return _sse_error(message, type_, code)
+        return self.endpoint.stream_error(message, type_, code, self._last_sequence)
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _fail(self, exc: GatewayError) -> Response:
@@ -467,7 +419,7 @@ class ProxiedCall:
                                                   "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids)))
         if rec.status == "ok" and self._probe and self._probe_body and rec.upstream and self.state.prober:
             # An upstream that scores its own probes (the embedded engine) is skipped by offer().
-            self.state.prober.offer(Probe(rec.upstream, self.endpoint, self._probe_body, *self._probe))
+            self.state.prober.offer(Probe(rec.upstream, self.endpoint.path, self._probe_body, *self._probe))
         end_call_span(self.span, rec, self._finish_reasons)
         self.state.writer.submit(rec)
 
@@ -476,6 +428,3 @@ def _count(value: Any) -> int | None:
     """A token count from an upstream's usage, or None if it is not a sane integer."""
     return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31 else None
 
-
-def _sse_error(message: str, type_: str, code: str) -> bytes:
-    return f"data: {json.dumps(error_body(message, type_, None, code))}\n\n".encode()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine_ext.detokenizer import Detokenizer
@@ -27,7 +28,7 @@ def compute(mgr: KVCacheManager, s: Sequence, n: int | None = None) -> None:
     if prefix is not None:
         n = min(n, s.num_tokens - prefix.num_cached_tokens)
     assert mgr.allocate(s, n, prefix)
-    s.num_computed_tokens += n
+    mgr.computed(s, s.num_computed_tokens + n)
     mgr.publish(s)
 
 
@@ -179,3 +180,23 @@ def test_free_releases_tail_first():
     # the tail block is evicted first, the head (most shareable) last
     got = [mgr.pool.allocate(1)[0].block_id for _ in range(6)]
     assert got[-3:] == list(reversed(ids))
+
+
+def test_computed_tokens_only_grow_within_the_blocks_and_reset_frees_them():
+    mgr = KVCacheManager(8, BS, "m")
+    s = seq(range(10))
+    assert mgr.allocate(s, 10)
+    mgr.computed(s, 6)
+    with pytest.raises(ValueError, match="do not fit"):
+        mgr.computed(s, 13)  # three blocks hold 12 tokens
+    with pytest.raises(ValueError):
+        mgr.computed(s, 5)  # a count never goes back while the blocks are held
+    mgr.computed(s, 10)
+    mgr.publish(s)
+    mgr.free(s)  # finished: its blocks go back, its count stays as a record
+    assert (s.blocks, s.num_computed_tokens, mgr.pool.num_free) == ([], 10, 8)
+    again = seq(range(10), "again")
+    compute(mgr, again)
+    mgr.reset(again)  # preempted: it starts over
+    assert (again.blocks, again.num_computed_tokens, again.num_published_blocks) == ([], 0, 0)
+    assert mgr.pool.num_free == 8

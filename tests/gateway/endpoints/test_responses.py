@@ -14,7 +14,7 @@ from kvrelay.gateway.engine_params import event_without_params
 from kvrelay.gateway.errors import BadRequestError
 from kvrelay.gateway.identity import identify
 from kvrelay.gateway.inference.messages import call_ids, prompt_messages
-from kvrelay.gateway.responses_view import answer_facts, chat_view, error_event
+from kvrelay.gateway.endpoints.responses import answer_facts, chat_view, error_event
 from kvrelay.gateway.sse import inspect
 
 BODY = {"model": "m", "instructions": "Sys.", "prompt_cache_key": "sess-9", "metadata": {"agent_id": "coder"},

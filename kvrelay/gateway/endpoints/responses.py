@@ -1,4 +1,4 @@
-"""The gateway's chat-shaped view of a Responses API call (`POST /v1/responses`).
+"""`POST /v1/responses`: the Responses API, read by the gateway as the chat call it stands for.
 
 The gateway's record, limits, rate-limit estimate and structure inference all read
 chat bodies (`messages`). A Responses body is translated to one with the engine's own
@@ -11,6 +11,8 @@ to the upstream to accept or refuse; only a malformed body is a 400 at the gatew
 A stored history (previous_response_id) lives in the engine and is not in the view;
 the engine shifts the plan past it. The answer's facts (text, function-call ids, usage)
 come from the Response's output items, or from its stream's events (kvrelay/gateway/sse.py).
+The id of each relayed Response is remembered with its session (ResponseSessions): a
+continuation that names it joins that session.
 """
 
 from __future__ import annotations
@@ -18,9 +20,12 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import json
-from typing import Any, NamedTuple
+from typing import Any
 
+from kvrelay.gateway.endpoints.base import AnswerFacts, Endpoint, PromptView
 from kvrelay.gateway.errors import BadRequestError
+from kvrelay.gateway.limits import check_messages
+from kvrelay.gateway.settings import LimitSettings
 from kvrelay.gateway.sse import chat_usage, response_call_ids, response_finish_reasons
 from kvrelay.wire.errors import error_body
 from kvrelay.openai_responses import ResponsesRequestError, parse_request, to_chat
@@ -38,11 +43,29 @@ def chat_view(body: dict[str, Any]) -> dict[str, Any]:
     return {**{k: v for k, v in body.items() if k not in _REPLACED}, **chat}
 
 
-class AnswerFacts(NamedTuple):
-    text: str
-    call_ids: tuple[str, ...]
-    usage: dict[str, Any] | None  # in chat's terms
-    finish_reasons: tuple[str, ...]
+class Responses(Endpoint):
+    path = "/v1/responses"
+    operation = "chat"
+
+    def view(self, body: dict[str, Any], limits: LimitSettings) -> PromptView:
+        if not isinstance(body.get("input"), (str, list)):
+            raise BadRequestError("input: a string or a list of input items is required", param="input")
+        view = chat_view(body)
+        check_messages(view["messages"], limits)
+        return PromptView(view, json.dumps(view["messages"], sort_keys=True, ensure_ascii=False))
+
+    def continues(self, body: dict[str, Any]) -> str | None:
+        previous = body.get("previous_response_id")
+        return previous if isinstance(previous, str) else None
+
+    def upstream_body(self, body: dict[str, Any], stream: bool) -> tuple[dict[str, Any], bool]:
+        return body, False  # a Responses stream always ends with its usage, in the final Response
+
+    def answer(self, parsed: dict[str, Any]) -> AnswerFacts:
+        return answer_facts(parsed)
+
+    def stream_error(self, message: str, type_: str, code: str, last_sequence: int) -> bytes:
+        return error_event(message, type_, code, last_sequence + 1)
 
 
 def answer_facts(response: dict[str, Any]) -> AnswerFacts:
@@ -52,8 +75,9 @@ def answer_facts(response: dict[str, Any]) -> AnswerFacts:
     text = "".join(part["text"] for item in items if isinstance(item, dict) and item.get("type") == "message"
                    for part in _content_parts(item)
                    if isinstance(part, dict) and isinstance(part.get("text"), str))
+    ident = response.get("id")
     return AnswerFacts(text, response_call_ids(items), chat_usage(response.get("usage")),
-                       response_finish_reasons(response))
+                       response_finish_reasons(response), ident if isinstance(ident, str) else None)
 
 
 def _content_parts(item: dict[str, Any]) -> list[Any] | tuple[()]:
@@ -87,5 +111,5 @@ class ResponseSessions:
         while len(self._sessions) > self.max_entries:
             self._sessions.popitem(last=False)
 
-    def session_of(self, app_id: str, response_id: Any) -> str | None:
-        return self._sessions.get((app_id, response_id)) if isinstance(response_id, str) else None
+    def session_of(self, app_id: str, response_id: str | None) -> str | None:
+        return self._sessions.get((app_id, response_id)) if response_id is not None else None
