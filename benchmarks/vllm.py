@@ -27,7 +27,11 @@ Fidelity of every approximate row, teacher-forced: each request's prompt followe
 vLLM's own answer is sent back to the stack's vLLM with the plan the gateway recorded
 for it; the share of answer positions where the stack's top-1 token is vLLM's own token
 is `top1`. The same scoring of `vllm_apc` itself is the harness's ceiling (a re-tokenized
-answer can differ from the ids the model sampled).
+answer can differ from the ids the model sampled). A limit of this harness: vLLM computes
+the whole prompt of a request that asks for `prompt_logprobs` (it reads neither its prefix
+cache nor a connector's KV for it), so `top1` is the dense model's on every stack and
+cannot show blend's drift; what blend changed shows in `greedy_match` (answers identical
+to vLLM's own) and `cached_fraction` (prompt tokens vLLM did not compute).
 """
 
 from __future__ import annotations
@@ -216,7 +220,8 @@ class VllmBench:
             self.metrics[f"top1_{name}_{size}"] = top1[name]
             self.metrics[f"errors_{name}_{size}"] = float(cell.errors)
             self.rows.append((f"{label}: greedy match with vLLM APC, {name}", f"{cell.greedy_match(base):.3f}", "", ""))
-            self.rows.append((f"{label}: teacher-forced top-1, {name} (vLLM APC: its own ceiling)", f"{top1[name]:.3f}",
+            self.rows.append((f"{label}: teacher-forced top-1, {name}, dense under prompt_logprobs (vLLM APC: "
+                              "its own ceiling)", f"{top1[name]:.3f}",
                               f"{top1['vllm_apc']:.3f}", ""))
         self.metrics[f"top1_vllm_apc_{size}"] = top1["vllm_apc"]
         exact = [v for k, v in self.metrics.items() if k.endswith(f"_ttft_ratio_vllm_kvrelay_{size}")]

@@ -27,9 +27,14 @@ def test_quick_agents_bench_replays_captures_through_the_product_path(smollm2_di
     assert metrics[f"greedy_match_default_{tag}"] == 1.0
     # Agents' shared prompts are served from cache, at least as much as prefix caching serves.
     assert metrics[f"cached_fraction_kvrelay_{tag}"] >= metrics[f"cached_fraction_prefix_{tag}"] > 0
-    for name in ("placeholder_f1", "session_rand", "agent_rand", "round_acc", "next_agent_acc"):
-        assert 0.0 <= metrics[f"{name}_{tag}"] <= 1.0
-    assert metrics[f"session_rand_{tag}"] > 0.5
+    # Inference scored against the captures' labels. Floors well under what a quick run
+    # scores (placeholder F1 0.815, session and agent Rand 1.0, round 0.795, next agent
+    # 0.448 / 0.684 warm) and far over what a broken rule scores (no placeholder, no
+    # round, no prediction: 0).
+    assert metrics[f"placeholder_f1_{tag}"] >= 0.6 and metrics[f"placeholder_precision_{tag}"] >= 0.6
+    assert metrics[f"session_rand_{tag}"] >= 0.95 and metrics[f"agent_rand_{tag}"] >= 0.95
+    assert metrics[f"round_acc_{tag}"] >= 0.6
+    assert metrics[f"next_agent_acc_{tag}"] >= 0.25 and metrics[f"next_agent_acc_warm_{tag}"] >= 0.45
 
 
 @pytest.mark.slow

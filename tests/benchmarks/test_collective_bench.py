@@ -26,7 +26,11 @@ def test_collective_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch,
     assert metrics["restore_bit_exact"] == 1.0
     assert metrics["restore_ms_fused"] > 0 and metrics["restore_ms_dense"] > 0
     assert metrics["next_turn_ttft_ms_restored"] > 0 and metrics["next_turn_speedup"] > 0
-    for name in ("top1_agreement", "top1_agreement_per_request"):
-        assert 0.0 <= metrics[name] <= 1.0
     assert metrics["top1_agreement_exact"] == 1.0 and metrics["kl_exact"] < 1e-4  # the default is exact
+    # Collective reuse places KV the agents computed under other prefixes: it must drift
+    # from dense (a round that fell back to dense prefill would not), yet stay close.
+    assert 1e-4 < metrics["kl"] < 1.0 and metrics["top1_agreement"] >= 0.5
+    # Per-request blend places too (the bench raises when it does not); its fidelity is
+    # bounded, not pinned: on this two-layer model its KL is that of the exact path.
+    assert metrics["top1_agreement_per_request"] >= 0.5 and 0 <= metrics["kl_per_request"] < 1.0
     assert "round prefill ms, 3 agents" in capsys.readouterr().out
