@@ -107,7 +107,7 @@ class ProxiedCall:
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self._route: Route | None = None  # what the routing policy knows of the prompt
         self._segments: list[Segment] = []  # the plan's, as sent: what routing may weigh
-        self.span = start_call_span(state.tracer, endpoint.path, request.headers)
+        self.span = start_call_span(state.tracer, endpoint.operation, request.headers)
 
     # -- the path ---------------------------------------------------------------------------
     async def run(self) -> Response:
@@ -194,7 +194,7 @@ class ProxiedCall:
             raise BadRequestError("model: a non-empty string is required", param="model")
         self.record.model = model[:256]
         self.view, prompt_text = self.endpoint.view(body, self.state.settings.limits)
-        describe_request(self.span, self.endpoint.path, self.view, self.record.model)
+        describe_request(self.span, self.endpoint.operation, self.view, self.record.model)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequestError("stream: must be a boolean", param="stream")

@@ -24,7 +24,6 @@ from kvrelay.wire.plan import SegmentPlan
 from kvrelay.gateway.storage.writer import RequestRecord
 
 _PROPAGATOR = TraceContextTextMapPropagator()  # W3C traceparent / tracestate
-_OPERATIONS = {"/v1/chat/completions": "chat", "/v1/completions": "text_completion"}
 _REQUEST_PARAMS = {  # body field -> GenAI attribute
     "max_tokens": "gen_ai.request.max_tokens",
     "max_completion_tokens": "gen_ai.request.max_tokens",
@@ -43,9 +42,9 @@ def tracer_from(provider: TracerProvider | None) -> Tracer:
     return provider.get_tracer("kvrelay.gateway") if provider is not None else NoOpTracer()
 
 
-def start_call_span(tracer: Tracer, endpoint: str, client_headers: Mapping[str, str]) -> Span:
-    """The call's span, a child of the client's trace when it sent a traceparent."""
-    operation = _OPERATIONS.get(endpoint, "chat")
+def start_call_span(tracer: Tracer, operation: str, client_headers: Mapping[str, str]) -> Span:
+    """The call's span, a child of the client's trace when it sent a traceparent;
+    `operation`: the GenAI operation name of its route (Endpoint.operation)."""
     parent: Context = _PROPAGATOR.extract(client_headers)
     span = tracer.start_span(operation, context=parent, kind=SpanKind.CLIENT)
     if span.is_recording():
@@ -54,11 +53,11 @@ def start_call_span(tracer: Tracer, endpoint: str, client_headers: Mapping[str, 
     return span
 
 
-def describe_request(span: Span, endpoint: str, body: Mapping[str, Any], model: str) -> None:
+def describe_request(span: Span, operation: str, body: Mapping[str, Any], model: str) -> None:
     """Name the span `{operation} {model}` and note the sampling parameters asked for."""
     if not span.is_recording():
         return
-    span.update_name(f"{_OPERATIONS.get(endpoint, 'chat')} {model}")
+    span.update_name(f"{operation} {model}")
     span.set_attribute("gen_ai.request.model", model)
     for field, attribute in _REQUEST_PARAMS.items():
         value = body.get(field)
