@@ -414,3 +414,5 @@ class EngineConfig:
         names = [spec.name for spec in self.adapters]
         if len(set(names)) != len(names):
             raise ValueError("adapter names must be unique")
+        if self.linear_kernel == "int4" and self.dtype != "float32":
+            raise ValueError("linear_kernel int4 multiplies fp32 activations: it needs dtype float32")

@@ -16,8 +16,10 @@ from pydantic import Field
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # How weight products run (engine_ext/model/linear.py): oneDNN on prepacked weights, plain
-# F.linear, or auto (packed for bf16/fp16; for fp32 whichever a timing at load finds faster).
-LinearKernel = Literal["auto", "packed", "plain"]
+# F.linear, int4 (decode on 4-bit weights, engine_ext/model/quantize.py), or auto (int4 where
+# it stores the model's weights exactly, packed for bf16/fp16; for fp32 whichever a timing
+# at load finds faster).
+LinearKernel = Literal["auto", "packed", "plain", "int4"]
 # What KVCOMM adds to a placed placeholder (the paper's ablation): the RoPE shift alone,
 # plus the placeholder offset, or plus the offset of the fixed segment that follows it.
 KvcommCorrection = Literal["rotation", "placeholder", "full"]

@@ -20,6 +20,10 @@ As with `F.linear`, a row's fp32 result can differ in its last bits with the num
 rows beside it (the kernel blocks the reduction by shape), so fp32 batched and solo
 decoding agree to rounding, not bit for bit; the engine's batched-equals-solo tests
 compare greedy tokens.
+
+A layer may also hold a weight-only quantized copy (`quant`, set by
+engine_ext/model/quantize.py): products of up to `QUANT_MAX_ROWS` rows (decode) then run on
+it, and longer ones (prefill) on the dense weight, which holds the same values.
 """
 
 from __future__ import annotations
@@ -31,12 +35,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_ext.kernels.quant import QuantWeight
 from kvrelay.engine_options import LinearKernel
 
 # Decode batches the choice is timed at: one sequence, and a batch of agents.
 _TIMED_ROWS = (1, 8)
 # The batch-size hint that picks oneDNN's layout; 8 measured as fast as 1 at one row.
 _PACK_HINT = 8
+# Up to this many rows a product runs on the quantized weight, which streams 4-5x fewer
+# bytes; beyond, the dense fp32 product is faster (it reuses each weight across rows).
+QUANT_MAX_ROWS = 16
 
 
 def onednn_available() -> bool:
@@ -62,9 +70,10 @@ def onednn_packs(dtype: torch.dtype) -> bool:
 class PackedLinear(nn.Linear):
     """nn.Linear, plus `pack()`: from then on the product reads a oneDNN-packed copy of
     the weight. Unpacked (before `pack`, after `unpack`, or where oneDNN is absent) it
-    is nn.Linear."""
+    is nn.Linear. With `quant` set, products of few rows read that instead."""
 
     packed: torch.Tensor | None = None
+    quant: QuantWeight | None = None
 
     def pack(self) -> None:
         """Prepack the current weight (call again after changing it)."""
@@ -75,6 +84,14 @@ class PackedLinear(nn.Linear):
         self.packed = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None and x.dim() == 2 and x.shape[0] <= QUANT_MAX_ROWS \
+                and x.dtype == torch.float32:
+            y = self.quant.linear(x, torch.get_num_threads())
+            return y if self.bias is None else y + self.bias
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The product on the dense weight (packed where packed)."""
         if self.packed is None or x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
         # torch.ops resolves its operators at run time: their results are typed Any.
@@ -111,7 +128,7 @@ def _packed_is_faster(layers: list[PackedLinear], rounds: int = 3) -> bool:
         with torch.inference_mode():
             for rows in _TIMED_ROWS:
                 for layer in layers:
-                    layer(inputs[layer.in_features, rows])
+                    layer.dense(inputs[layer.in_features, rows])
         return time.perf_counter() - start
 
     best = {True: float("inf"), False: float("inf")}

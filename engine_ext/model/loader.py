@@ -15,6 +15,7 @@ from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.errors import ModelLoadError
 from engine_ext.model.llama import CausalLM
 from engine_ext.model.linear import pack_linears
+from engine_ext.model.quantize import quantize_linears
 
 
 
@@ -92,5 +93,6 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: Dtype = "float32",
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(TORCH_DTYPES[dtype]).eval()
-    pack_linears(model, linear_kernel)
+    quantize_linears(model, linear_kernel)
+    pack_linears(model, "auto" if linear_kernel == "int4" else linear_kernel)
     return model

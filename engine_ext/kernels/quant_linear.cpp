@@ -1,0 +1,195 @@
+// Weight-only quantized products for decode: y[M,N] = x[M,K] @ W^T with fp32 activations.
+//
+// Why: a decode step multiplies a few rows by every weight, so its time is the time the
+// weights take to stream from memory. Stored as 4 bits (Q4_1) or 8 bits (Q8_0) per weight,
+// they stream 4-5x (2-3x) fewer bytes than fp32; oneDNN and MKL have no such fp32-activation
+// product on CPU.
+//
+// Layouts (the GGUF ones, per block of 32 weights along K):
+//   Q4_1: 16 bytes, byte j holds element j (low nibble) and j + 16 (high); w = d*q + m.
+//   Q8_0: 32 signed bytes; w = d*q.
+// d and m are fp32 (N, K/32). A weight's value is a rounded product then a rounded sum
+// (d*q, + m), as torch's elementwise ops compute it (this file is built with
+// -ffp-contract=off), so the dense copy the engine prefills with (engine_ext/kernels/quant.py)
+// holds the very values this kernel multiplies.
+//
+// Exactness: each output (row, column) is accumulated in one fixed order (lanes across
+// blocks, then one reduction), whatever the number of rows or threads, so a row's result
+// is bitwise the same alone or in a batch.
+#include <immintrin.h>
+#include <omp.h>
+#include <algorithm>
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kColumnsPerTask = 16;
+constexpr int kRowTile = 8;
+
+#if defined(__AVX512F__)
+constexpr int kIsa = 2;
+
+inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <int M>
+void q4_tile(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    const uint8_t* qn = q + n * nb * 16;
+    const float* dn = d + n * nb;
+    const float* mn = m + n * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      // The block's 16 possible weights, t[v] = d*v + m; each weight is t[nibble].
+      const __m512 t = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(dn[b])), _mm512_set1_ps(mn[b]));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16));
+      const __m512 w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), t);
+      const __m512 w1 = _mm512_permutexvar_ps(
+          _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), t);
+      for (int r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * kBlock;
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * N + n] = reduce(acc[r]);
+  }
+}
+
+template <int M>
+void q8_tile(const float* x, const int8_t* q, const float* d, float* y,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m512 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm512_setzero_ps();
+    const int8_t* qn = q + n * K;
+    const float* dn = d + n * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m512 dv = _mm512_set1_ps(dn[b]);
+      const __m128i* src = reinterpret_cast<const __m128i*>(qn + b * kBlock);
+      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), dv);
+      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), dv);
+      for (int r = 0; r < M; ++r) {
+        const float* xr = x + r * K + b * kBlock;
+        acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r]);
+        acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * N + n] = reduce(acc[r]);
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kIsa = 1;
+
+inline float reduce(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
+}
+
+// Four groups of 8 weights per block: q (as int32) -> w = d*q + m -> fma with x.
+template <int M>
+void q4_tile(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    const uint8_t* qn = q + n * nb * 16;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 dv = _mm256_set1_ps(d[n * nb + b]);
+      const __m256 mv = _mm256_set1_ps(m[n * nb + b]);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qn + b * 16));
+      const __m128i lo = _mm_and_si128(bytes, low);
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low);
+      const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+      for (int g = 0; g < 4; ++g) {
+        const __m256 w = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[g])), dv), mv);
+        for (int r = 0; r < M; ++r)
+          acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + b * kBlock + g * 8), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * N + n] = reduce(acc[r]);
+  }
+}
+
+template <int M>
+void q8_tile(const float* x, const int8_t* q, const float* d, float* y,
+             int64_t K, int64_t N, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[M];
+    for (int r = 0; r < M; ++r) acc[r] = _mm256_setzero_ps();
+    const int8_t* qn = q + n * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const __m256 dv = _mm256_set1_ps(d[n * nb + b]);
+      for (int g = 0; g < 4; ++g) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qn + b * kBlock + g * 8));
+        const __m256 w = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), dv);
+        for (int r = 0; r < M; ++r)
+          acc[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + b * kBlock + g * 8), acc[r]);
+      }
+    }
+    for (int r = 0; r < M; ++r) y[r * N + n] = reduce(acc[r]);
+  }
+}
+
+#else
+#error "quant_linear.cpp needs AVX-512F or AVX2+FMA; the loader builds it only where the CPU has one"
+#endif
+
+// Runs tile<M>(x + rows r0.., y + rows r0.., n0, n1) for every 8-row tile and 16-column task.
+template <typename Tile>
+void for_tiles(int64_t rows, int64_t N, int threads, Tile tile) {
+  const int64_t tasks = (N + kColumnsPerTask - 1) / kColumnsPerTask;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+    const int tile_rows = static_cast<int>(std::min<int64_t>(kRowTile, rows - r0));
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t n0 = t * kColumnsPerTask;
+      tile(r0, tile_rows, n0, std::min<int64_t>(N, n0 + kColumnsPerTask));
+    }
+  }
+}
+
+#define KQ_DISPATCH(FN, ...)                                   \
+  switch (tile_rows) {                                         \
+    case 1: FN<1>(__VA_ARGS__); break;                         \
+    case 2: FN<2>(__VA_ARGS__); break;                         \
+    case 3: FN<3>(__VA_ARGS__); break;                         \
+    case 4: FN<4>(__VA_ARGS__); break;                         \
+    case 5: FN<5>(__VA_ARGS__); break;                         \
+    case 6: FN<6>(__VA_ARGS__); break;                         \
+    case 7: FN<7>(__VA_ARGS__); break;                         \
+    default: FN<8>(__VA_ARGS__); break;                        \
+  }
+
+}  // namespace
+
+extern "C" {
+
+int kq_isa() { return kIsa; }
+
+void kq_q4_linear(const float* x, int64_t rows, int64_t K, const uint8_t* q, const float* d,
+                  const float* m, int64_t N, float* y, int threads) {
+  for_tiles(rows, N, threads, [&](int64_t r0, int tile_rows, int64_t n0, int64_t n1) {
+    KQ_DISPATCH(q4_tile, x + r0 * K, q, d, m, y + r0 * N, K, N, n0, n1)
+  });
+}
+
+void kq_q8_linear(const float* x, int64_t rows, int64_t K, const int8_t* q, const float* d,
+                  int64_t N, float* y, int threads) {
+  for_tiles(rows, N, threads, [&](int64_t r0, int tile_rows, int64_t n0, int64_t n1) {
+    KQ_DISPATCH(q8_tile, x + r0 * K, q, d, y + r0 * N, K, N, n0, n1)
+  });
+}
+
+}  // extern "C"
