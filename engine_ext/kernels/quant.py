@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from engine_ext.kernels.quant_build import load_library
+from engine_ext.kernels.compiled import load_library
 
 BLOCK = 32
 
@@ -70,16 +70,16 @@ def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    if x.dtype != torch.float32 or x.dim() != 2:
-        raise ValueError(f"quantized products take 2-D fp32 rows, got {x.dtype} {tuple(x.shape)}")
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"this quantized product takes 2-D fp32 rows of {k}, got {x.dtype} {tuple(x.shape)}")
     return x.contiguous()
 
 
 def _library() -> ctypes.CDLL:
     lib = load_library()
     if lib is None:
-        raise RuntimeError("no quantized-product kernel on this CPU (see engine_ext/kernels/quant_build.py)")
+        raise RuntimeError("no quantized-product kernel on this CPU (see engine_ext/kernels/compiled.py)")
     return lib
 
 
@@ -109,8 +109,8 @@ class Q4_1(QuantWeight):
         return w.reshape(self.shape)
 
     def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:
-        x = _rows(x)
         n, k = self.shape
+        x = _rows(x, k)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         _library().kq_q4_linear(_ptr(x), x.shape[0], k, _ptr(self.packed), _ptr(self.d), _ptr(self.m),
                                 n, _ptr(y), threads)
@@ -147,8 +147,8 @@ class Q8_0(QuantWeight):
         return w.reshape(n, k)
 
     def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:
-        x = _rows(x)
         n, k = self.shape
+        x = _rows(x, k)
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         _library().kq_q8_linear(_ptr(x), x.shape[0], k, _ptr(self.q), _ptr(self.d), n, _ptr(y), threads)
         return y

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
+from engine_ext.kernels.decode_attention import decode_attention
+
 
 @dataclass
 class PrefillSpan:
@@ -39,6 +41,7 @@ class AttentionMetadata:
     decode_start: int  # decode tokens occupy [decode_start, N) of the flat batch
     decode_slots: torch.Tensor | None  # (B, Lmax) slots, padded with slot 0
     decode_mask: torch.Tensor | None  # (B, 1, 1, Lmax) True where the key is real
+    decode_lengths: torch.Tensor | None = None  # (B,) int64 real keys per decode row
     # ICaRus decoder queries come after every row that writes K/V: first one per entry of
     # decoder_entries (M,) (the decode entry it joins), then one per prefill_decoders item
     # (span index -> its row), a query at the span's last position (the first token).
@@ -74,14 +77,14 @@ class AttentionMetadata:
                 mask = torch.arange(num_ctx)[None, :] <= q_pos  # (T, L)
             prefills.append(PrefillSpan(start, num_tokens, slots, mask))
             start += num_tokens
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = lengths = None
         if decode_contexts:
             decode_slots = pad_sequence(decode_contexts, batch_first=True)  # (B, Lmax), pad 0
             lengths = torch.tensor([c.shape[0] for c in decode_contexts])
             positions = torch.arange(decode_slots.shape[1])
             decode_mask = (positions[None, :] < lengths[:, None])[:, None, None, :]  # (B,1,1,Lmax)
         entries = torch.tensor(decoder_entries, dtype=torch.long) if decoder_entries else None
-        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask, entries,
+        return AttentionMetadata(slot_mapping, prefills, start, decode_slots, decode_mask, lengths, entries,
                                  prefill_decoders or None)
 
 
@@ -128,6 +131,12 @@ def paged_attention(
         num_kv = meta.num_kv_rows
         q_dec = q[meta.decode_start : num_kv, :, None, :]  # (B, heads, 1, D)
         num_decoders = 0 if meta.decoder_entries is None else meta.decoder_entries.shape[0]
+        if not num_decoders and meta.decode_lengths is not None:
+            direct = decode_attention(q[meta.decode_start : num_kv], k_cache, v_cache, meta.decode_slots,
+                                      meta.decode_lengths, scale)  # (B, heads, D) or None
+            if direct is not None:
+                out[meta.decode_start : num_kv] = direct
+                return out
         if num_decoders:  # a second query per entry; unpaired ones repeat the first
             second = q_dec.clone()  # (B, heads, 1, D)
             second[meta.decoder_entries] = q[num_kv : num_kv + num_decoders, :, None, :]

@@ -16,6 +16,7 @@ from engine_ext.adapters.rows import AdapterRows
 from engine_ext.config import ModelConfig
 from engine_ext.model.attention import AttentionMetadata, paged_attention
 from engine_ext.model.linear import PackedLinear
+from engine_ext.kernels.norm import rms_norm
 from engine_ext.kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each (num_slots, kv_heads, head_dim)
@@ -29,8 +30,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused op where it computes the same thing (fp32 throughout); ~10 small ops otherwise.
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # One pass on the compiled kernel where it runs (inference), else torch's fused op.
+            compiled = rms_norm(x, self.weight, self.eps)
+            return compiled if compiled is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)

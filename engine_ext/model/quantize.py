@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_ext.kernels.quant_build import KernelBuildError, load_library
+from engine_ext.kernels.compiled import kernels
 from engine_ext.kernels.quant import BLOCK, Q4_1, Q8_0, QuantWeight
 from engine_ext.model.linear import PackedLinear
 from kvrelay.engine_options import LinearKernel
@@ -54,16 +54,6 @@ def _candidates(model: nn.Module) -> Iterator[tuple[str, PackedLinear]]:
             yield name, module
 
 
-def _kernel_available() -> bool:
-    """Whether the compiled kernel runs here; a CPU without AVX-512F or AVX2+FMA has none,
-    and a failed build is logged and leaves the engine on its dense path."""
-    try:
-        return load_library() is not None
-    except KernelBuildError as exc:
-        log.warning("quantized-product kernel unavailable: %s", exc)
-        return False
-
-
 def quantize_linears(model: nn.Module, kernel: LinearKernel) -> Quantized:
     """Give the model's layers quantized copies where `kernel` says so (see module doc).
     Call after the model has its dtype and before `pack_linears` (a lossy int4 changes the
@@ -73,7 +63,7 @@ def quantize_linears(model: nn.Module, kernel: LinearKernel) -> Quantized:
     layers = list(_candidates(model))
     if not layers or layers[0][1].weight.dtype != torch.float32:
         return Quantized()
-    has_kernel = _kernel_available()
+    has_kernel = kernels() is not None  # none without AVX-512F or AVX2+FMA, or if the build failed
     if kernel == "auto" and not has_kernel:
         return Quantized()
     quants = [(layer, format_for(name).quantize(layer.weight)) for name, layer in layers]

@@ -190,3 +190,30 @@ def test_the_settings_and_the_config_refuse_the_same_values(name: str) -> None:
             EngineSettings(**{name: value})
         with pytest.raises(ValidationError):
             config_cls(**{config_field: value})
+
+
+@pytest.mark.parametrize("source", ["flag:engine", "flag:up", "environment"])
+def test_the_int4_kernel_reaches_the_engine(source: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row above tests "plain"; int4, the quantized decode path, is a choice of its own."""
+    if source.startswith("flag:"):
+        settings = _settings_from_flags(source.removeprefix("flag:"), {"linear_kernel": "int4"}, monkeypatch)
+    else:
+        monkeypatch.setenv("KVRELAY_ENGINE_LINEAR_KERNEL", "int4")
+        settings = EngineSettings()
+    assert settings.engine_config().linear_kernel == "int4"
+
+
+def test_int4_with_a_non_fp32_dtype_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings accept each value alone; the pair is refused by the engine's config, and
+    the CLI says so in one line (exit 2) before it looks for a model."""
+    settings = EngineSettings(linear_kernel="int4", dtype="bfloat16")
+    with pytest.raises(ValueError, match="needs dtype float32") as caught:
+        settings.engine_config()
+    assert "\n" not in str(caught.value)
+
+    def no_model(name: Any) -> Any:
+        raise AssertionError("the command went on to load a model")
+
+    monkeypatch.setattr("engine_ext.model_store.resolve_model", no_model)
+    result = CliRunner().invoke(cli.app, ["engine", "--linear-kernel", "int4", "--dtype", "bfloat16"])
+    assert result.exit_code == 2 and "needs dtype float32" in result.output, result.output

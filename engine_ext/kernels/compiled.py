@@ -1,8 +1,10 @@
-"""Build and load quant_linear.cpp, the weight-only quantized products decode runs on.
+"""Build and load the engine's compiled decode kernels: quant_linear.cpp (weight-only
+quantized products), decode_attention.cpp (attention straight from the paged cache) and
+rms_norm.cpp (RMSNorm in one pass).
 
 The library is plain C++ with a C ABI, loaded with ctypes: it needs g++ and nothing a
 fresh machine lacks (no torch headers, no ninja), and builds in about two seconds.
-`make install` builds it (`python -m engine_ext.kernels.quant_build`); a first load builds it
+`make install` builds it (`python -m engine_ext.kernels.compiled`); a first load builds it
 if that did not happen. It is compiled for the widest instruction set this CPU has that
 the source supports (AVX-512F, else AVX2 + FMA); on other CPUs there is no library and
 the engine multiplies by the same weight values through its dense path.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
@@ -32,9 +35,12 @@ import torch
 from engine_ext.errors import EngineError
 from engine_ext.model_store import cache_dir
 
+log = logging.getLogger(__name__)
+
 Isa = Literal["avx512", "avx2"]
 
-SOURCE = Path(__file__).with_name("quant_linear.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_linear.cpp", "decode_attention.cpp",
+                                                          "rms_norm.cpp"))
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mfma"),
     "avx2": ("-mavx2", "-mfma"),
@@ -69,8 +75,8 @@ def cpu_isa() -> Isa | None:
 
 
 def library_path(isa: Isa) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_FLAGS + _ISA_FLAGS[isa]).encode())
-    return cache_dir() / "kernels" / f"quant_linear-{isa}-{digest.hexdigest()[:12]}.so"
+    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS + _ISA_FLAGS[isa]).encode())
+    return cache_dir() / "kernels" / f"decode_kernels-{isa}-{digest.hexdigest()[:12]}.so"
 
 
 def build(isa: Isa) -> Path:
@@ -84,11 +90,15 @@ def build(isa: Isa) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         scratch = Path(tmp) / target.name
-        cmd = [compiler, *_FLAGS, *_ISA_FLAGS[isa], str(SOURCE), "-o", str(scratch)]
-        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        cmd = [compiler, *_FLAGS, *_ISA_FLAGS[isa], *map(str, SOURCES), "-o", str(scratch)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as exc:  # CXX names no runnable program
+            raise KernelBuildError(f"running the C++ compiler {compiler}: {exc}") from exc
         if done.returncode != 0:
-            tail = done.stderr.strip().splitlines()[-3:]
-            raise KernelBuildError(f"building {SOURCE.name} failed: {' | '.join(tail)}")
+            lines = done.stderr.strip().splitlines()
+            first_error = next((line for line in lines if "error" in line), lines[-1] if lines else "")
+            raise KernelBuildError(f"building the decode kernels failed: {first_error.strip()}")
         os.replace(scratch, target)
     return target
 
@@ -102,28 +112,44 @@ def load_library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(build(isa)))
     except OSError as exc:
-        raise KernelBuildError(f"loading {SOURCE.name}: {exc}") from exc
+        raise KernelBuildError(f"loading the decode kernels: {exc}") from exc
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.kq_isa.restype = i32
     lib.kq_q4_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, i32]
     lib.kq_q4_linear.restype = None
     lib.kq_q8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, i32]
     lib.kq_q8_linear.restype = None
+    lib.kq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                                        ctypes.c_float, i32]
+    lib.kq_decode_attention.restype = None
+    lib.kq_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
+    lib.kq_rms_norm.restype = None
     return lib
 
 
+@cache
+def kernels() -> ctypes.CDLL | None:
+    """`load_library()`, or None where this CPU has no build or it fails: the failure is
+    logged once and the engine keeps to torch's ops."""
+    try:
+        return load_library()
+    except KernelBuildError as exc:
+        log.warning("compiled decode kernels unavailable, using torch's ops: %s", exc)
+        return None
+
+
 def main() -> int:
-    """`python -m engine_ext.kernels.quant_build`: build for this CPU (make install runs it)."""
+    """`python -m engine_ext.kernels.compiled`: build for this CPU (make install runs it)."""
     isa = cpu_isa()
     if isa is None:
-        print("quant_linear: this CPU has neither AVX-512F nor AVX2; the engine uses dense weights")
+        print("decode kernels: this CPU has neither AVX-512F nor AVX2; the engine uses torch ops")
         return 0
     try:
-        print(f"quant_linear ({isa}): {build(isa)}")
+        print(f"decode kernels ({isa}): {build(isa)}")
     except NoCompilerError as exc:  # the engine runs without it, on dense weights
-        print(f"quant_linear: {exc}; the engine will use dense weights", file=sys.stderr)
+        print(f"decode kernels: {exc}; the engine will use torch ops", file=sys.stderr)
     except KernelBuildError as exc:  # a broken build is a bug: fail the install
-        print(f"quant_linear: {exc}", file=sys.stderr)
+        print(f"decode kernels: {exc}", file=sys.stderr)
         return 1
     return 0
 
