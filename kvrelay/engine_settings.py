@@ -58,8 +58,10 @@ class EngineSettings(YamlFileSettings):
     max_model_len: Annotated[option.ModelLen | None, Field(description="cap on prompt + completion tokens")] = None
     dtype: Annotated[option.Dtype, Field(description="weights and KV dtype")] = "float32"
     linear_kernel: Annotated[option.LinearKernel, Field(
-        description="weight products: packed (oneDNN on prepacked weights) | plain (F.linear) | auto (bf16 and "
-                    "fp16 packed; fp32 timed both ways on the model's weights at load, the faster kept)")] = "auto"
+        description="weight products: packed (oneDNN on prepacked weights) | plain (F.linear) | int4 (decode on "
+                    "4-bit Q4_1 projections and an 8-bit Q8_0 output matrix, compiled kernel; fp32 only) | auto "
+                    "(int4 where those blocks store the fp32 weights exactly, as for the default GGUF model; bf16 "
+                    "and fp16 packed; other fp32 timed packed vs plain at load, the faster kept)")] = "auto"
     # Reuse beyond the prefix cache.
     reuse_method: Annotated[Literal[ReuseMethod, "off"], Field(
         description="what a planned segment that names no method gets: prefix (exact: the prefix cache and its "
