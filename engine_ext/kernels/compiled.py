@@ -41,6 +41,7 @@ Isa = Literal["avx512", "avx2"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_linear.cpp", "decode_attention.cpp",
                                                           "rms_norm.cpp"))
+HEADERS = (Path(__file__).with_name("lanes.h"),)  # included by the sources: part of the build's hash
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mfma"),
     "avx2": ("-mavx2", "-mfma"),
@@ -75,7 +76,8 @@ def cpu_isa() -> Isa | None:
 
 
 def library_path(isa: Isa) -> Path:
-    digest = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + " ".join(_FLAGS + _ISA_FLAGS[isa]).encode())
+    sources = b"".join(s.read_bytes() for s in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(_FLAGS + _ISA_FLAGS[isa]).encode())
     return cache_dir() / "kernels" / f"decode_kernels-{isa}-{digest.hexdigest()[:12]}.so"
 
 

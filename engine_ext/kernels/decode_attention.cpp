@@ -6,30 +6,16 @@
 // the per-op overhead cost more than the attention itself.
 //
 // Exactness: each (sequence, head) is computed in one fixed order (scores in key order,
-// dot products in 16 lanes then a fixed reduction, built with -ffp-contract=off), so a
-// sequence's output is bitwise the same alone or in any batch.
+// each a lanes.h dot product; built with -ffp-contract=off), so a sequence's output is
+// bitwise the same alone or in any batch.
 #include <omp.h>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
-namespace {
+#include "lanes.h"
 
-constexpr int kLanes = 16;
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float acc[kLanes] = {0.f};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes)
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
-  float sum = 0.f;
-  for (; i < n; ++i) sum += a[i] * b[i];
-  for (int j = 0; j < kLanes; ++j) sum += acc[j];
-  return sum;
-}
-
-}  // namespace
 
 extern "C" {
 
@@ -50,7 +36,7 @@ void kq_decode_attention(const float* q, const float* k, const float* v, const i
       const int64_t len = lengths[b];
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t l = 0; l < len; ++l) {
-        p[l] = dot(qh, k + (row[l] * KVH + g) * D, D) * scale;
+        p[l] = lane_dot(qh, k + (row[l] * KVH + g) * D, D) * scale;
         top = p[l] > top ? p[l] : top;
       }
       float total = 0.f;

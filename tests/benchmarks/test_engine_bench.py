@@ -81,3 +81,22 @@ def test_weight_bytes_count_a_tied_embedding_once_and_an_untied_one_not_at_all(l
     assert bench_engine.weight_bytes_per_token(engine) == every()
     model.lm_head.weight = torch.nn.Parameter(model.embed_tokens.weight.detach().clone())
     assert bench_engine.weight_bytes_per_token(engine) == every() - table  # untied: the step reads one row
+
+
+def test_weight_bytes_count_the_quantized_blocks_a_step_reads(llama_dir):
+    """int4: each quantized layer counts its blocks and scales, not its dense fp32 copy;
+    a tied embedding whose lm_head reads Q8_0 blocks counts one row, not the table."""
+    from engine_ext.kernels.compiled import kernels
+    from engine_ext.model.linear import PackedLinear
+
+    if kernels() is None:
+        pytest.skip("no compiled kernel on this CPU")
+    engine = LLMEngine(llama_dir, EngineConfig(kv_cache_bytes=2**20, linear_kernel="int4"))
+    model = engine.model
+    quantized = [m for m in model.modules() if isinstance(m, PackedLinear) and m.quant is not None]
+    assert quantized
+    dense = {id(m.weight) for m in quantized} | {id(model.embed_tokens.weight)}
+    rest = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in dense)
+    expected = sum(m.quant.nbytes for m in quantized) + rest
+    assert bench_engine.weight_bytes_per_token(engine) == expected
+    assert expected < sum(p.numel() * p.element_size() for p in model.parameters()) / 2

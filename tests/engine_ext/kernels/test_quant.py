@@ -306,3 +306,17 @@ def test_a_source_that_does_not_compile_is_a_one_line_build_error(
     monkeypatch.setenv(ISA_ENV, "avx2")
     with pytest.raises(KernelBuildError):
         load_library()
+
+
+def test_a_fresh_cache_builds_the_library_from_source_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """What `make install` does on a fresh machine: g++ builds the library into the cache,
+    named by instruction set and source hash; a second build finds it and compiles nothing."""
+    isa = compiled.cpu_isa()
+    if isa is None or shutil.which("g++") is None:
+        pytest.skip("no instruction set or no g++ to build with")
+    cache = _fresh_cache(monkeypatch, tmp_path)
+    built = compiled.build(isa)
+    assert built.is_file() and built.is_relative_to(cache) and isa in built.name
+    stamp = built.stat().st_mtime_ns
+    assert compiled.build(isa) == built and built.stat().st_mtime_ns == stamp
+    assert [p.name for p in built.parent.iterdir()] == [built.name]  # no scratch left behind
