@@ -15,11 +15,10 @@ from __future__ import annotations
 import ctypes
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from engine_ext.kernels.compiled import load_library
+from engine_ext.kernels.compiled import kernels
 
 BLOCK = 32
 
@@ -28,8 +27,6 @@ class QuantWeight(ABC):
     """One (N, K) weight in blocks of 32 along K. Contract: `linear(x)` equals
     `x @ dequantize().T` up to the order of its sums, and a row's result does not depend
     on the rows beside it (bitwise)."""
-
-    name: ClassVar[str]
 
     @classmethod
     @abstractmethod
@@ -77,7 +74,7 @@ def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _library() -> ctypes.CDLL:
-    lib = load_library()
+    lib = kernels()
     if lib is None:
         raise RuntimeError("no quantized-product kernel on this CPU (see engine_ext/kernels/compiled.py)")
     return lib
@@ -87,7 +84,6 @@ def _library() -> ctypes.CDLL:
 class Q4_1(QuantWeight):
     """4-bit weights with a scale and a minimum per block: w = d*q + m, q in 0..15."""
 
-    name: ClassVar[str] = "q4_1"
     packed: torch.Tensor  # (N, K/32, 16) uint8: byte j = element j (low nibble), j + 16 (high)
     d: torch.Tensor  # (N, K/32) fp32
     m: torch.Tensor  # (N, K/32) fp32
@@ -129,7 +125,6 @@ class Q4_1(QuantWeight):
 class Q8_0(QuantWeight):
     """8-bit weights with a scale per block: w = d*q, q in -127..127."""
 
-    name: ClassVar[str] = "q8_0"
     q: torch.Tensor  # (N, K) int8
     d: torch.Tensor  # (N, K/32) fp32
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,7 @@ from engine_ext.model.llama import CausalLM
 from engine_ext.model.linear import pack_linears
 from engine_ext.model.quantize import quantize_linears
 
+log = logging.getLogger(__name__)
 
 
 def _read_checkpoint(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -93,6 +95,10 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: Dtype = "float32",
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model = model.to(TORCH_DTYPES[dtype]).eval()
-    quantize_linears(model, linear_kernel)
+    quantized = quantize_linears(model, linear_kernel)
+    if quantized.layers:
+        log.info("decoding on quantized blocks: %d layers, %.0f MB a step, %s, %s", quantized.layers,
+                 quantized.bytes / 1e6, "exact (the weights are unchanged)" if quantized.lossless else "approximate",
+                 "compiled kernel" if quantized.kernel else "no kernel here: dense path")
     pack_linears(model, "auto" if linear_kernel == "int4" else linear_kernel)
     return model
