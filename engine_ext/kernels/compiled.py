@@ -1,6 +1,7 @@
-"""Build and load the engine's compiled decode kernels: quant_linear.cpp (weight-only
-quantized products), decode_attention.cpp (attention straight from the paged cache) and
-rms_norm.cpp (RMSNorm in one pass).
+"""Build and load the engine's compiled kernels: quant_linear.cpp (weight-only quantized
+products), decode_attention.cpp (attention straight from the paged cache),
+prefill_attention.cpp (causal flash attention of a prefill chunk) and rms_norm.cpp
+(RMSNorm in one pass).
 
 The library is plain C++ with a C ABI, loaded with ctypes: it needs g++ and nothing a
 fresh machine lacks (no torch headers, no ninja), and builds in about two seconds.
@@ -40,7 +41,7 @@ log = logging.getLogger(__name__)
 Isa = Literal["avx512", "avx2"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_linear.cpp", "decode_attention.cpp",
-                                                          "rms_norm.cpp"))
+                                                          "prefill_attention.cpp", "rms_norm.cpp"))
 HEADERS = (Path(__file__).with_name("lanes.h"),)  # included by the sources: part of the build's hash
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mfma"),
@@ -124,6 +125,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.kq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                         ctypes.c_float, i32]
     lib.kq_decode_attention.restype = None
+    lib.kq_prefill_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32]
+    lib.kq_prefill_attention.restype = i32
     lib.kq_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.kq_rms_norm.restype = None
     return lib

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from engine_ext.kernels.decode_attention import decode_attention
+from engine_ext.kernels.prefill_attention import prefill_attention
 
 
 @dataclass
@@ -110,7 +111,12 @@ def paged_attention(
             k_seq = k_cache.index_select(0, span.context_slots)  # (L, kv_heads, D)
             v_seq = v_cache.index_select(0, span.context_slots)
         decoder_row = meta.prefill_decoders.get(index) if meta.prefill_decoders else None
-        if decoder_row is not None:  # a second query at the last position, seeing what it sees
+        if decoder_row is None:  # the compiled kernel applies the causal rule without a mask
+            direct = prefill_attention(queries, k_seq, v_seq, scale)  # (T, heads, D) or None
+            if direct is not None:
+                out[span.start : end] = direct
+                continue
+        else:  # a second query at the last position, seeing what it sees
             queries = torch.cat([queries, q[decoder_row : decoder_row + 1]])  # (T + 1, heads, D)
             if mask is None:
                 mask = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool).tril()  # (T, T)

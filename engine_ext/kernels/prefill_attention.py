@@ -1,0 +1,47 @@
+"""Causal attention of a prefill chunk on the compiled kernel
+(engine_ext/kernels/prefill_attention.cpp).
+
+A chunk's T queries are the last T positions of its L-token context, so query t sees
+positions up to L - T + t: the same rule for a whole prompt (T = L), a later chunk of a
+long one, and the new tail after a prefix hit. The kernel applies that rule itself, with
+no (T, L) mask, and skips the key blocks no query of a block can see. A query row's
+result depends only on its own query and the keys it sees, so chunking and prefix hits
+give bitwise the rows a single pass gives.
+
+Used for fp32 without autograd where the library loads and the head size is a multiple
+of 16 (up to 256); otherwise `prefill_attention` returns None and the caller runs
+torch's SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_ext.kernels.compiled import kernels
+
+KEY_BLOCK = 128  # the kernel's keys per block: the transposed keys are padded to it
+MAX_DIM = 256
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """q (T, H, D), the queries at the last T positions; k, v (L, KVH, D), the context in
+    position order (L >= T). Returns (T, H, D), or None where the kernel does not apply."""
+    tokens, heads, dim = q.shape
+    length, kv_heads = k.shape[0], k.shape[1]
+    if (any(t.dtype != torch.float32 for t in (q, k, v)) or torch.is_grad_enabled() or dim % 16
+            or dim > MAX_DIM or heads % kv_heads or tokens > length):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    padded = -(-length // KEY_BLOCK) * KEY_BLOCK
+    k_pad = k.new_zeros(padded, kv_heads, dim)
+    k_pad[:length] = k
+    # (KVH, Lp / 64, D, 64): each block of 64 keys transposed and contiguous
+    k_t = k_pad.view(padded // KEY_BLOCK, KEY_BLOCK, kv_heads, dim).permute(2, 0, 3, 1).contiguous()
+    v_h = v.transpose(0, 1).contiguous()  # (KVH, L, D)
+    q_h = q.transpose(0, 1).contiguous()  # (H, T, D)
+    out = torch.empty_like(q_h)
+    done = lib.kq_prefill_attention(q_h.data_ptr(), k_t.data_ptr(), v_h.data_ptr(), out.data_ptr(), tokens,
+                                    length, padded, heads, kv_heads, dim, scale, torch.get_num_threads())
+    return out.transpose(0, 1) if done else None  # (T, H, D)
