@@ -1,7 +1,7 @@
 """Build and load the engine's compiled kernels: quant_linear.cpp (weight-only quantized
 products), decode_attention.cpp (attention straight from the paged cache),
-prefill_attention.cpp (causal flash attention of a prefill chunk) and rms_norm.cpp
-(RMSNorm in one pass).
+prefill_attention.cpp (causal flash attention of a prefill chunk), rms_norm.cpp (RMSNorm
+in one pass) and elementwise.cpp (rotary and SwiGLU in one pass each).
 
 The library is plain C++ with a C ABI, loaded with ctypes: it needs g++ and nothing a
 fresh machine lacks (no torch headers, no ninja), and builds in about two seconds.
@@ -41,8 +41,9 @@ log = logging.getLogger(__name__)
 Isa = Literal["avx512", "avx2"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_linear.cpp", "decode_attention.cpp",
-                                                          "prefill_attention.cpp", "rms_norm.cpp"))
-HEADERS = (Path(__file__).with_name("lanes.h"),)  # included by the sources: part of the build's hash
+                                                          "prefill_attention.cpp", "rms_norm.cpp",
+                                                          "elementwise.cpp"))
+HEADERS = (Path(__file__).with_name("lanes.h"), Path(__file__).with_name("vec.h"))  # included by the sources: part of the build's hash
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mfma"),
     "avx2": ("-mavx2", "-mfma"),
@@ -125,10 +126,14 @@ def load_library() -> ctypes.CDLL | None:
     lib.kq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                         ctypes.c_float, i32]
     lib.kq_decode_attention.restype = None
-    lib.kq_prefill_attention.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32]
+    lib.kq_prefill_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32]
     lib.kq_prefill_attention.restype = i32
     lib.kq_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.kq_rms_norm.restype = None
+    lib.kq_rotary.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, i32]
+    lib.kq_rotary.restype = None
+    lib.kq_swiglu.argtypes = [ptr, ptr, i64, i64, i32]
+    lib.kq_swiglu.restype = None
     return lib
 
 

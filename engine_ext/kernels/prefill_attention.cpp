@@ -1,5 +1,6 @@
-// Prefill attention: a chunk of T queries, the last T positions of an L-token context,
-// over that context's keys with the causal rule (query t sees positions <= L - T + t).
+// Prefill attention: T queries over an L-token context in position order, query t seeing
+// the keys at positions <= pos[t] (a prefill chunk: the last T positions; a reuse
+// method's recomputed rows: any positions).
 // Flash-style: keys in blocks of 128, a running max and sum per query row, no T x L
 // score matrix and no mask tensor.
 //
@@ -21,66 +22,19 @@
 #include <cstring>
 #include <limits>
 
+#include "vec.h"
+
 namespace {
 
 #ifdef __AVX512F__
-constexpr int kLanes = 16;  // one zmm
-constexpr int kRows = 4;    // rows per register tile: 4 x 4 accumulators and 4 keys of 32 zmm
+constexpr int kRows = 4;  // rows per register tile: 4 x 4 accumulators and 4 keys of 32 zmm
 #else
-constexpr int kLanes = 8;  // one ymm
-constexpr int kRows = 2;   // 2 x 4 accumulators and 4 keys of 16 ymm
+constexpr int kRows = 2;  // 2 x 4 accumulators and 4 keys of 16 ymm
 #endif
-typedef float vf __attribute__((vector_size(kLanes * 4)));
-typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
 constexpr int kBlockQ = 32;   // query rows per task
 constexpr int kBlockK = 128;  // keys per block
 constexpr int kTileK = 4 * kLanes;  // keys per register tile: 4 vectors
 constexpr int kMaxDim = 256;
-
-inline vf load(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
-
-// Lane reductions as a fixed tree: log2(kLanes) dependent steps, not kLanes.
-inline float lane_max(vf x) {
-  float a[kLanes];
-  std::memcpy(a, &x, sizeof a);
-  for (int step = kLanes / 2; step > 0; step /= 2)
-    for (int i = 0; i < step; ++i) a[i] = a[i] > a[i + step] ? a[i] : a[i + step];
-  return a[0];
-}
-inline float lane_sum(vf x) {
-  float a[kLanes];
-  std::memcpy(a, &x, sizeof a);
-  for (int step = kLanes / 2; step > 0; step /= 2)
-    for (int i = 0; i < step; ++i) a[i] += a[i + step];
-  return a[0];
-}
-
-// e^x lane by lane (Cephes expf: range reduction by ln 2, degree-6 polynomial, ~1 ulp);
-// exactly 0 below -87.3, where 2^n would leave the normal range (masked scores are -inf).
-inline vf vexp(vf x) {
-  const vf low = splat(-87.3f);
-  const vf xc = x < low ? low : x;
-  const vf n = (xc * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
-  vf r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < low ? splat(0.f) : p * two_n;
-}
 
 // s[i][0:kTileK] = qs[i] . kt[:, 0:kTileK] for kRows rows; kt is (D, kBlockK), s (kRows, kBlockK).
 inline void scores_tile(const float* qs, const float* kt, int64_t D, float* s) {
@@ -154,12 +108,16 @@ extern "C" {
 // q (H, T, D); kt (KVH, Lp / 128, D, 128): the keys in blocks of 128, each block
 // transposed and contiguous (a plain (D, Lp) layout puts a block's D rows Lp floats apart,
 // on the same few L1 sets); Lp a multiple of 128, keys from L on never weighted;
-// v (KVH, L, D); out (H, T, D). Query head h reads KV head h / (H / KVH).
+// v (KVH, L, D); pos (T,) each query's last visible key, in [0, L); out (H, T, D).
+// Query head h reads KV head h / (H / KVH).
 // Returns 0, touching nothing, for shapes it does not handle.
-int kq_prefill_attention(const float* q, const float* kt, const float* v, float* out, int64_t T, int64_t L,
-                         int64_t Lp, int64_t H, int64_t KVH, int64_t D, float scale, int threads) {
-  if (D % kLanes != 0 || D > kMaxDim || Lp % kBlockK != 0 || Lp < L || T > L || H % KVH != 0) return 0;
-  const int64_t group = H / KVH, offset = L - T;
+int kq_prefill_attention(const float* q, const float* kt, const float* v, const int64_t* pos, float* out,
+                         int64_t T, int64_t L, int64_t Lp, int64_t H, int64_t KVH, int64_t D, float scale,
+                         int threads) {
+  if (D % kLanes != 0 || D > kMaxDim || Lp % kBlockK != 0 || Lp < L || H % KVH != 0) return 0;
+  for (int64_t t = 0; t < T; ++t)
+    if (pos[t] < 0 || pos[t] >= L) return 0;
+  const int64_t group = H / KVH;
   const int64_t q_blocks = (T + kBlockQ - 1) / kBlockQ;
 #pragma omp parallel num_threads(threads)
   {
@@ -180,12 +138,12 @@ int kq_prefill_attention(const float* q, const float* kt, const float* v, float*
       std::fill(o, o + tiled * D, 0.f);
       std::fill(m, m + kBlockQ, -std::numeric_limits<float>::infinity());
       std::fill(l, l + kBlockQ, 0.f);
-      const int64_t keys_end = offset + t0 + rows;  // the block's last row sees keys < this
+      const int64_t keys_end = *std::max_element(pos + t0, pos + t0 + rows) + 1;  // no row sees beyond
       for (int64_t j0 = 0; j0 < keys_end; j0 += kBlockK) {
         for (int64_t i = 0; i < tiled; i += kRows)
           for (int64_t c = 0; c < kBlockK; c += kTileK)
             scores_tile(qs + i * D, kg + j0 * D + c, D, s + i * kBlockK + c);
-        for (int64_t i = 0; i < rows; ++i) softmax_row(s + i * kBlockK, j0, offset + t0 + i, m + i, l + i, o + i * D, D);
+        for (int64_t i = 0; i < rows; ++i) softmax_row(s + i * kBlockK, j0, pos[t0 + i], m + i, l + i, o + i * D, D);
         for (int64_t i = rows; i < tiled; ++i) std::fill(s + i * kBlockK, s + (i + 1) * kBlockK, 0.f);
         const int64_t keys = std::min<int64_t>(kBlockK, keys_end - j0);
         for (int64_t i = 0; i < tiled; i += kRows)

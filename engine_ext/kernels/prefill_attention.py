@@ -1,12 +1,13 @@
-"""Causal attention of a prefill chunk on the compiled kernel
+"""Causal attention of prefill queries on the compiled kernel
 (engine_ext/kernels/prefill_attention.cpp).
 
-A chunk's T queries are the last T positions of its L-token context, so query t sees
-positions up to L - T + t: the same rule for a whole prompt (T = L), a later chunk of a
-long one, and the new tail after a prefix hit. The kernel applies that rule itself, with
-no (T, L) mask, and skips the key blocks no query of a block can see. A query row's
-result depends only on its own query and the keys it sees, so chunking and prefix hits
-give bitwise the rows a single pass gives.
+Each query sees the keys of its context up to its own position. A prefill chunk's T
+queries are the last T positions of its L-token context (query t sees up to L - T + t):
+the same rule for a whole prompt, a later chunk of a long one, and the new tail after a
+prefix hit. A reuse method's recomputed rows sit at any positions. The kernel applies the
+rule from the positions, with no (T, L) mask, and skips the key blocks no query of a
+block can see. A query row's result depends only on its own query and the keys it sees,
+so chunking and prefix hits give bitwise the rows a single pass gives.
 
 Used for fp32 without autograd where the library loads and the head size is a multiple
 of 16 (up to 256); otherwise `prefill_attention` returns None and the caller runs
@@ -23,14 +24,19 @@ KEY_BLOCK = 128  # the kernel's keys per block: the transposed keys are padded t
 MAX_DIM = 256
 
 
-def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """q (T, H, D), the queries at the last T positions; k, v (L, KVH, D), the context in
-    position order (L >= T). Returns (T, H, D), or None where the kernel does not apply."""
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    """q (T, H, D); k, v (L, KVH, D), the context in position order; positions (T,) int64,
+    the last key each query sees (default: the last T positions, L >= T). Returns
+    (T, H, D), or None where the kernel does not apply."""
     tokens, heads, dim = q.shape
     length, kv_heads = k.shape[0], k.shape[1]
     if (any(t.dtype != torch.float32 for t in (q, k, v)) or torch.is_grad_enabled() or dim % 16
-            or dim > MAX_DIM or heads % kv_heads or tokens > length):
+            or dim > MAX_DIM or heads % kv_heads or tokens > length and positions is None):
         return None
+    if positions is None:
+        positions = torch.arange(length - tokens, length)
+    positions = positions.to(torch.int64).contiguous()
     lib = kernels()
     if lib is None:
         return None
@@ -42,6 +48,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     v_h = v.transpose(0, 1).contiguous()  # (KVH, L, D)
     q_h = q.transpose(0, 1).contiguous()  # (H, T, D)
     out = torch.empty_like(q_h)
-    done = lib.kq_prefill_attention(q_h.data_ptr(), k_t.data_ptr(), v_h.data_ptr(), out.data_ptr(), tokens,
-                                    length, padded, heads, kv_heads, dim, scale, torch.get_num_threads())
-    return out.transpose(0, 1) if done else None  # (T, H, D)
+    done = lib.kq_prefill_attention(q_h.data_ptr(), k_t.data_ptr(), v_h.data_ptr(), positions.data_ptr(),
+                                    out.data_ptr(), tokens, length, padded, heads, kv_heads, dim, scale,
+                                    torch.get_num_threads())
+    return out.transpose(0, 1) if done else None  # (T, H, D); not done: a position outside [0, L)

@@ -11,6 +11,7 @@ import math
 import torch
 
 from engine_ext.config import RopeConfig
+from engine_ext.kernels.compiled import kernels
 
 
 def rope_inv_freq(rope: RopeConfig, rotary_dim: int) -> torch.Tensor:
@@ -46,6 +47,23 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return angles.cos(), angles.sin()
 
 
+def _compiled_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """The rotation in one pass, or None where the kernel does not apply: x must be fp32
+    with each token's heads contiguous (a view into a fused projection is fine)."""
+    if (x.dtype != torch.float32 or cos.dtype != torch.float32 or torch.is_grad_enabled() or x.dim() != 3
+            or x.stride(2) != 1 or x.stride(1) != x.shape[2] or x.shape[0] == 0):
+        return None
+    lib = kernels()
+    if lib is None:
+        return None
+    rows, heads, dim = x.shape
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, heads, dim)
+    lib.kq_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.shape[1],
+                  out.data_ptr(), rows, heads, dim, cos.shape[1], torch.get_num_threads())
+    return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -55,8 +73,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate the first rotary_dim channels of x (N, heads, head_dim) by per-token angles.
 
     cos/sin are (N, rotary_dim), or (1, rotary_dim) for one angle set for every token,
-    in fp32; the rotation runs in fp32 and is cast back.
+    in fp32; the rotation runs in fp32 and is cast back. fp32 inference runs on the
+    compiled kernel where it loads (elementwise.cpp: bitwise this function's result).
     """
+    compiled = _compiled_rotary(x, cos, sin)
+    if compiled is not None:
+        return compiled
     rotary_dim = cos.shape[-1]
     x32 = x.to(torch.float32)
     rot, rest = x32[..., :rotary_dim], x32[..., rotary_dim:]

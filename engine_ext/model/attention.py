@@ -31,6 +31,9 @@ class PrefillSpan:
     num_tokens: int  # queries in this chunk
     context_slots: torch.Tensor  # (L,) slots of every key it attends to, cached ones first
     mask: torch.Tensor | None  # (num_tokens, L) bool, None when nothing is cached (plain causal)
+    # (num_tokens,) int64: the last context index each query sees, the mask as a rule
+    # (mask[i, j] == j <= positions[i]); None: the last num_tokens positions of the context.
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -112,7 +115,7 @@ def paged_attention(
             v_seq = v_cache.index_select(0, span.context_slots)
         decoder_row = meta.prefill_decoders.get(index) if meta.prefill_decoders else None
         if decoder_row is None:  # the compiled kernel applies the causal rule without a mask
-            direct = prefill_attention(queries, k_seq, v_seq, scale)  # (T, heads, D) or None
+            direct = prefill_attention(queries, k_seq, v_seq, scale, span.positions)  # (T, heads, D) or None
             if direct is not None:
                 out[span.start : end] = direct
                 continue

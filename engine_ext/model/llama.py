@@ -18,6 +18,7 @@ from engine_ext.model.attention import AttentionMetadata, paged_attention
 from engine_ext.model.linear import PackedLinear
 from engine_ext.kernels.norm import rms_norm
 from engine_ext.kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
+from engine_ext.kernels.swiglu import swiglu
 
 LayerCache = tuple[torch.Tensor, torch.Tensor]  # K and V, each (num_slots, kv_heads, head_dim)
 
@@ -93,8 +94,10 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)  # (N, 2 * intermediate)
         if adapters is not None:
             adapters.add(gate_up, self.layer, "mlp.gate_up_proj", x)
-        gate, up = gate_up.chunk(2, dim=-1)  # each (N, intermediate)
-        hidden = nn.functional.silu(gate) * up
+        hidden = swiglu(gate_up)  # (N, intermediate), one pass where the compiled kernel runs
+        if hidden is None:
+            gate, up = gate_up.chunk(2, dim=-1)  # each (N, intermediate)
+            hidden = nn.functional.silu(gate) * up
         out = self.down_proj(hidden)  # (N, hidden)
         return out if adapters is None else adapters.add(out, self.layer, "mlp.down_proj", hidden)
 

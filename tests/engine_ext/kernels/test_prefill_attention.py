@@ -1,7 +1,7 @@
-"""engine_ext.kernels.prefill_attention: a chunk of queries at the last positions of its
-context equals causal softmax attention in float64 (GQA heads included), gives each query
-row bitwise the same result however the prompt is chunked and on any thread count, and
-declines what it does not handle."""
+"""engine_ext.kernels.prefill_attention: queries at the last positions of their context,
+or at any given positions, equal causal softmax attention in float64 (GQA heads
+included); each query row is bitwise the same however the prompt is chunked and on any
+thread count; the kernel declines what it does not handle."""
 
 from __future__ import annotations
 
@@ -24,10 +24,14 @@ def _qkv(tokens: int, length: int, dim: int, seed: int = 0) -> tuple[torch.Tenso
             torch.randn(length, KV_HEADS, dim, generator=g))
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Float64 softmax over the keys each query may see: query t sits at L - T + t."""
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Float64 softmax over the keys each query may see: up to positions[t], by default
+    L - T + t."""
     tokens, length, group = q.shape[0], k.shape[0], HEADS // KV_HEADS
-    seen = torch.arange(length)[None, :] <= torch.arange(length - tokens, length)[:, None]  # (T, L)
+    if positions is None:
+        positions = torch.arange(length - tokens, length)
+    seen = torch.arange(length)[None, :] <= positions[:, None]  # (T, L)
     keys = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # (H, L, D)
     values = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
     scores = q.double().transpose(0, 1) @ keys.transpose(1, 2) * scale  # (H, T, L)
@@ -45,6 +49,22 @@ def test_equals_causal_softmax_attention(tokens: int, length: int, dim: int) -> 
     got = prefill_attention(q, k, v, scale)
     assert got is not None and got.shape == q.shape
     torch.testing.assert_close(got, _reference(q, k, v, scale), rtol=2e-5, atol=2e-5)
+
+
+@torch.inference_mode()
+def test_queries_at_any_positions_see_up_to_their_own() -> None:
+    """A reuse method recomputes scattered rows over a whole context: each sees the keys up
+    to its own position, and equals the same row of a full prefill, bit for bit."""
+    q, k, v = _qkv(400, 400, 64, seed=2)
+    rows = torch.tensor([0, 3, 64, 127, 128, 129, 250, 255, 256, 399])
+    got = prefill_attention(q[rows], k, v, 0.125, rows)
+    assert got is not None
+    torch.testing.assert_close(got, _reference(q[rows], k, v, 0.125, rows), rtol=2e-5, atol=2e-5)
+    full = prefill_attention(q, k, v, 0.125)
+    assert full is not None and torch.equal(got, full[rows])
+    shuffled = rows.flip(0)  # any order: each row's own positions decide
+    again = prefill_attention(q[shuffled], k, v, 0.125, shuffled)
+    assert again is not None and torch.equal(again, got.flip(0))
 
 
 @torch.inference_mode()
@@ -96,6 +116,8 @@ def test_declines_what_it_does_not_handle() -> None:
     q512, k512, v512 = _qkv(2, 2, 512)
     assert prefill_attention(q512, k512, v512, 0.25) is None  # beyond the kernel's 256
     assert prefill_attention(q, k[:4], v[:4], 0.25) is None  # more queries than context
+    assert prefill_attention(q[:2], k, v, 0.25, torch.tensor([0, 8])) is None  # a position past the context
+    assert prefill_attention(q[:2], k, v, 0.25, torch.tensor([-1, 3])) is None
 
 
 def test_declines_under_autograd() -> None:

@@ -1,0 +1,60 @@
+// One vector of fp32 lanes for the kernels that compute more than dot products, written
+// with GCC's vector extensions so one source builds for AVX-512 (a zmm) and AVX2 (a ymm),
+// plus the few operations on it they share: lane reductions in a fixed tree, and e^x.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#ifdef __AVX512F__
+constexpr int kLanes = 16;  // one zmm
+#else
+constexpr int kLanes = 8;  // one ymm
+#endif
+typedef float vf __attribute__((vector_size(kLanes * 4)));
+typedef int32_t vi __attribute__((vector_size(kLanes * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+
+// Lane reductions as a fixed tree: log2(kLanes) dependent steps, not kLanes.
+inline float lane_max(vf x) {
+  float a[kLanes];
+  std::memcpy(a, &x, sizeof a);
+  for (int step = kLanes / 2; step > 0; step /= 2)
+    for (int i = 0; i < step; ++i) a[i] = a[i] > a[i + step] ? a[i] : a[i + step];
+  return a[0];
+}
+inline float lane_sum(vf x) {
+  float a[kLanes];
+  std::memcpy(a, &x, sizeof a);
+  for (int step = kLanes / 2; step > 0; step /= 2)
+    for (int i = 0; i < step; ++i) a[i] += a[i + step];
+  return a[0];
+}
+
+// e^x lane by lane for x <= 0 (Cephes expf: range reduction by ln 2, a degree-6
+// polynomial, ~1 ulp); exactly 0 below -87.3, where 2^n would leave the normal range
+// (a masked score is -inf).
+inline vf vexp(vf x) {
+  const vf low = splat(-87.3f);
+  const vf xc = x < low ? low : x;
+  const vf n = (xc * 1.44269504f + 12582912.f) - 12582912.f;  // round(x / ln 2)
+  vf r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;  // 2^n
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < low ? splat(0.f) : p * two_n;
+}
