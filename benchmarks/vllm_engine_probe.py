@@ -3,9 +3,9 @@
 `kvrelay bench engine` (benchmarks/engine.py) runs this file as a script with the vLLM
 venv's python, so it imports nothing from kvrelay: the standard library and vLLM. It
 reads a job from stdin ({"model", "max_model_len", "prefill": {n: [prompt, ...]},
-"decode": {batch: [prompt, ...]}, "decode_tokens", "warm": prompt, "eager"}, prompts as
-token ids) and prints one JSON line: {"prefill_s": {n: best seconds}, "decode_tps": {batch:
-tokens/s}, "startup_s", "vllm"}.
+"decode": {batch: [prompt, ...]}, "decode_tokens", "decode_repeats", "warm": prompt,
+"eager"}, prompts as token ids) and prints one JSON line: {"prefill_s": {n: best seconds}, "decode_tps": {batch:
+best tokens/s of decode_repeats}, "startup_s", "vllm"}.
 
 vLLM runs as a user would run it: its defaults (prefix caching on, its CPU compile
 mode; `eager` turns compiling off, for the tests' quicker start), fp32 like the engine it
@@ -65,7 +65,7 @@ def main() -> None:
     prefill_s = {n: min(_run(engine, [p], 1)[0] for p in prompts) for n, prompts in job["prefill"].items()}
     decode_tps = {}
     for batch, prompts in job["decode"].items():
-        _, seconds = _run(engine, prompts, job["decode_tokens"])
+        seconds = min(_run(engine, prompts, job["decode_tokens"])[1] for _ in range(job.get("decode_repeats", 1)))
         decode_tps[batch] = len(prompts) * (job["decode_tokens"] - 1) / seconds
     print(json.dumps({"prefill_s": prefill_s, "decode_tps": decode_tps, "startup_s": startup_s,
                       "vllm": vllm.__version__}), flush=True)

@@ -55,18 +55,29 @@ def test_engine_bench_writes_the_issue_metrics(llama_dir, tmp_path, monkeypatch,
 def test_the_vllm_speedups_are_kvrelay_s_over_vllm_s(llama_dir, monkeypatch, small):
     seen = {}
 
-    def fake_engine(model_dir, prefill, decode, decode_tokens, warm, max_model_len):
-        seen.update(prefill={n: len(p[0]) for n, p in prefill.items()}, decode={b: len(p) for b, p in decode.items()})
+    def fake_engine(model_dir, prefill, decode, decode_tokens, warm, max_model_len, decode_repeats):
+        seen.update(prefill={n: len(p[0]) for n, p in prefill.items()}, decode={b: len(p) for b, p in decode.items()},
+                    decode_repeats=decode_repeats)
         return engine_vllm.VllmEngine({48: 48 / 1e6, 96: 96 / 1e6}, {1: 1e-6, 8: 2e-6}, 1.0, "0.32.0")
 
     monkeypatch.setattr(bench_engine, "vllm_engine", fake_engine)  # 1M tok/s prefill, a token per 1M s decode
-    monkeypatch.setattr(bench_engine, "app_seconds", lambda model_dir, log_dir: {"vllm_apc": 30.0, "kvrelay": 20.0})
+    apps = []
+
+    def fake_app(model_dir, log_dir, app):
+        apps.append(app)
+        return {"vllm_apc": 30.0, "kvrelay": 20.0} if len(apps) == 1 else {"vllm_apc": 10.0, "kvrelay": 8.0}
+
+    monkeypatch.setattr(bench_engine, "app_seconds", fake_app)
     m = run_benchmark("engine", quick=True, json_path=None, model=str(llama_dir)).metrics
-    assert seen == {"prefill": {48: 48, 96: 96}, "decode": {1: 1, 8: 8}}  # drawn as kvrelay's were
+    assert seen == {"prefill": {48: 48, 96: 96}, "decode": {1: 1, 8: 8}, "decode_repeats": SMALL.repeats}  # as kvrelay's
     assert m["prefill_speedup_vs_vllm"] == pytest.approx(min(m["prefill_tps_48"], m["prefill_tps_96"]) / 1e6)
     assert m["decode_speedup_vs_vllm_b1"] == pytest.approx(m["decode_tps_b1"] / 1e-6)
     assert m["decode_speedup_vs_vllm_b8"] == pytest.approx(m["decode_tps_b8"] / 2e-6)
     assert m["app_speedup_vs_vllm"] == pytest.approx(1.5)
+    assert m["app_long_speedup_vs_vllm"] == pytest.approx(1.25)
+    short, long = apps
+    assert short.max_tokens == engine_vllm.APP_MAX_TOKENS and long.max_tokens is None  # long: answers as captured
+    assert {r.workload for r in long.runs} == {"board_openai"} and len(long.runs) == 1  # quick: one task
 
 
 def test_weight_bytes_count_a_tied_embedding_once_and_an_untied_one_not_at_all(llama_dir):
