@@ -29,12 +29,23 @@ inline float lane_max(vf x) {
     for (int i = 0; i < step; ++i) a[i] = a[i] > a[i + step] ? a[i] : a[i + step];
   return a[0];
 }
+// The same tree as halving vectors: 16 -> 8 -> 4 lanes, then (0 + 2) + (1 + 3).
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
 inline float lane_sum(vf x) {
-  float a[kLanes];
-  std::memcpy(a, &x, sizeof a);
-  for (int step = kLanes / 2; step > 0; step /= 2)
-    for (int i = 0; i < step; ++i) a[i] += a[i + step];
-  return a[0];
+#ifdef __AVX512F__
+  v8f lo, hi;
+  std::memcpy(&lo, &x, sizeof lo);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
+  const v8f s8 = lo + hi;
+#else
+  const v8f s8 = x;
+#endif
+  v4f a, b;
+  std::memcpy(&a, &s8, sizeof a);
+  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
+  const v4f s4 = a + b;
+  return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
 // e^x lane by lane for x <= 0 (Cephes expf: range reduction by ln 2, a degree-6

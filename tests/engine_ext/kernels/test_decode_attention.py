@@ -14,7 +14,7 @@ from engine_ext.kernels.decode_attention import decode_attention
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no compiled kernel on this CPU")
 
-HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 40, 512  # DIM not a multiple of the kernel's 16 lanes
+HEADS, KV_HEADS, DIM, SLOTS = 6, 2, 48, 512  # three vectors of 16 lanes, not a power of two
 
 
 def _cache(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,7 +51,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contexts: list
 @torch.inference_mode()
 def test_equals_softmax_attention_over_each_sequences_own_slots() -> None:
     k, v = _cache()
-    contexts = _contexts([1, 7, 33, 130])
+    contexts = _contexts([1, 7, 16, 33, 130])  # whole vectors of scores and tails
     q = torch.randn(len(contexts), HEADS, DIM)
     slots, lengths = _padded(contexts)
     scale = 1 / math.sqrt(DIM)
@@ -80,7 +80,8 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_any_batch() -> None:
 
 
 def test_declines_what_it_does_not_compute() -> None:
-    """bf16 caches and autograd take torch's path (None)."""
+    """bf16 caches, autograd, a head size that is not whole vectors and more than 8 query
+    heads per KV head take torch's path (None)."""
     k, v = _cache()
     slots, lengths = _padded(_contexts([4]))
     q = torch.randn(1, HEADS, DIM)
@@ -88,3 +89,8 @@ def test_declines_what_it_does_not_compute() -> None:
         assert decode_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), slots, lengths, 0.1) is None
     with torch.enable_grad():
         assert decode_attention(q.requires_grad_(), k, v, slots, lengths, 0.1) is None
+    with torch.inference_mode():
+        assert decode_attention(q[..., :40], k[..., :40].contiguous(), v[..., :40].contiguous(), slots, lengths,
+                                0.1) is None
+        wide = torch.randn(1, 18, DIM)  # 18 query heads over 2 KV heads: 9 a group
+        assert decode_attention(wide, k, v, slots, lengths, 0.1) is None
