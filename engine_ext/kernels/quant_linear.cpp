@@ -38,25 +38,14 @@ inline float reduce(__m512 v) { return _mm512_reduce_add_ps(v); }
 // weights' stream sets it, pairs were slower). Each (row, column) still takes its blocks
 // in order, w0 then w1: the same bits whatever C.
 constexpr int kPairRows = 4;
-template <int M, int C>
-void q4_columns(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
-                int64_t K, int64_t N, int64_t n) {
-  const int64_t nb = K / kBlock;
-  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m128i low = _mm_set1_epi8(0x0F);
+template <int M, int C, typename Dequant>
+void columns(const float* x, float* y, int64_t K, int64_t N, int64_t n, Dequant dequant) {
   __m512 acc[C][M];
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < M; ++r) acc[c][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0[C], w1[C];
-    for (int c = 0; c < C; ++c) {
-      const int64_t col = (n + c) * nb + b;
-      // The block's 16 possible weights, t[v] = d*v + m; each weight is t[nibble].
-      const __m512 t = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[col])), _mm512_set1_ps(m[col]));
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + col * 16));
-      w0[c] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), t);
-      w1[c] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), t);
-    }
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    __m512 w0[C], w1[C];  // each column's block: weights 0-15 and 16-31
+    for (int c = 0; c < C; ++c) dequant(n + c, b, w0[c], w1[c]);
     for (int r = 0; r < M; ++r) {
       const float* xr = x + r * K + b * kBlock;
       const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
@@ -71,30 +60,30 @@ void q4_columns(const float* x, const uint8_t* q, const float* d, const float* m
 }
 
 template <int M, int C>
+void q4_columns(const float* x, const uint8_t* q, const float* d, const float* m, float* y,
+                int64_t K, int64_t N, int64_t n) {
+  const int64_t nb = K / kBlock;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m128i low = _mm_set1_epi8(0x0F);
+  columns<M, C>(x, y, K, N, n, [&](int64_t col, int64_t b, __m512& w0, __m512& w1) {
+    const int64_t i = col * nb + b;
+    // The block's 16 possible weights, t[v] = d*v + m; each weight is t[nibble].
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(d[i])), _mm512_set1_ps(m[i]));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * 16));
+    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)), t);
+    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)), t);
+  });
+}
+
+template <int M, int C>
 void q8_columns(const float* x, const int8_t* q, const float* d, float* y, int64_t K, int64_t N, int64_t n) {
   const int64_t nb = K / kBlock;
-  __m512 acc[C][M];
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < M; ++r) acc[c][r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    __m512 w0[C], w1[C];
-    for (int c = 0; c < C; ++c) {
-      const __m512 dv = _mm512_set1_ps(d[(n + c) * nb + b]);
-      const __m128i* src = reinterpret_cast<const __m128i*>(q + (n + c) * K + b * kBlock);
-      w0[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), dv);
-      w1[c] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), dv);
-    }
-    for (int r = 0; r < M; ++r) {
-      const float* xr = x + r * K + b * kBlock;
-      const __m512 xa = _mm512_loadu_ps(xr), xb = _mm512_loadu_ps(xr + 16);
-      for (int c = 0; c < C; ++c) {
-        acc[c][r] = _mm512_fmadd_ps(w0[c], xa, acc[c][r]);
-        acc[c][r] = _mm512_fmadd_ps(w1[c], xb, acc[c][r]);
-      }
-    }
-  }
-  for (int c = 0; c < C; ++c)
-    for (int r = 0; r < M; ++r) y[r * N + n + c] = reduce(acc[c][r]);
+  columns<M, C>(x, y, K, N, n, [&](int64_t col, int64_t b, __m512& w0, __m512& w1) {
+    const __m512 dv = _mm512_set1_ps(d[col * nb + b]);
+    const __m128i* src = reinterpret_cast<const __m128i*>(q + col * K + b * kBlock);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src))), dv);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(src + 1))), dv);
+  });
 }
 
 template <int M>
