@@ -4,7 +4,7 @@ prefill_attention.cpp (causal flash attention of a prefill chunk), rms_norm.cpp 
 in one pass) and elementwise.cpp (rotary and SwiGLU in one pass each).
 
 The library is plain C++ with a C ABI, loaded with ctypes: it needs g++ and nothing a
-fresh machine lacks (no torch headers, no ninja), and builds in about two seconds.
+fresh machine lacks (no torch headers, no ninja), and builds in a few seconds.
 `make install` builds it (`python -m engine_ext.kernels.compiled`); a first load builds it
 if that did not happen. It is compiled for the widest instruction set this CPU has that
 the source supports (AVX-512F, else AVX2 + FMA); on other CPUs there is no library and

@@ -43,7 +43,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     padded = -(-length // KEY_BLOCK) * KEY_BLOCK
     k_pad = k.new_zeros(padded, kv_heads, dim)
     k_pad[:length] = k
-    # (KVH, Lp / 64, D, 64): each block of 64 keys transposed and contiguous
+    # (KVH, Lp / KEY_BLOCK, D, KEY_BLOCK): each block of keys transposed and contiguous
     k_t = k_pad.view(padded // KEY_BLOCK, KEY_BLOCK, kv_heads, dim).permute(2, 0, 3, 1).contiguous()
     v_h = v.transpose(0, 1).contiguous()  # (KVH, L, D)
     q_h = q.transpose(0, 1).contiguous()  # (H, T, D)
