@@ -77,8 +77,6 @@ def _metadata(prompts: list[PromptRows], new_slots: torch.Tensor) -> AttentionMe
     spans, start = [], 0
     for p in prompts:
         context = p.slots[: len(p.token_ids)]  # (T,)
-        mask = torch.arange(context.shape[0])[None, :] <= p.rows[:, None]  # (R, T)
-        spans.append(PrefillSpan(start=start, num_tokens=p.rows.shape[0], context_slots=context, mask=mask,
-                                 positions=p.rows))
+        spans.append(PrefillSpan(start=start, num_tokens=p.rows.shape[0], context_slots=context, positions=p.rows))
         start += p.rows.shape[0]
     return AttentionMetadata(new_slots, spans, start, None, None)

@@ -30,10 +30,23 @@ class PrefillSpan:
     start: int  # index of its first query token in the flat batch
     num_tokens: int  # queries in this chunk
     context_slots: torch.Tensor  # (L,) slots of every key it attends to, cached ones first
-    mask: torch.Tensor | None  # (num_tokens, L) bool, None when nothing is cached (plain causal)
-    # (num_tokens,) int64: the last context index each query sees, the mask as a rule
-    # (mask[i, j] == j <= positions[i]); None: the last num_tokens positions of the context.
+    # (num_tokens,) int64: the last context index each query sees; None: the chunk's
+    # queries are the last num_tokens positions of the context (a prefill chunk).
     positions: torch.Tensor | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing cached: the chunk's own new keys are its whole context (plain causal)."""
+        return self.positions is None and self.context_slots.shape[0] == self.num_tokens
+
+    def mask(self) -> torch.Tensor | None:
+        """(num_tokens, L) bool, True where a query sees a key; None for a fresh chunk. Only
+        torch's path needs it: the compiled kernel applies the rule from the positions."""
+        if self.fresh:
+            return None
+        length = self.context_slots.shape[0]
+        last = self.positions if self.positions is not None else torch.arange(length - self.num_tokens, length)
+        return torch.arange(length)[None, :] <= last[:, None]  # (T, L)
 
 
 @dataclass
@@ -73,13 +86,7 @@ class AttentionMetadata:
         prefills: list[PrefillSpan] = []
         start = 0
         for num_tokens, slots in prefill_chunks:
-            num_ctx = slots.shape[0]
-            mask = None
-            if num_ctx > num_tokens:
-                # Query i sits at position num_ctx - num_tokens + i and sees keys up to it.
-                q_pos = torch.arange(num_ctx - num_tokens, num_ctx)[:, None]  # (T, 1)
-                mask = torch.arange(num_ctx)[None, :] <= q_pos  # (T, L)
-            prefills.append(PrefillSpan(start, num_tokens, slots, mask))
+            prefills.append(PrefillSpan(start, num_tokens, slots))  # query i sits at L - num_tokens + i
             start += num_tokens
         decode_slots = decode_mask = lengths = None
         if decode_contexts:
@@ -106,8 +113,8 @@ def paged_attention(
     out = torch.empty_like(q)
     for index, span in enumerate(meta.prefills):
         end = span.start + span.num_tokens
-        queries, mask = q[span.start : end], span.mask  # (T, heads, D), (T, L) or None: causal
-        if span.mask is None:  # nothing cached: the new keys are the whole context
+        queries = q[span.start : end]  # (T, heads, D)
+        if span.fresh:  # nothing cached: the new keys are the whole context
             k_seq, v_seq = k_new[span.start : end], v_new[span.start : end]
         else:
             # index_select, not k_cache[idx]: advanced indexing is ~40x slower on CPU.
@@ -119,7 +126,8 @@ def paged_attention(
             if direct is not None:
                 out[span.start : end] = direct
                 continue
-        else:  # a second query at the last position, seeing what it sees
+        mask = span.mask()  # (T, L), or None: plain causal
+        if decoder_row is not None:  # a second query at the last position, seeing what it sees
             queries = torch.cat([queries, q[decoder_row : decoder_row + 1]])  # (T + 1, heads, D)
             if mask is None:
                 mask = torch.ones(span.num_tokens, span.num_tokens, dtype=torch.bool).tril()  # (T, T)

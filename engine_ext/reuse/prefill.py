@@ -138,6 +138,5 @@ class ReusePrefill:
 def _metadata(rows: torch.Tensor, slots: torch.Tensor, context: torch.Tensor) -> AttentionMetadata:
     """One prefill span of queries at positions `rows` over the whole context: query i
     sees every key at a position <= rows[i] (placed, cached or written this layer)."""
-    mask = torch.arange(context.shape[0])[None, :] <= rows[:, None]  # (Q, T)
-    span = PrefillSpan(start=0, num_tokens=rows.shape[0], context_slots=context, mask=mask, positions=rows)
+    span = PrefillSpan(start=0, num_tokens=rows.shape[0], context_slots=context, positions=rows)
     return AttentionMetadata(slots[rows], [span], rows.shape[0], None, None)

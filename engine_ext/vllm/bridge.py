@@ -169,6 +169,5 @@ def _scratch(cfg: ModelConfig, num_tokens: int) -> list[tuple[torch.Tensor, torc
 
 def _metadata(rows: torch.Tensor, num_context: int) -> AttentionMetadata:
     """Queries at positions `rows`, slots = positions; each sees every key at or before it."""
-    context = torch.arange(num_context)
-    mask = context[None, :] <= rows[:, None]  # (Q, T)
-    return AttentionMetadata(rows, [PrefillSpan(0, rows.shape[0], context, mask, rows)], rows.shape[0], None, None)
+    return AttentionMetadata(rows, [PrefillSpan(0, rows.shape[0], torch.arange(num_context), rows)], rows.shape[0],
+                             None, None)
