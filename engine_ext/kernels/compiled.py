@@ -1,7 +1,8 @@
 """Build and load the engine's compiled kernels: quant_linear.cpp (weight-only quantized
 products), decode_attention.cpp (attention straight from the paged cache),
 prefill_attention.cpp (causal flash attention of a prefill chunk), rms_norm.cpp (RMSNorm
-in one pass) and elementwise.cpp (rotary and SwiGLU in one pass each).
+in one pass), elementwise.cpp (rotary and SwiGLU in one pass each) and decode_forward.cpp
+(a decode step's whole layer stack, calling the others).
 
 The library is plain C++ with a C ABI, loaded with ctypes: it needs g++ and nothing a
 fresh machine lacks (no torch headers, no ninja), and builds in a few seconds.
@@ -42,7 +43,7 @@ Isa = Literal["avx512", "avx2"]
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("quant_linear.cpp", "decode_attention.cpp",
                                                           "prefill_attention.cpp", "rms_norm.cpp",
-                                                          "elementwise.cpp"))
+                                                          "elementwise.cpp", "decode_forward.cpp"))
 HEADERS = (Path(__file__).with_name("lanes.h"), Path(__file__).with_name("vec.h"))  # included by the sources: part of the build's hash
 _ISA_FLAGS: dict[Isa, tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mfma"),
@@ -134,6 +135,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.kq_rotary.restype = None
     lib.kq_swiglu.argtypes = [ptr, ptr, i64, i64, i32]
     lib.kq_swiglu.restype = None
+    lib.kq_decode_forward.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
+    lib.kq_decode_forward.restype = i32
     return lib
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from engine_ext.adapters.rows import AdapterRows
 from engine_ext.config import ModelConfig
 from engine_ext.model.attention import AttentionMetadata, paged_attention
+from engine_ext.model.decode_forward import CompiledDecode
 from engine_ext.model.linear import PackedLinear
 from engine_ext.kernels.norm import rms_norm
 from engine_ext.kernels.rope import apply_rotary, rope_cos_sin, rope_inv_freq
@@ -136,6 +137,9 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # A plain attribute, not a buffer: `model.to(bfloat16)` must not touch the fp32 frequencies.
         self.inv_freq = rope_inv_freq(cfg.rope, cfg.rotary_dim)  # (rotary_dim/2,)
+        # Set by the loader once the weights are final: plain decode batches then run their
+        # layers in one compiled call (bitwise this module's result); None keeps the modules.
+        self.compiled_decode: CompiledDecode | None = None
 
     @torch.inference_mode()
     def forward(
@@ -153,6 +157,11 @@ class CausalLM(nn.Module):
         returns True: background work gives way to a request within one layer."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # each (N, rotary_dim)
         x = self.embed_tokens(input_ids)  # (N, hidden)
+        compiled = self.compiled_decode
+        if compiled is not None and adapters is None and interrupt is None and compiled.applies(x.shape[0], meta):
+            out = compiled.forward(x, cos, sin, kv_caches, meta)
+            if out is not None:
+                return out
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             if i and interrupt is not None and interrupt():
                 raise StepInterrupted(f"stopped before layer {i}")

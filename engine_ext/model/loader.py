@@ -14,6 +14,7 @@ from engine_ext.config import ModelConfig
 from kvrelay.engine_options import Dtype, LinearKernel
 from engine_ext.model.dtypes import TORCH_DTYPES
 from engine_ext.errors import ModelLoadError
+from engine_ext.model.decode_forward import CompiledDecode
 from engine_ext.model.llama import CausalLM
 from engine_ext.model.linear import pack_linears
 from engine_ext.model.quantize import quantize_linears
@@ -101,4 +102,5 @@ def load_model(model_dir: Path, cfg: ModelConfig, dtype: Dtype = "float32",
                  quantized.bytes / 1e6, "exact (the weights are unchanged)" if quantized.lossless else "approximate",
                  "compiled kernel" if quantized.kernel else "no kernel here: dense path")
     pack_linears(model, "auto" if linear_kernel == "int4" else linear_kernel)
+    model.compiled_decode = CompiledDecode.for_model(model)
     return model
