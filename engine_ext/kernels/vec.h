@@ -29,22 +29,18 @@ inline float lane_max(vf x) {
     for (int i = 0; i < step; ++i) a[i] = a[i] > a[i + step] ? a[i] : a[i + step];
   return a[0];
 }
-// The same tree as halving vectors: 16 -> 8 -> 4 lanes, then (0 + 2) + (1 + 3).
+// The same tree as halving vectors: 16 -> 8 -> 4 lanes, then (0 + 2) + (1 + 3). The halves
+// are register shuffles: through memory, a 64-byte store read back as two halves stalls.
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
 inline float lane_sum(vf x) {
 #ifdef __AVX512F__
-  v8f lo, hi;
-  std::memcpy(&lo, &x, sizeof lo);
-  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + sizeof lo, sizeof hi);
-  const v8f s8 = lo + hi;
+  const v8f s8 = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
 #else
   const v8f s8 = x;
 #endif
-  v4f a, b;
-  std::memcpy(&a, &s8, sizeof a);
-  std::memcpy(&b, reinterpret_cast<const char*>(&s8) + sizeof a, sizeof b);
-  const v4f s4 = a + b;
+  const v4f s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) + __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
