@@ -10,7 +10,7 @@
 // and takes e^x sixteen scores at a time (vec.h).
 //
 // Exactness: each (sequence, head) is computed in one fixed order (scores in key order, a
-// weighted sum of values in key order; built with -ffp-contract=off), so a sequence's
+// weighted sum of values in key order; the fused multiply-adds written out), so a sequence's
 // output is bitwise the same alone or in any batch, on any number of threads.
 #include <omp.h>
 #include <algorithm>
@@ -73,7 +73,7 @@ int kq_decode_attention(const float* q, const float* k, const float* v, const in
         const float* kr = k + (row[l] * KVH + g) * D;
         for (int64_t hh = 0; hh < group; ++hh) {
           vf acc = qv[hh][0] * load(kr);
-          for (int64_t c = 1; c < chunks; ++c) acc += qv[hh][c] * load(kr + c * kLanes);
+          for (int64_t c = 1; c < chunks; ++c) acc = vfma(qv[hh][c], load(kr + c * kLanes), acc);
           p[hh * stride + l] = lane_sum(acc);
         }
       }
@@ -83,8 +83,8 @@ int kq_decode_attention(const float* q, const float* k, const float* v, const in
       for (int64_t l = 0; l < len; ++l) {
         const float* vr = v + (row[l] * KVH + g) * D;
         for (int64_t hh = 0; hh < group; ++hh) {
-          const float w = p[hh * stride + l];
-          for (int64_t c = 0; c < chunks; ++c) o[hh][c] += load(vr + c * kLanes) * w;
+          const vf w = splat(p[hh * stride + l]);
+          for (int64_t c = 0; c < chunks; ++c) o[hh][c] = vfma(load(vr + c * kLanes), w, o[hh][c]);
         }
       }
       for (int64_t hh = 0; hh < group; ++hh) {

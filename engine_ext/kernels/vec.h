@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+#include <immintrin.h>
 
 #ifdef __AVX512F__
 constexpr int kLanes = 16;  // one zmm
@@ -20,6 +21,17 @@ inline vf load(const float* p) {
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 inline vf splat(float x) { return vf{} + x; }
+// a * b + c rounded once (the FMA instruction), for the attention kernels' dot products:
+// half the operations of a rounded product and a rounded sum. The files build with
+// -ffp-contract=off, so only this spelling fuses, and where a kernel writes it, it writes
+// it the same way on every path (the weights of quant_linear.cpp and rotary never fuse).
+inline vf vfma(vf a, vf b, vf c) {
+#ifdef __AVX512F__
+  return _mm512_fmadd_ps(a, b, c);
+#else
+  return _mm256_fmadd_ps(a, b, c);
+#endif
+}
 
 // Lane reductions as a fixed tree: log2(kLanes) dependent steps, not kLanes.
 inline float lane_max(vf x) {
