@@ -135,7 +135,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.kq_rotary.restype = None
     lib.kq_swiglu.argtypes = [ptr, ptr, i64, i64, i32]
     lib.kq_swiglu.restype = None
-    lib.kq_decode_forward.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i32]
+    lib.kq_decode_forward.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i32]
     lib.kq_decode_forward.restype = i32
     return lib
 

@@ -76,11 +76,18 @@ extern "C" {
 
 // x (B, hidden): the rows' embeddings in, their final (normed) hidden states out. cos, sin
 // (B, rotary_dim); slot_mapping (B,): where each row's K/V go; slots (B, Lmax) and lengths
-// (B,): each row's keys, its own last (decode_attention.cpp). Returns 0 where attention
+// (B,): each row's keys, its own last (decode_attention.cpp); each cache holds num_slots.
+// Returns 1; -1, touching nothing, where a slot or a length is out of range (a cache
+// written out of bounds would corrupt another sequence's keys); 0 where attention
 // declines the shapes (the caller checks them first; x is then partly computed).
 int kq_decode_forward(const KqModel* model, float* x, int64_t B, const float* cos, const float* sin,
                       const int64_t* slot_mapping, const int64_t* slots, const int64_t* lengths, int64_t Lmax,
-                      int threads) {
+                      int64_t num_slots, int threads) {
+  for (int64_t b = 0; b < B; ++b) {
+    if (slot_mapping[b] < 0 || slot_mapping[b] >= num_slots || lengths[b] < 1 || lengths[b] > Lmax) return -1;
+    for (int64_t l = 0; l < lengths[b]; ++l)
+      if (slots[b * Lmax + l] < 0 || slots[b * Lmax + l] >= num_slots) return -1;
+  }
   const int64_t hidden = model->hidden, H = model->heads, KVH = model->kv_heads, D = model->head_dim;
   const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
   std::vector<float> h(B * hidden), qkv(B * qkv_size), qk(B * (q_size + kv_size)), q(B * q_size),

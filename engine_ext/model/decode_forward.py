@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
+from engine_ext.errors import EngineError
 from engine_ext.kernels.compiled import kernels
 from engine_ext.kernels.decode_attention import MAX_DIM, MAX_GROUP
 from engine_ext.kernels.quant import Q4_1, Q8_0, QuantWeight
@@ -85,7 +86,9 @@ class CompiledDecode:
         self._table = _Model(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                              cfg.rotary_dim, cfg.intermediate_size, cfg.rms_norm_eps, cfg.head_dim**-0.5,
                              self._layers, model.norm.weight.data_ptr())
+        self._slot_shape = (cfg.num_kv_heads, cfg.head_dim)  # a cache is (num_slots, kv_heads, head_dim)
         self._bound: tuple[int, ...] = ()  # the cache storage the table points at
+        self._num_slots = 0
 
     @classmethod
     def for_model(cls, model: CausalLM) -> CompiledDecode | None:
@@ -116,7 +119,8 @@ class CompiledDecode:
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[LayerCache],
                 meta: AttentionMetadata) -> torch.Tensor | None:
         """x (B, hidden) the rows' embeddings, cos/sin (B, rotary_dim); returns the final
-        hidden states (B, hidden), or None where the caches are not fp32 and contiguous."""
+        hidden states (B, hidden), or None where the caches or the slot tensors are not the
+        layout the library reads (then the modules run)."""
         if not self._bind(kv_caches):
             return None
         lib = kernels()
@@ -126,9 +130,13 @@ class CompiledDecode:
         slots, lengths = meta.decode_slots, meta.decode_lengths
         assert slots is not None and lengths is not None, "applies() checked a decode batch"
         slots, lengths, slot_mapping = slots.contiguous(), lengths.contiguous(), meta.slot_mapping.contiguous()
+        if any(t.dtype != torch.int64 for t in (slots, lengths, slot_mapping)) or slots.dim() != 2:
+            return None
         done = lib.kq_decode_forward(ctypes.addressof(self._table), hidden.data_ptr(), hidden.shape[0], cos.data_ptr(),
-                                     sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(),
-                                     lengths.data_ptr(), slots.shape[1], torch.get_num_threads())
+                                     sin.data_ptr(), slot_mapping.data_ptr(), slots.data_ptr(), lengths.data_ptr(),
+                                     slots.shape[1], self._num_slots, torch.get_num_threads())
+        if done < 0:
+            raise EngineError("a decode step named a cache slot outside the cache; nothing was written")
         assert done, "for_model checked the attention shapes"
         return hidden
 
@@ -137,9 +145,12 @@ class CompiledDecode:
         key = tuple(t.data_ptr() for cache in kv_caches for t in cache)
         if key == self._bound:
             return True
-        if any(t.dtype != torch.float32 or not t.is_contiguous() for cache in kv_caches for t in cache):
+        tensors = [t for cache in kv_caches for t in cache]
+        if (len(kv_caches) != len(self._layers) or any(t.dtype != torch.float32 or not t.is_contiguous()
+                                                        or t.shape != tensors[0].shape for t in tensors)
+                or tensors[0].shape[1:] != self._slot_shape):
             return False
         for entry, (k_cache, v_cache) in zip(self._layers, kv_caches):
             entry.k_cache, entry.v_cache = k_cache.data_ptr(), v_cache.data_ptr()
-        self._bound = key
+        self._bound, self._num_slots = key, tensors[0].shape[0]
         return True

@@ -14,6 +14,7 @@ import torch
 
 from engine_ext.config import EngineConfig
 from engine_ext.engine import LLMEngine
+from engine_ext.errors import EngineError
 from engine_ext.kernels.compiled import ISA_ENV, load_library, kernels
 from engine_ext.model import AttentionMetadata, CausalLM
 from engine_ext.model.decode_forward import CompiledDecode
@@ -143,3 +144,41 @@ def test_only_plain_decode_batches_apply() -> None:
     assert not CompiledDecode.applies(3, with_decoders)  # an ICaRus decoder query rides along
     many = AttentionMetadata.build(torch.arange(17), [], [torch.arange(i, i + 1) for i in range(17)])
     assert not CompiledDecode.applies(17, many)  # more rows than the quantized products take
+
+
+def _decode_inputs(engine: LLMEngine, slot: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """One decode row at position 3 over cache slots 0-3, writing its K/V to `slot`."""
+    context = torch.tensor([0, 1, 2, slot])
+    meta = AttentionMetadata.build(context[-1:], [], [context])
+    return torch.tensor([11]), torch.tensor([3]), meta
+
+
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, num_blocks=4, linear_kernel="int4")
+    model, caches = engine.model, engine.kv_cache.layers
+    num_slots = caches[0][0].shape[0]
+    before = [t.clone() for cache in caches for t in cache]
+    for slot in (num_slots, -1, 10**12):
+        ids, positions, meta = _decode_inputs(engine, slot)
+        with pytest.raises(EngineError, match="outside the cache"):
+            model(ids, positions, caches, meta)
+    assert all(torch.equal(a, b) for a, b in zip((t for cache in caches for t in cache), before))
+    ids, positions, meta = _decode_inputs(engine, num_slots - 1)
+    assert model(ids, positions, caches, meta).shape == (1, model.config.hidden_size)
+
+
+def test_slots_and_caches_it_cannot_read_run_the_modules(llama_dir: Path) -> None:
+    engine = make_engine(llama_dir, num_blocks=4, linear_kernel="int4")
+    model, compiled = engine.model, engine.model.compiled_decode
+    assert compiled is not None
+    ids, positions, meta = _decode_inputs(engine, 5)
+    x = model.embed_tokens(ids)
+    cos, sin = torch.ones(1, 16), torch.zeros(1, 16)
+    caches = engine.kv_cache.layers
+    assert compiled.forward(x, cos, sin, caches, meta) is not None
+    narrow = AttentionMetadata.build(meta.slot_mapping.int(), [], [torch.tensor([0, 1, 2, 5])])
+    assert compiled.forward(x, cos, sin, caches, narrow) is None  # int32 slots: not the library's layout
+    half = [(k.half(), v.half()) for k, v in caches]
+    assert compiled.forward(x, cos, sin, half, meta) is None
+    assert compiled.forward(x, cos, sin, caches[:1], meta) is None  # fewer caches than layers
+    assert compiled.forward(x, cos, sin, caches, meta) is not None  # and back to the engine's own
