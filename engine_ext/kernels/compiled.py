@@ -127,7 +127,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.kq_decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64,
                                         ctypes.c_float, i32]
     lib.kq_decode_attention.restype = i32
-    lib.kq_prefill_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ctypes.c_float, i32]
+    lib.kq_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                         ctypes.c_float, i32]
     lib.kq_prefill_attention.restype = i32
     lib.kq_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, i32]
     lib.kq_rms_norm.restype = None

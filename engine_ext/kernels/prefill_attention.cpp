@@ -105,14 +105,15 @@ inline void softmax_row(float* s, int64_t j0, int64_t pos, float* m, float* l, f
 
 extern "C" {
 
-// q (H, T, D); kt (KVH, Lp / 128, D, 128): the keys in blocks of 128, each block
+// q: T rows of H heads of D, row t at q + t * q_stride (a view into a fused projection
+// needs no copy); kt (KVH, Lp / 128, D, 128): the keys in blocks of 128, each block
 // transposed and contiguous (a plain (D, Lp) layout puts a block's D rows Lp floats apart,
 // on the same few L1 sets); Lp a multiple of 128, keys from L on never weighted;
-// v (KVH, L, D); pos (T,) each query's last visible key, in [0, L); out (H, T, D).
+// v (KVH, L, D); pos (T,) each query's last visible key, in [0, L); out (T, H, D).
 // Query head h reads KV head h / (H / KVH).
 // Returns 0, touching nothing, for shapes it does not handle.
-int kq_prefill_attention(const float* q, const float* kt, const float* v, const int64_t* pos, float* out,
-                         int64_t T, int64_t L, int64_t Lp, int64_t H, int64_t KVH, int64_t D, float scale,
+int kq_prefill_attention(const float* q, int64_t q_stride, const float* kt, const float* v, const int64_t* pos,
+                         float* out, int64_t T, int64_t L, int64_t Lp, int64_t H, int64_t KVH, int64_t D, float scale,
                          int threads) {
   if (D % kLanes != 0 || D > kMaxDim || Lp % kBlockK != 0 || Lp < L || H % KVH != 0) return 0;
   for (int64_t t = 0; t < T; ++t)
@@ -134,7 +135,7 @@ int kq_prefill_attention(const float* q, const float* kt, const float* v, const 
       const float* kg = kt + (h / group) * Lp * D;
       const float* vg = v + (h / group) * L * D;
       for (int64_t i = 0; i < tiled; ++i)
-        for (int64_t d = 0; d < D; ++d) qs[i * D + d] = i < rows ? q[(h * T + t0 + i) * D + d] * scale : 0.f;
+        for (int64_t d = 0; d < D; ++d) qs[i * D + d] = i < rows ? q[(t0 + i) * q_stride + h * D + d] * scale : 0.f;
       std::fill(o, o + tiled * D, 0.f);
       std::fill(m, m + kBlockQ, -std::numeric_limits<float>::infinity());
       std::fill(l, l + kBlockQ, 0.f);
@@ -160,7 +161,7 @@ int kq_prefill_attention(const float* q, const float* kt, const float* v, const 
       }
       for (int64_t i = 0; i < rows; ++i) {
         const float inv = 1.f / l[i];
-        float* dst = out + (h * T + t0 + i) * D;
+        float* dst = out + ((t0 + i) * H + h) * D;
         for (int64_t d = 0; d < D; ++d) dst[d] = o[i * D + d] * inv;
       }
     }

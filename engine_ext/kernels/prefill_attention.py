@@ -41,14 +41,18 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if lib is None:
         return None
     padded = -(-length // KEY_BLOCK) * KEY_BLOCK
-    k_pad = k.new_zeros(padded, kv_heads, dim)
-    k_pad[:length] = k
-    # (KVH, Lp / KEY_BLOCK, D, KEY_BLOCK): each block of keys transposed and contiguous
-    k_t = k_pad.view(padded // KEY_BLOCK, KEY_BLOCK, kv_heads, dim).permute(2, 0, 3, 1).contiguous()
+    # (KVH, Lp / KEY_BLOCK, D, KEY_BLOCK): each block of keys transposed and contiguous, in one
+    # copy (splitting the first dimension is a view whatever k's strides); padding stays 0
+    k_t = k.new_zeros(kv_heads, padded // KEY_BLOCK, dim, KEY_BLOCK)
+    full = length // KEY_BLOCK
+    k_t[:, :full] = k[: full * KEY_BLOCK].reshape(full, KEY_BLOCK, kv_heads, dim).permute(2, 0, 3, 1)
+    if full * KEY_BLOCK < length:
+        k_t[:, full, :, : length - full * KEY_BLOCK] = k[full * KEY_BLOCK :].permute(1, 2, 0)  # (KVH, D, rest)
     v_h = v.transpose(0, 1).contiguous()  # (KVH, L, D)
-    q_h = q.transpose(0, 1).contiguous()  # (H, T, D)
-    out = torch.empty_like(q_h)
-    done = lib.kq_prefill_attention(q_h.data_ptr(), k_t.data_ptr(), v_h.data_ptr(), positions.data_ptr(),
+    if q.stride(2) != 1 or q.stride(1) != dim:
+        q = q.contiguous()
+    out = q.new_empty(tokens, heads, dim)  # (T, H, D)
+    done = lib.kq_prefill_attention(q.data_ptr(), q.stride(0), k_t.data_ptr(), v_h.data_ptr(), positions.data_ptr(),
                                     out.data_ptr(), tokens, length, padded, heads, kv_heads, dim, scale,
                                     torch.get_num_threads())
-    return out.transpose(0, 1) if done else None  # (T, H, D); not done: a position outside [0, L)
+    return out if done else None  # not done: a position outside [0, L)
