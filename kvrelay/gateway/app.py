@@ -28,7 +28,7 @@ from kvrelay.gateway.admin import install_admin
 from kvrelay.gateway.ui import install_ui
 from kvrelay.gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from kvrelay.gateway.call import GatewayState, ProxiedCall
-from kvrelay.gateway.endpoints import ENDPOINTS
+from kvrelay.gateway.endpoints import ENDPOINTS, ResponseSessions
 from kvrelay.gateway.inference import Inference, RoundHold, StateStore
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES, RESPONSES_BODY
@@ -39,6 +39,7 @@ from kvrelay.gateway.supervisor import SupervisedTask
 from kvrelay.gateway.tracing import build_tracer_provider, tracer_from
 from kvrelay.gateway.upstream_client import UpstreamClient, build_http_client
 from kvrelay.gateway.upstreams import UpstreamPool
+from kvrelay.gateway.replicas import Replicas
 from kvrelay.gateway.routing.cache_poll import CachePoller
 from kvrelay.wire.errors import error_response, error_responses, install_request_error_handlers
 
@@ -85,16 +86,25 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         guard, prober, guard_loops = start_guard(settings, http, pool, metrics, seal)
         loops += guard_loops
         approximation = Approximation.from_settings(settings.approximation, guard, guard)
+        responses = ResponseSessions()
+        replicas = None
+        if settings.replication.enabled:
+            replicas = Replicas(db, settings.replication, inference, pool, responses)
+            await replicas.start()
+            metrics.count_replication(replicas.log)
+            logger.info("replica %s: sharing inferred state through the database", replicas.log.replica_id)
         app.state.gateway = GatewayState(settings, upstreams, writer, metrics, tracer_from(provider), access,
                                          inference, store, hold, seal, approximation, guard, prober=prober,
-                                         salts=TenantSalts(secret))
+                                         responses=responses, salts=TenantSalts(secret), replicas=replicas)
         app.state.db = db
-        app.state.loops = loops if saver is None else [*loops, saver]
+        app.state.loops = [*loops, *([saver] if saver is not None else []), *(replicas.tasks if replicas else [])]
         try:
             yield
         finally:
             for loop in loops:
                 await loop.stop()
+            if replicas is not None:
+                await replicas.stop()
             if store is not None and saver is not None:
                 store.stop()
                 await saver.join()

@@ -34,6 +34,7 @@ from kvrelay.gateway.endpoints import Endpoint, ResponseSessions
 from kvrelay.gateway.sse import EventReader, EventTooLargeError, inspect, is_done
 from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from kvrelay.gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
+from kvrelay.gateway.replicas import Replicas
 from kvrelay.gateway.routing.policies import Route
 from kvrelay.gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
@@ -70,6 +71,7 @@ class GatewayState:
     prober: UpstreamProber | None = None  # scores probes for upstreams that do not (vLLM); None: guard off
     responses: ResponseSessions = field(default_factory=ResponseSessions)  # previous_response_id -> session
     salts: TenantSalts = field(default_factory=lambda: TenantSalts(None))  # each tenant's cache_salt
+    replicas: Replicas | None = None  # None: one gateway, nothing shared
 
 
 class ProxiedCall:
@@ -210,6 +212,8 @@ class ProxiedCall:
         model = self.record.model or ""
         choice = self._reuse_choice()
         result = self.state.inference.plan(ident, self.view, self.record.id, model)
+        if self.state.replicas is not None:
+            self.state.replicas.planned(ident, self.view, self.record.id, model, result.session_id)
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
         self.record.plan = result.plan.model_dump_json()
@@ -415,8 +419,11 @@ class ProxiedCall:
         if rec.status == "ok" and self._app_id is not None and rec.session_id and self._response_id:
             self.state.responses.remember(self._app_id, self._response_id, rec.session_id)
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
-            self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id,
-                                                  "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids)))
+            answer, calls = "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids))
+            self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id, answer, calls)
+            if self.state.replicas is not None:
+                self.state.replicas.answered(self._app_id, rec.session_id, rec.agent_id, rec.id, answer, calls,
+                                             self._response_id)
         if rec.status == "ok" and self._probe and self._probe_body and rec.upstream and self.state.prober:
             # An upstream that scores its own probes (the embedded engine) is skipped by offer().
             self.state.prober.offer(Probe(rec.upstream, self.endpoint.path, self._probe_body, *self._probe))

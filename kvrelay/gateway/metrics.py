@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvrelay.gateway.inference.replication import SharedLog
     from kvrelay.gateway.storage.writer import RecordWriter
 
 OTHER_MODEL = "other"
@@ -57,6 +58,10 @@ class GatewayMetrics:
         each scrape."""
         self.registry.register(_BoundsCollector(bounded))
 
+    def count_replication(self, log: SharedLog) -> None:
+        """Export what this replica shared and applied, and how stale the others' observations were."""
+        self.registry.register(_ReplicationCollector(log))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -90,3 +95,32 @@ class _WriterCollector(Collector):
                                   value=float(w.num_restarts))
         yield GaugeMetricFamily("kvrelay_record_writer_up", "1 while the record writer runs", value=float(w.alive))
         yield GaugeMetricFamily("kvrelay_record_backlog", "Records waiting to be written", value=float(w.backlog))
+
+
+class _ReplicationCollector(Collector):
+    def __init__(self, log: SharedLog) -> None:
+        self.log = log
+
+    def collect(self) -> Iterator[Metric]:
+        log = self.log
+        family = CounterMetricFamily("kvrelay_replication_observations", "Observations shared with other replicas",
+                                     labels=["fate"])
+        for fate, value in (("published", log.num_published), ("appended", log.num_appended),
+                            ("applied", log.num_applied), ("dropped", log.num_dropped),
+                            ("not_applied", log.num_apply_errors)):
+            family.add_metric([fate], float(value))
+        yield family
+        errors = CounterMetricFamily("kvrelay_replication_errors", "Failed reads and appends of the shared log",
+                                     labels=["kind"])
+        errors.add_metric(["append"], float(log.num_append_errors))
+        errors.add_metric(["read"], float(log.num_read_errors))
+        yield errors
+        yield GaugeMetricFamily("kvrelay_replication_backlog", "Observations waiting to be shared",
+                                value=float(log.backlog))
+        stale = GaugeMetricFamily("kvrelay_replication_staleness_ms",
+                                  "Age of the other replicas' observations when applied here, recent window",
+                                  labels=["quantile"])
+        for q in (0.5, 0.99, 1.0):
+            if (age := log.staleness_quantile(q)) is not None:
+                stale.add_metric([str(q)], age)
+        yield stale

@@ -187,6 +187,19 @@ class LimitSettings(BaseModel):
     max_message_chars: Annotated[int, Field(ge=1, le=64 * 2**20)] = 2 * 2**20
 
 
+class ReplicationSettings(BaseModel):
+    """Gateway replicas sharing what they infer through the database (every replica
+    points at the same `database_url`; kvrelay/gateway/inference/replication.py). Off:
+    one gateway, nothing shared, no extra service."""
+
+    enabled: bool = False
+    replica_id: Annotated[str | None, Field(min_length=1, max_length=64)] = None  # default: host, pid and a random tag
+    # SQLite (replicas of one host): how often the log is read. PostgreSQL is woken by
+    # NOTIFY and polls this often only as a fallback.
+    poll_interval_s: Annotated[float, Field(gt=0, le=5)] = 0.02
+    retention_s: Annotated[float, Field(ge=60)] = 3600.0  # shared observations older than this are deleted
+
+
 class GatewaySettings(YamlFileSettings):
     # An empty variable (KVRELAY_ADMIN_KEY=) means "not set", as in most tools.
     model_config = SettingsConfigDict(env_prefix="KVRELAY_", env_nested_delimiter="__", extra="forbid",
@@ -204,6 +217,7 @@ class GatewaySettings(YamlFileSettings):
     timeouts: Timeouts = Timeouts()
     breaker: Breaker = Breaker()
     inference: InferenceSettings = InferenceSettings()
+    replication: ReplicationSettings = ReplicationSettings()
     adapters: AdapterSettings = AdapterSettings()  # agent -> LoRA adapter routing
     approximation: ApproximationSettings = ApproximationSettings()  # opt-in approximate reuse and its guard
     health_interval_s: PositiveFloat = 5.0
@@ -223,6 +237,14 @@ class GatewaySettings(YamlFileSettings):
     # engine listening beyond loopback.
     plan_secret: SecretStr | None = None
     plan_max_age_s: float = Field(default=300.0, gt=0, le=86400)  # an older sealed plan is stale
+
+    @model_validator(mode="after")
+    def _shared_database(self) -> GatewaySettings:
+        if self.replication.enabled and (":memory:" in self.database_url or self.database_url.rstrip("/").endswith(
+                ("sqlite:", "sqlite+aiosqlite:"))):
+            raise ValueError("replication needs a database the replicas share (a SQLite file or PostgreSQL), "
+                             "not an in-memory one")
+        return self
 
     @field_validator("plan_secret")
     @classmethod

@@ -98,15 +98,16 @@ def fake_upstream(_servers) -> Callable[..., FakeUpstream]:
 def start_gateway(tmp_path, clean_env, _servers) -> Callable[..., Gateway]:
     """Factory: start_gateway([upstream urls], **GatewaySettings fields) -> a running Gateway
     with its own SQLite file (or `db_path`, to restart on the database of a stopped one),
-    a 0.2 s health loop and short timeouts unless overridden."""
+    a 0.2 s health loop and short timeouts unless overridden (`database_url`: another database)."""
     counter = itertools.count()
 
     def start(upstreams: list[str], *, tracer_provider: TracerProvider | None = None, db_path: Path | None = None,
-              **settings: Any) -> Gateway:
+              database_url: str | None = None, **settings: Any) -> Gateway:
         db_path = db_path or tmp_path / f"gateway-{next(counter)}.sqlite"
         settings.setdefault("health_interval_s", 0.2)
         settings.setdefault("timeouts", FAST_TIMEOUTS)
-        config = GatewaySettings(upstreams=upstreams, database_url=f"sqlite+aiosqlite:///{db_path}", **settings)
+        config = GatewaySettings(upstreams=upstreams, database_url=database_url or f"sqlite+aiosqlite:///{db_path}",
+                                 **settings)
         app = create_app(config, tracer_provider=tracer_provider)
         server = LoopbackServer(app)
         _servers.append(server)

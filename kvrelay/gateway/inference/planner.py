@@ -72,7 +72,11 @@ class Inference:
         self.apps.move_to_end(app_id)
         return app
 
-    def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str) -> PlanResult:
+    def plan(self, ident: Identity, body: dict[str, Any], request_id: str, model: str,
+             replay_in: str | None = None) -> PlanResult:
+        """The request's session, agent and plan, learning from it as it goes. `replay_in`:
+        another gateway replica planned this request in that session (replication.py); it
+        is learned in full (no budget) and its session kept, so the replicas' states agree."""
         messages = prompt_messages(body)
         app = self.app(ident.app_id)
         found = {m.index: find_texts(app, m.content) for m in messages if m.content}
@@ -82,13 +86,14 @@ class Inference:
         # scan itself, and lost its plan to it). The budget grows with the transcript: a long
         # but ordinary one (hundreds of turns) must keep its plan; only what is beyond linear
         # cost is cut.
-        deadline = Deadline((self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3)
+        budget_s = (self.settings.plan_budget_ms + PER_MESSAGE_MS * len(messages)) / 1e3
+        deadline = Deadline(float("inf") if replay_in is not None else budget_s)
         called = app.session_of_calls(call_ids(body))
         system = next((m for m in messages if m.role in ("system", "developer") and m.content is not None), None)
         opening = next((m.content for m in messages if m.content), None)
         agent = resolve_agent(app, ident.agent_id, system.content if system else None, model, self.new_learner,
                               None if system else opening)
-        session_id = (ident.session_id or called
+        session_id = (replay_in or ident.session_id or called
                       or linked_session(app, found, agent.id, messages[-1].index if messages else 0)
                       or f"sess-{uuid.uuid4().hex[:16]}")
         session = app.session(session_id)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 from kvrelay.gateway.routing.cache_map import CHARS_PER_TOKEN, CacheMap
@@ -78,11 +78,18 @@ def held_tokens(route: Route, url: str, cache: CacheMap, segments: SegmentMap, s
 
 class SessionHomes:
     """Each session's home upstream, least recently used first, bounded so idle sessions
-    age out; and how many sessions live on each upstream."""
+    age out; and how many sessions live on each upstream.
+
+    Shared by gateway replicas (`shared`): a new session's home is the upstream its id
+    hashes to (rendezvous hashing over the usable upstreams), so replicas that plan its
+    first requests at the same moment agree without asking each other, and every
+    settled home is told to `on_settle` for the other replicas to learn."""
 
     def __init__(self) -> None:
         self.homes: OrderedDict[str, Upstream] = OrderedDict()
         self.counts: Counter[str] = Counter()
+        self.shared = False
+        self.on_settle: Callable[[str, str], None] | None = None  # (session, upstream url)
 
     def get(self, session_id: str) -> Upstream | None:
         home = self.homes.get(session_id)
@@ -90,7 +97,7 @@ class SessionHomes:
             self.homes.move_to_end(session_id)
         return home
 
-    def settle(self, session_id: str, home: Upstream) -> None:
+    def settle(self, session_id: str, home: Upstream, *, tell: bool = True) -> None:
         if self.homes.get(session_id) is home:
             return
         self.forget(session_id)
@@ -99,11 +106,18 @@ class SessionHomes:
         if len(self.homes) > MAX_SESSIONS:
             _, oldest = self.homes.popitem(last=False)
             self.counts[oldest.url] -= 1
+        if tell and self.on_settle is not None:
+            self.on_settle(session_id, home.url)
 
     def forget(self, session_id: str) -> None:
         home = self.homes.pop(session_id, None)
         if home is not None:
             self.counts[home.url] -= 1
+
+    def hashed(self, session_id: str, usable: list[Upstream]) -> Upstream:
+        """The usable upstream `session_id` hashes to: the same on every replica, and
+        only the sessions of an upstream that leaves move."""
+        return max(usable, key=lambda u: hashlib.blake2b(f"{session_id}\0{u.url}".encode(), digest_size=8).digest())
 
 
 class RoutingPolicy(ABC):
@@ -141,9 +155,13 @@ class RoutingPolicy(ABC):
         if route.session_id is None:
             return None
         home = self.homes.get(route.session_id)
-        if home is None or home not in usable or (not route.hold and self._overloaded(home, usable)):
+        if home is not None and home in usable and (route.hold or not self._overloaded(home, usable)):
+            return home
+        if home is None and self.homes.shared:  # first seen: where every replica would put it
+            home = self.homes.hashed(route.session_id, usable)
+        else:
             home = self._new_home(usable)
-            self.homes.settle(route.session_id, home)
+        self.homes.settle(route.session_id, home)
         return home
 
 

@@ -156,3 +156,17 @@ class RoundRow(Base):
     outputs: Mapped[str] = mapped_column(StorableText)  # JSON list of the segment seqs every member read
     expected: Mapped[int] = mapped_column(Integer)
     num_requests: Mapped[int] = mapped_column(Integer)
+
+
+class ObservationRow(Base):
+    """What one gateway replica learned from traffic, for the others to apply
+    (kvrelay/gateway/inference/replication.py). Append-only; `seq` is the log's order."""
+
+    __tablename__ = "inference_observations"
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    replica: Mapped[str] = mapped_column(StorableString(64))
+    kind: Mapped[str] = mapped_column(StorableString(16))  # plan | answer | home
+    payload: Mapped[str] = mapped_column(StorableText)  # JSON
+    observed_at: Mapped[float] = mapped_column(Float)  # the origin's wall clock, epoch seconds
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)

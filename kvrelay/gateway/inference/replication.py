@@ -1,0 +1,240 @@
+"""Gateway replicas that plan with what every replica observed: a shared, ordered log.
+
+Each replica keeps its inferred state in memory (the request path never waits on a
+database). What it learns from traffic is also appended to one table of the shared
+database, `inference_observations`: a planned request (its identity, the prompt as
+planning read it, and the session it was given), a completed answer, a session's home
+upstream. Every replica applies what the others appended, in the log's order, to its
+own state, as if it had handled those requests itself: a plan observation runs the
+planner again on the same inputs with the session the origin chose (and no time
+budget), an answer is remembered as if relayed, a home is settled. So a prompt that
+quotes an answer another replica relayed gets its placeholder, and a session planned
+by three replicas stays one session.
+
+Why a log of inputs rather than a shared copy of the state: planning reads and writes
+most of an app's state (texts, agents, prefixes, rounds, the step graph) on every
+request; replaying its inputs keeps every structure consistent with one code path, and
+costs each replica the planning of the others' requests (about a tenth of a request's
+gateway CPU, measured in `kvrelay bench gateway`).
+
+Staleness is the time from the origin's observation to its application elsewhere: the
+appender's commit (a batch of whatever queued, written at once) plus the wake-up. On
+PostgreSQL an append sends NOTIFY and replicas LISTEN (a poll every
+`poll_interval_s` stays as a fallback); on SQLite (replicas of one host sharing the
+file) replicas poll. It is measured per applied observation on the origin's and the
+reader's wall clocks (exact on one host; across hosts it includes their clock offset)
+and exported on /metrics. Appends hold a transaction-scoped advisory lock on
+PostgreSQL, so sequence numbers commit in order and a reader's cursor never passes a
+row still being written (SQLite serialises writers anyway).
+
+What this does not make consistent: two replicas planning requests of one session at
+the same moment each plan without the other's (up to the staleness); a replica started
+later rebuilds from the saved state (StateStore) and then follows the log from its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import delete, func, insert, select, text
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from kvrelay.gateway.storage.models import ObservationRow
+
+logger = logging.getLogger(__name__)
+
+ObservationKind = Literal["plan", "answer", "home"]
+Apply = Callable[[str, dict[str, Any]], None]  # (kind, payload): raises KeyError/TypeError/ValueError on a bad one
+
+CHANNEL = "kvrelay_observations"
+_LOCK_KEY = 0x6B7672656C6179  # the advisory lock appends hold on PostgreSQL ("kvrelay")
+_MAX_OUTBOX = 100_000  # observations waiting for the database; past it the oldest is dropped (counted)
+_STALENESS_KEPT = 10_000  # recent staleness samples kept for the quantiles
+_PRUNE_EVERY_S = 60.0
+
+
+class SharedLog:
+    """Appends this replica's observations and applies the others', in the log's order.
+
+    Contract: `publish` never blocks and never raises; `append_loop` and `tail_loop` run
+    until cancelled and survive any database outage (an append waits and retries, a read
+    retries from the same cursor), so an outage delays sharing but loses nothing still in
+    memory. An observation that cannot be applied (a row another version wrote) is
+    skipped, logged and counted; it stops nothing."""
+
+    def __init__(self, engine: AsyncEngine, replica_id: str, apply: Apply, poll_interval_s: float = 0.05,
+                 retention_s: float = 3600.0, batch_size: int = 512) -> None:
+        self._engine = engine
+        self.replica_id = replica_id
+        self._apply = apply
+        self._poll_s = poll_interval_s
+        self._retention_s = retention_s
+        self._batch = batch_size
+        self._postgres = engine.dialect.name == "postgresql"
+        self._outbox: deque[dict[str, Any]] = deque()
+        self._queued = asyncio.Event()
+        self._arrived = asyncio.Event()  # NOTIFY came (PostgreSQL)
+        self._appended = asyncio.Condition()
+        self._listener: AsyncConnection | None = None
+        self.cursor: int | None = None  # the last seq read; None until `start`
+        self.staleness_ms: deque[float] = deque(maxlen=_STALENESS_KEPT)
+        self.num_published = self.num_appended = self.num_applied = 0
+        self.num_dropped = self.num_apply_errors = self.num_append_errors = self.num_read_errors = 0
+
+    # -- this replica's observations ------------------------------------------------------
+    def publish(self, kind: ObservationKind, payload: dict[str, Any]) -> None:
+        if len(self._outbox) >= _MAX_OUTBOX:
+            self._outbox.popleft()
+            self.num_dropped += 1
+            logger.error("replication outbox full; dropped the oldest observation")
+        self._outbox.append({"replica": self.replica_id, "kind": kind, "payload": json.dumps(payload),
+                             "observed_at": time.time()})
+        self.num_published += 1
+        self._queued.set()
+
+    @property
+    def backlog(self) -> int:
+        return len(self._outbox)
+
+    async def append_loop(self) -> None:
+        delay = 0.05
+        while True:
+            await self._queued.wait()
+            self._queued.clear()
+            while self._outbox:
+                batch = [self._outbox[i] for i in range(min(self._batch, len(self._outbox)))]
+                try:
+                    await self._append(batch)
+                except (SQLAlchemyError, OSError) as exc:
+                    self.num_append_errors += 1
+                    logger.warning("sharing %d observations failed (%s); retrying in %.2fs", len(batch),
+                                   type(exc).__name__, delay)
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+                    continue
+                delay = 0.05
+                for _ in batch:
+                    self._outbox.popleft()
+                self.num_appended += len(batch)
+            async with self._appended:
+                self._appended.notify_all()
+
+    async def _append(self, batch: list[dict[str, Any]]) -> None:
+        now = datetime.now(UTC)
+        rows = [{**row, "created_at": now} for row in batch]
+        async with self._engine.begin() as conn:
+            if self._postgres:  # seqs commit in order: a reader never skips one still being written
+                await conn.execute(text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK_KEY})
+            await conn.execute(insert(ObservationRow.__table__), rows)
+            if self._postgres:
+                await conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
+
+    async def drained(self, timeout_s: float) -> bool:
+        """Wait until everything published so far is in the database (shutdown, tests)."""
+        async def wait() -> None:
+            async with self._appended:
+                await self._appended.wait_for(lambda: not self._outbox)
+        try:
+            await asyncio.wait_for(wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    # -- the others' ----------------------------------------------------------------------
+    async def start(self) -> None:
+        """Follow the log from its current end (what came before is in the saved state)."""
+        async with self._engine.connect() as conn:
+            self.cursor = (await conn.execute(select(func.max(ObservationRow.seq)))).scalar() or 0
+
+    async def tail_loop(self) -> None:
+        if self.cursor is None:
+            await self.start()
+        last_prune = 0.0
+        while True:
+            if self._postgres and self._listener is None:
+                await self._listen()
+            try:
+                applied = await self.read_once()
+            except (SQLAlchemyError, OSError) as exc:
+                self.num_read_errors += 1
+                logger.warning("reading shared observations failed (%s); retrying", type(exc).__name__)
+                await self._close_listener()
+                await asyncio.sleep(1.0)
+                continue
+            if time.monotonic() - last_prune > _PRUNE_EVERY_S:
+                last_prune = time.monotonic()
+                await self._prune()
+            if applied < self._batch:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrived.wait(), self._poll_s if not self._postgres else 1.0)
+                self._arrived.clear()
+
+    async def read_once(self) -> int:
+        """Apply the next batch of the others' observations; how many rows were read."""
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(
+                select(ObservationRow.seq, ObservationRow.replica, ObservationRow.kind, ObservationRow.payload,
+                       ObservationRow.observed_at)
+                .where(ObservationRow.seq > (self.cursor or 0)).order_by(ObservationRow.seq).limit(self._batch))).all()
+        for seq, replica, kind, payload, observed_at in rows:
+            self.cursor = seq
+            if replica == self.replica_id:
+                continue
+            try:
+                self._apply(kind, json.loads(payload))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self.num_apply_errors += 1
+                logger.error("shared observation %d (%s from %s) not applied: %s", seq, kind, replica, exc)
+                continue
+            self.num_applied += 1
+            self.staleness_ms.append(max(0.0, (time.time() - observed_at) * 1e3))
+        return len(rows)
+
+    async def _listen(self) -> None:
+        """LISTEN on a connection of its own; on failure the loop polls and tries again."""
+        conn: AsyncConnection | None = None
+        try:
+            conn = await self._engine.connect()
+            driver = (await conn.get_raw_connection()).driver_connection
+            if driver is None:
+                raise AttributeError("no driver connection")
+            await driver.add_listener(CHANNEL, lambda *_: self._arrived.set())
+        except (SQLAlchemyError, OSError, AttributeError) as exc:
+            logger.warning("LISTEN %s failed (%s); polling", CHANNEL, type(exc).__name__)
+            if conn is not None:
+                with contextlib.suppress(SQLAlchemyError, OSError):
+                    await conn.close()
+            return
+        self._listener = conn
+
+    async def _close_listener(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            with contextlib.suppress(SQLAlchemyError, OSError):
+                await listener.close()
+
+    async def _prune(self) -> None:
+        cutoff = datetime.now(UTC) - timedelta(seconds=self._retention_s)
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(delete(ObservationRow).where(ObservationRow.created_at < cutoff))
+        except (SQLAlchemyError, OSError) as exc:
+            logger.warning("pruning shared observations failed (%s)", type(exc).__name__)
+
+    async def close(self) -> None:
+        await self._close_listener()
+
+    def staleness_quantile(self, q: float) -> float | None:
+        if not self.staleness_ms:
+            return None
+        ordered = sorted(self.staleness_ms)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
