@@ -31,6 +31,7 @@ BENCHMARKS: dict[str, str] = {
     "kvflow": "benchmarks.kvflow",
     "pic": "benchmarks.pic",
     "reliability": "benchmarks.reliability",
+    "replicas": "benchmarks.replicas",
     "vllm": "benchmarks.vllm",
 }
 

@@ -15,6 +15,7 @@ comparison reads exactly the same prompts.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Mapping
@@ -59,13 +60,16 @@ class Outcome:
 
 
 class Replay:
-    """One replay of `runs` against the OpenAI API at `base_url`, serving `model`."""
+    """One replay of `runs` against the OpenAI API at `base_url`, serving `model`; given
+    several base URLs (gateway replicas), the requests go to them in turn, as a
+    round-robin load balancer would send them."""
 
-    def __init__(self, base_url: str, model: str, runs: list[Run], concurrency: int,
+    def __init__(self, base_url: str | list[str], model: str, runs: list[Run], concurrency: int,
                  fixed: Mapping[Key, tuple[dict[str, Any], tuple[Quote, ...]]] | None = None,
                  extra_headers: Mapping[str, str] | None = None, max_tokens: int | None = None,
-                 timeout_s: float = 900.0) -> None:
-        self.base_url = base_url.rstrip("/")
+                 timeout_s: float = 900.0, keep_gaps: bool = False) -> None:
+        self.base_urls = [u.rstrip("/") for u in ([base_url] if isinstance(base_url, str) else base_url)]
+        self._turn = itertools.count()
         self.model = model
         self.runs = runs
         self.concurrency = concurrency
@@ -73,6 +77,9 @@ class Replay:
         self.extra_headers = dict(extra_headers or {})
         self.max_tokens = max_tokens  # a cap on every answer (the quick bench's shorter answers)
         self.timeout_s = timeout_s
+        # Wait as long after the requests a request waits for as its app did (the client's
+        # own time between an answer and the next prompt, from the capture's clock).
+        self.keep_gaps = keep_gaps
         self.answers: dict[Key, str] = {}
         self.outcomes: dict[Key, Outcome] = {}
         self._t0 = 0.0
@@ -93,8 +100,13 @@ class Replay:
             done = {r.seq: asyncio.Event() for r in run.requests}
 
             async def one(request: Request) -> None:
-                for earlier in run.waits_for(request):
-                    await done[earlier.seq].wait()
+                earlier = run.waits_for(request)
+                for before in earlier:
+                    await done[before.seq].wait()
+                if self.keep_gaps and earlier:
+                    gap = request.t_start - max(e.t_end for e in earlier)
+                    ended = max((self.outcomes[e.key].ended_s for e in earlier if e.key in self.outcomes), default=0.0)
+                    await asyncio.sleep(max(0.0, gap - (time.perf_counter() - self._t0 - ended)))
                 try:
                     await self._send(http, request)
                 finally:
@@ -123,7 +135,8 @@ class Replay:
         stream = _Stream()
         status, request_id, error = 0, None, None
         try:
-            async with http.stream("POST", f"{self.base_url}{request.path}", json=sent, headers=headers) as response:
+            base_url = self.base_urls[next(self._turn) % len(self.base_urls)]
+            async with http.stream("POST", f"{base_url}{request.path}", json=sent, headers=headers) as response:
                 status, request_id = response.status_code, response.headers.get(REQUEST_ID_HEADER)
                 if status != 200:
                     error = (await response.aread()).decode(errors="replace")[:300]

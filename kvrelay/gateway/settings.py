@@ -194,9 +194,9 @@ class ReplicationSettings(BaseModel):
 
     enabled: bool = False
     replica_id: Annotated[str | None, Field(min_length=1, max_length=64)] = None  # default: host, pid and a random tag
-    # SQLite (replicas of one host): how often the log is read. PostgreSQL is woken by
-    # NOTIFY and polls this often only as a fallback.
-    poll_interval_s: Annotated[float, Field(gt=0, le=5)] = 0.02
+    # SQLite (replicas of one host): how often the doorbell file beside the database is
+    # read (a few bytes; the log is read when it changed). PostgreSQL is woken by NOTIFY.
+    poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.002
     retention_s: Annotated[float, Field(ge=60)] = 3600.0  # shared observations older than this are deleted
 
 

@@ -19,9 +19,9 @@ gateway CPU, measured in `kvrelay bench gateway`).
 
 Staleness is the time from the origin's observation to its application elsewhere: the
 appender's commit (a batch of whatever queued, written at once) plus the wake-up. On
-PostgreSQL an append sends NOTIFY and replicas LISTEN (a poll every
-`poll_interval_s` stays as a fallback); on SQLite (replicas of one host sharing the
-file) replicas poll. It is measured per applied observation on the origin's and the
+PostgreSQL an append sends NOTIFY and replicas LISTEN (a read every second stays as a
+fallback); on SQLite (replicas of one host sharing the file) an append rewrites a
+doorbell file beside the database, which replicas read every `poll_interval_s`. It is measured per applied observation on the origin's and the
 reader's wall clocks (exact on one host; across hosts it includes their clock offset)
 and exported on /metrics. Appends hold a transaction-scoped advisory lock on
 PostgreSQL, so sequence numbers commit in order and a reader's cursor never passes a
@@ -38,6 +38,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -62,6 +63,38 @@ _STALENESS_KEPT = 10_000  # recent staleness samples kept for the quantiles
 _PRUNE_EVERY_S = 60.0
 
 
+class Doorbell:
+    """A few bytes in a file beside a SQLite database, rewritten after every append: the
+    replicas of one host read it to learn that the log grew, since SQLite has no NOTIFY
+    and the file's own timestamps are too coarse to tell two commits apart."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        return self._fd
+
+    def ring(self) -> None:
+        try:
+            os.pwrite(self._open(), time.time_ns().to_bytes(8, "little"), 0)
+        except OSError as exc:
+            logger.warning("could not ring %s (%s); replicas read the log once a second", self.path, exc)
+
+    def read(self) -> bytes:
+        try:
+            return os.pread(self._open(), 8, 0)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 class SharedLog:
     """Appends this replica's observations and applies the others', in the log's order.
 
@@ -80,6 +113,10 @@ class SharedLog:
         self._retention_s = retention_s
         self._batch = batch_size
         self._postgres = engine.dialect.name == "postgresql"
+        database = engine.url.database
+        self._doorbell = (Doorbell(database + "-observations")
+                          if not self._postgres and database and database != ":memory:" else None)
+        self._rung = b""
         self._outbox: deque[dict[str, Any]] = deque()
         self._queued = asyncio.Event()
         self._arrived = asyncio.Event()  # NOTIFY came (PostgreSQL)
@@ -137,6 +174,8 @@ class SharedLog:
             await conn.execute(insert(ObservationRow.__table__), rows)
             if self._postgres:
                 await conn.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CHANNEL})
+        if self._doorbell is not None:
+            self._doorbell.ring()
 
     async def drained(self, timeout_s: float) -> bool:
         """Wait until everything published so far is in the database (shutdown, tests)."""
@@ -151,7 +190,12 @@ class SharedLog:
 
     # -- the others' ----------------------------------------------------------------------
     async def start(self) -> None:
-        """Follow the log from its current end (what came before is in the saved state)."""
+        """Follow the log from its current end (what came before is in the saved state).
+        A SQLite database is switched to write-ahead logging (it stays so): several
+        processes read and write it, and in its default mode a reader blocks every writer."""
+        if self._doorbell is not None:
+            async with self._engine.connect() as conn:
+                await conn.exec_driver_sql("PRAGMA journal_mode=WAL")
         async with self._engine.connect() as conn:
             self.cursor = (await conn.execute(select(func.max(ObservationRow.seq)))).scalar() or 0
 
@@ -162,6 +206,8 @@ class SharedLog:
         while True:
             if self._postgres and self._listener is None:
                 await self._listen()
+            if self._doorbell is not None:
+                self._rung = self._doorbell.read()  # before the read: a ring during it is not missed
             try:
                 applied = await self.read_once()
             except (SQLAlchemyError, OSError) as exc:
@@ -174,9 +220,23 @@ class SharedLog:
                 last_prune = time.monotonic()
                 await self._prune()
             if applied < self._batch:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._arrived.wait(), self._poll_s if not self._postgres else 1.0)
-                self._arrived.clear()
+                await self._next_change()
+
+    async def _next_change(self) -> None:
+        """Until the log may hold more: NOTIFY on PostgreSQL (or a second's wait); on
+        SQLite, the doorbell file read every `poll_interval_s` (a read of a few bytes,
+        where a query costs a fraction of a millisecond), and at least once a second."""
+        if self._postgres:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), 1.0)
+            self._arrived.clear()
+            return
+        waited = 0.0
+        while waited < 1.0:
+            await asyncio.sleep(self._poll_s)
+            waited += self._poll_s
+            if self._doorbell is not None and self._doorbell.read() != self._rung:
+                return
 
     async def read_once(self) -> int:
         """Apply the next batch of the others' observations; how many rows were read."""
@@ -232,6 +292,8 @@ class SharedLog:
 
     async def close(self) -> None:
         await self._close_listener()
+        if self._doorbell is not None:
+            self._doorbell.close()
 
     def staleness_quantile(self, q: float) -> float | None:
         if not self.staleness_ms:
