@@ -96,6 +96,7 @@ class ProxiedCall:
         self._tool_call_ids: list[str] = []  # of the answer: later prompts that carry them continue its session
         self._finish_reasons: list[str] = []
         self._response_id: str | None = None  # a Responses answer's id: continuations join its session
+        self._shared = False  # the answer went to the other replicas (before the client had all of it)
         self._last_sequence = -1  # of a Responses stream's events: the gateway's own error event follows it
         self._charge: Charge | None = None
         self._app_id: str | None = None
@@ -133,6 +134,8 @@ class ProxiedCall:
                 ident = ident._replace(session_id=self.state.responses.session_of(ident.app_id, previous))
             if self.state.store is not None and ident.session_id is not None:
                 await self.state.store.restore(ident.app_id, ident.session_id)  # no-op while it is in memory
+            if self.state.replicas is not None:
+                await self.state.replicas.catch_up()  # what the other replicas told before this request came
             body = self._infer(body, ident)
             self._route = self.state.upstreams.pool.route(self.view, body.get(SALT_FIELD), self._segments,
                                                           self.record.id)
@@ -287,7 +290,20 @@ class ProxiedCall:
             self._take_engine_reports(params)
             if isinstance(params, dict) and any(key in params for key in self.hidden):
                 content = json.dumps(without_params(parsed, self.hidden), separators=(",", ":")).encode()
+        await self._share_answer()
         return Response(content, status_code=dispatch.response.status, media_type="application/json")
+
+    async def _share_answer(self) -> None:
+        """With replicas: the answer goes to the shared log before its end goes to the
+        client (waiting at most `replication.barrier_ms` for the commit), so a prompt that
+        quotes it is planned with it whichever replica gets it."""
+        replicas, rec = self.state.replicas, self.record
+        if (replicas is None or self._shared or rec.status != "ok" or self._app_id is None or not rec.session_id
+                or not rec.agent_id):
+            return
+        self._shared = True
+        await replicas.share_answer(self._app_id, rec.session_id, rec.agent_id, rec.id, "".join(self._completion),
+                                    tuple(dict.fromkeys(self._tool_call_ids)), self._response_id)
 
     async def _upstream_error(self, dispatch: Dispatch) -> Response:
         content = await dispatch.response.read()
@@ -338,8 +354,11 @@ class ProxiedCall:
                     if not (info.is_usage_only and self.strip_usage):
                         forward.append(event)
                 if forward:
+                    ends = terminal or any(is_done(event) for event in forward)
+                    if ends:
+                        await self._share_answer()
                     yield b"".join(forward)  # delivered only once written: a hang-up during it is a 499
-                    delivered = delivered or terminal or any(is_done(event) for event in forward)
+                    delivered = delivered or ends
                 if time.perf_counter() > deadline:
                     raise UpstreamTimeoutError("the stream exceeded the total time limit")
             if reader.rest:
@@ -421,7 +440,7 @@ class ProxiedCall:
         if rec.status == "ok" and self._app_id is not None and rec.session_id and rec.agent_id:
             answer, calls = "".join(self._completion), tuple(dict.fromkeys(self._tool_call_ids))
             self.state.inference.observe_response(self._app_id, rec.session_id, rec.agent_id, rec.id, answer, calls)
-            if self.state.replicas is not None:
+            if self.state.replicas is not None and not self._shared:
                 self.state.replicas.answered(self._app_id, rec.session_id, rec.agent_id, rec.id, answer, calls,
                                              self._response_id)
         if rec.status == "ok" and self._probe and self._probe_body and rec.upstream and self.state.prober:

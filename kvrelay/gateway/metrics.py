@@ -115,6 +115,12 @@ class _ReplicationCollector(Collector):
         errors.add_metric(["append"], float(log.num_append_errors))
         errors.add_metric(["read"], float(log.num_read_errors))
         yield errors
+        misses = CounterMetricFamily("kvrelay_replication_barrier_misses",
+                                     "Waits for causal order cut by replication.barrier_ms, by side",
+                                     labels=["side"])
+        misses.add_metric(["answer"], float(log.num_append_waits_missed))
+        misses.add_metric(["plan"], float(log.num_catch_up_misses))
+        yield misses
         yield GaugeMetricFamily("kvrelay_replication_backlog", "Observations waiting to be shared",
                                 value=float(log.backlog))
         stale = GaugeMetricFamily("kvrelay_replication_staleness_ms",

@@ -37,6 +37,7 @@ class Replicas:
         self.responses = responses
         self.log = SharedLog(engine, settings.replica_id or default_replica_id(), self.apply,
                              settings.poll_interval_s, settings.retention_s)
+        self.barrier_s = settings.barrier_ms / 1e3
         pool.homes.shared = True
         pool.homes.on_settle = self.homed
         self.tasks = [SupervisedTask("kvrelay-replication-append", self.log.append_loop),
@@ -60,10 +61,25 @@ class Replicas:
                                   "session_id": session_id})
 
     def answered(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str,
-                 tool_call_ids: tuple[str, ...], response_id: str | None) -> None:
-        self.log.publish("answer", {"app_id": app_id, "session_id": session_id, "agent_id": agent_id,
-                                    "request_id": request_id, "text": text, "tool_call_ids": list(tool_call_ids),
-                                    "response_id": response_id})
+                 tool_call_ids: tuple[str, ...], response_id: str | None) -> int:
+        return self.log.publish("answer", {"app_id": app_id, "session_id": session_id, "agent_id": agent_id,
+                                           "request_id": request_id, "text": text,
+                                           "tool_call_ids": list(tool_call_ids), "response_id": response_id})
+
+    async def share_answer(self, app_id: str, session_id: str, agent_id: str, request_id: str, text: str,
+                           tool_call_ids: tuple[str, ...], response_id: str | None) -> None:
+        """`answered`, then wait (at most the barrier) until it is committed: the client
+        that gets the answer's end after this can only quote it in a later request, which
+        any replica then plans with it (`catch_up`)."""
+        ticket = self.answered(app_id, session_id, agent_id, request_id, text, tool_call_ids, response_id)
+        if self.barrier_s > 0:
+            await self.log.appended(ticket, self.barrier_s)
+
+    async def catch_up(self) -> None:
+        """Before planning: apply what the others have committed and this replica not yet
+        read (at most the barrier; nothing to do, and no query, when there is no news)."""
+        if self.barrier_s > 0:
+            await self.log.catch_up(self.barrier_s)
 
     def homed(self, session_id: str, url: str) -> None:
         self.log.publish("home", {"session_id": session_id, "url": url})

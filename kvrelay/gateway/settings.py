@@ -198,6 +198,10 @@ class ReplicationSettings(BaseModel):
     # read (a few bytes; the log is read when it changed). PostgreSQL is woken by NOTIFY.
     poll_interval_s: Annotated[float, Field(gt=0, le=1)] = 0.002
     retention_s: Annotated[float, Field(ge=60)] = 3600.0  # shared observations older than this are deleted
+    # Causal order across replicas: an answer's end reaches its client only once the answer
+    # is in the log, and a request with news in the log waits to apply it before planning;
+    # each wait at most this long (0: neither waits, sharing is eventual).
+    barrier_ms: Annotated[float, Field(ge=0, le=1000)] = 100.0
 
 
 class GatewaySettings(YamlFileSettings):
