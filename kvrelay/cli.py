@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -156,15 +157,38 @@ def gateway(
     host: HostOpt = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8080,
     log_level: LogOpt = "info",
+    workers: Annotated[int, typer.Option(min=1, max=64, help="gateway processes on this port; more than one "
+                                                            "share what they infer through the database")] = 1,
 ) -> None:
     """Run the OpenAI gateway alone, in front of already running engines."""
     import uvicorn
 
     _setup_logging(log_level)
     settings = _gateway_settings(upstream, database_url)
-    gateway_app = _build_gateway_app(settings)
-    typer.echo(f"kvrelay gateway: upstreams {', '.join(settings.upstreams)}; base_url=http://{host}:{port}/v1")
-    uvicorn.run(gateway_app, host=host, port=port, log_level=log_level)
+    typer.echo(f"kvrelay gateway: upstreams {', '.join(settings.upstreams)}; base_url=http://{host}:{port}/v1"
+               + (f"; {workers} workers sharing inferred state" if workers > 1 else ""))
+    if workers == 1:
+        uvicorn.run(_build_gateway_app(settings), host=host, port=port, log_level=log_level)
+        return
+    _prepare_workers(settings)
+    uvicorn.run("kvrelay.gateway.app:create_app", factory=True, workers=workers, host=host, port=port,
+                log_level=log_level)
+
+
+def _prepare_workers(settings: GatewaySettings) -> None:
+    """Gateway workers are replicas of one another: each builds its settings from the
+    environment (this process's flags passed on there), with replication on, on a
+    database migrated once here (several processes migrating at once would race)."""
+    import json
+
+    from kvrelay.gateway.storage import migrate
+
+    os.environ["KVRELAY_UPSTREAMS"] = json.dumps(settings.upstreams)
+    os.environ["KVRELAY_DATABASE_URL"] = settings.database_url
+    os.environ["KVRELAY_REPLICATION__ENABLED"] = "true"
+    os.environ.pop("KVRELAY_REPLICATION__REPLICA_ID", None)  # one id per worker, made by each
+    _gateway_settings(None, None)  # what the workers will read: refused here, in one line, if invalid
+    migrate.upgrade(settings.database_url)
 
 
 @app.command()

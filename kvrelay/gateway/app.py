@@ -34,6 +34,7 @@ from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES, RESPONSES_BODY
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.storage import migrate
+from kvrelay.gateway.storage.journal import RecordJournal
 from kvrelay.gateway.storage.writer import RecordWriter
 from kvrelay.gateway.supervisor import SupervisedTask
 from kvrelay.gateway.tracing import build_tracer_provider, tracer_from
@@ -58,7 +59,8 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(migrate.upgrade, settings.database_url)  # alembic runs its own loop
         db = create_async_engine(settings.database_url, pool_pre_ping=True)
-        writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size)
+        journal = RecordJournal(settings.record_journal_dir) if settings.record_journal_dir is not None else None
+        writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size, journal)
         writer.start()
         access = await build_access(settings, db)
         http = build_http_client(settings)

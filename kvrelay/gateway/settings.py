@@ -229,6 +229,10 @@ class GatewaySettings(YamlFileSettings):
     routing: RoutingSettings = RoutingSettings()
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000
     record_batch_size: Annotated[int, Field(ge=1)] = 256
+    # Records not yet in SQL also go to journal files here, re-queued by the next start:
+    # a killed process loses none (kvrelay/gateway/storage/journal.py). One directory per
+    # process; unset: records wait in memory only.
+    record_journal_dir: Path | None = None
     # access: client keys are created with `kvrelay keys create` or POST /admin/keys
     require_api_key: bool = False
     admin_key: SecretStr | None = None  # enables /admin; compared in constant time

@@ -157,3 +157,20 @@ def test_gateway_and_engine_share_the_plan_secret_and_compose_requires_it() -> N
     services = _services()
     secrets = {name: _environment(services[name])["KVRELAY_PLAN_SECRET"] for name in ("gateway", "engine")}
     assert secrets["gateway"] == secrets["engine"] and secrets["gateway"].startswith("${KVRELAY_PLAN_SECRET:?")
+
+
+def test_the_proxy_spreads_requests_over_replicas_that_share_their_state() -> None:
+    services = _services()
+    replicas = {name: s for name, s in services.items() if s.get("build", {}).get("dockerfile") == "docker/Dockerfile.gateway"}
+    assert len(replicas) >= 2
+    envs = [_environment(s) for s in replicas.values()]
+    assert all(env["KVRELAY_REPLICATION__ENABLED"] == "true" and env["KVRELAY_RECORD_JOURNAL_DIR"] for env in envs)
+    assert len({env["KVRELAY_DATABASE_URL"] for env in envs}) == 1  # one shared database
+    assert {env["KVRELAY_DATABASE_URL"].split("://")[0] for env in envs} == {"postgresql+asyncpg"}
+    proxy = services["proxy"]
+    assert proxy["ports"] == ["8080:8080"] and not any("ports" in s for s in replicas.values())
+    mount = next(v for v in proxy["volumes"] if v.endswith("/etc/nginx/nginx.conf:ro"))
+    conf = (DOCKER / mount.split(":")[0]).read_text()
+    assert sorted(re.findall(r"^\s*server (\S+):8080", conf, re.M)) == sorted(replicas)
+    assert "proxy_buffering off" in conf  # streamed answers pass as they come
+    assert GatewaySettings(database_url="postgresql+asyncpg://u@h/d", replication={"enabled": True}).replication.enabled

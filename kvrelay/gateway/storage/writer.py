@@ -13,6 +13,7 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, ProgrammingError, SQLAlchemyError, StatementError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -20,6 +21,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from kvrelay.gateway.storage.dialect import dialect_insert
 from kvrelay.gateway.storage.models import AgentRow, RequestRow, SessionRow
 from kvrelay.gateway.supervisor import SupervisedTask
+
+if TYPE_CHECKING:
+    from kvrelay.gateway.storage.journal import RecordJournal
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +93,10 @@ class RecordWriter:
     while others are written is quarantined. Should the task end anyway (a bug), it is restarted with the batch it
     held (kvrelay/gateway/supervisor.py), and `alive` says so in the meantime (`/ready`)."""
 
-    def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int) -> None:
+    def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int,
+                 journal: RecordJournal | None = None) -> None:
         self._engine = engine
+        self._journal = journal  # records not yet in SQL, on local disk (journal.py)
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
         self._batch_size = batch_size
         insert = dialect_insert(engine.dialect.name)
@@ -112,6 +118,8 @@ class RecordWriter:
             self._queue.task_done()
             self.num_dropped += 1
             logger.error("record queue full; dropped the oldest request record")
+        if self._journal is not None:
+            self._journal.append(record)
         self._queue.put_nowait(record)
 
     @property
@@ -127,6 +135,14 @@ class RecordWriter:
         return self._runner.num_restarts if self._runner is not None else 0
 
     def start(self) -> None:
+        """Start writing; with a journal, first re-queue what a killed process left in it."""
+        if self._journal is not None:
+            leftovers = self._journal.leftovers()
+            for record in leftovers:
+                self.submit(record)
+            self._journal.forget_leftovers()
+            if leftovers:
+                logger.warning("re-queued %d request records a previous process journaled", len(leftovers))
         self._runner = SupervisedTask("kvrelay-record-writer", self._run, _RESTART_DELAY_S)
         self._runner.start()
 
@@ -139,6 +155,8 @@ class RecordWriter:
         except TimeoutError:
             logger.error("record writer did not drain in %.0fs; %d records not written", timeout_s, self.backlog)
         await self._runner.stop()
+        if self._journal is not None:
+            self._journal.close()
 
     async def _run(self) -> None:
         while True:
@@ -154,6 +172,8 @@ class RecordWriter:
                 for record in self._held:
                     self._quarantine(record, "writer_bug")
             batch, self._held = self._held, []
+            if self._journal is not None:
+                self._journal.done(len(batch))
             for _ in batch:
                 self._queue.task_done()
 
