@@ -17,6 +17,7 @@ import argparse
 import hashlib
 import json
 from collections import defaultdict
+from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
@@ -64,7 +65,7 @@ def build_app(workloads: list[Workload]) -> Starlette:
         content = response.get("content") or ""
         usage = {"prompt_tokens": len(json.dumps(body.get("messages"))) // 4, "completion_tokens": len(content) // 4}
 
-        async def events():
+        async def events() -> AsyncIterator[bytes]:
             yield _event({"role": "assistant", "content": ""})
             if content:
                 yield _event({"content": content})

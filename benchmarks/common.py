@@ -6,11 +6,14 @@ import json
 import os
 import platform
 import socket
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 
 @dataclass
@@ -27,6 +30,21 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])  # typeshed types a socket address as Any
+
+
+def wait_healthy(proc: subprocess.Popen[bytes], port: int, output: Callable[[], str], timeout_s: float = 60.0) -> None:
+    """Until the server `proc` started answers 200 on /health; RuntimeError with the end of
+    its `output` if it exits or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.args!r} did not start: {output()[-800:]}")
+        time.sleep(0.1)
 
 
 def machine_info() -> dict[str, Any]:

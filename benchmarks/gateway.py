@@ -29,16 +29,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import IO
 
-import httpx
 
-from benchmarks.common import BenchResult, free_port
+from benchmarks.common import BenchResult, free_port, wait_healthy
 from benchmarks.cpu import Placement, cpu_seconds, pin_self, pinned, settled_cpu_seconds, split_cpus
 
 _NUM_CHUNKS = 16
@@ -50,16 +48,7 @@ def _server(args: list[str], port: int, cpus: frozenset[int],
     proc = subprocess.Popen([sys.executable, *args], env={**os.environ, **(env or {})},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=partial(pin_self, cpus))
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{args} did not start: {proc.stderr.read().decode()[-500:] if proc.stderr else ''}")
-            time.sleep(0.1)
+        wait_healthy(proc, port, lambda: proc.stderr.read().decode() if proc.stderr else "")
         yield proc
     finally:
         proc.terminate()

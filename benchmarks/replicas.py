@@ -41,7 +41,7 @@ from benchmarks.agents.replay import Outcome, Replay
 from benchmarks.agents.scoring import InferenceScores, Record, observed_from, score
 from benchmarks.agents.workload import CAPTURES, Workload, load_all
 from benchmarks.capture_upstream import MODEL
-from benchmarks.common import BenchResult, free_port
+from benchmarks.common import BenchResult, free_port, wait_healthy
 from kvrelay.gateway.storage import migrate
 
 REPLICAS = (1, 2, 3)
@@ -74,16 +74,7 @@ def _process(args: list[str], port: int, env: dict[str, str], log: Path) -> Iter
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, *args], env={**os.environ, **env}, stdout=out, stderr=out)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{args[:3]} did not start: {log.read_text()[-800:]}")
-            time.sleep(0.1)
+        wait_healthy(proc, port, log.read_text)
         yield proc
     finally:
         proc.terminate()
