@@ -134,7 +134,8 @@ class SharedLog:
         self._doorbell = Doorbell(f"{self._sqlite_file}-observations.bell") if self._sqlite_file else None
         self._rung = b""
         self._reading = asyncio.Lock()
-        self._outbox: deque[dict[str, Any]] = deque()
+        self._outbox: deque[tuple[int, dict[str, Any]]] = deque()  # (ticket, row), waiting for the appender
+        self._sending: list[tuple[int, dict[str, Any]]] = []  # the batch being appended, kept until it commits
         self._queued = asyncio.Event()
         self._arrived = asyncio.Event()  # NOTIFY came (PostgreSQL)
         self._appended = asyncio.Condition()
@@ -152,9 +153,9 @@ class SharedLog:
             self._outbox.popleft()
             self.num_dropped += 1
             logger.error("replication outbox full; dropped the oldest observation")
-        self._outbox.append({"replica": self.replica_id, "kind": kind, "payload": json.dumps(payload),
-                             "observed_at": time.time()})
         self.num_published += 1
+        self._outbox.append((self.num_published, {"replica": self.replica_id, "kind": kind,
+                                                  "payload": json.dumps(payload), "observed_at": time.time()}))
         self._queued.set()
         return self.num_published
 
@@ -165,28 +166,34 @@ class SharedLog:
 
     @property
     def backlog(self) -> int:
-        return len(self._outbox)
+        return len(self._outbox) + len(self._sending)
+
+    def _oldest_pending(self) -> int:
+        """The ticket of the oldest observation not yet committed (past every one when none)."""
+        pending = self._sending or self._outbox
+        return pending[0][0] if pending else self.num_published + 1
 
     async def append_loop(self) -> None:
         delay = 0.05
         while True:
-            await self._queued.wait()
-            self._queued.clear()
-            while self._outbox:
-                batch = [self._outbox[i] for i in range(min(self._batch, len(self._outbox)))]
+            if not self._sending:
+                await self._queued.wait()
+                self._queued.clear()
+            while self._sending or self._outbox:
+                if not self._sending:
+                    self._sending = [self._outbox.popleft() for _ in range(min(self._batch, len(self._outbox)))]
                 try:
-                    await self._append(batch)
+                    await self._append([row for _, row in self._sending])
                 except (SQLAlchemyError, OSError) as exc:
                     self.num_append_errors += 1
-                    logger.warning("sharing %d observations failed (%s); retrying in %.2fs", len(batch),
+                    logger.warning("sharing %d observations failed (%s); retrying in %.2fs", len(self._sending),
                                    type(exc).__name__, delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
                     continue
                 delay = 0.05
-                for _ in batch:
-                    self._outbox.popleft()
-                self.num_appended += len(batch)
+                self.num_appended += len(self._sending)
+                self._sending = []
                 async with self._appended:
                     self._appended.notify_all()
 
@@ -207,7 +214,7 @@ class SharedLog:
         at most `timeout_s`; whether it was."""
         async def wait() -> None:
             async with self._appended:
-                await self._appended.wait_for(lambda: self.num_appended + self.num_dropped >= ticket)
+                await self._appended.wait_for(lambda: self._oldest_pending() > ticket)
         try:
             await asyncio.wait_for(wait(), timeout_s)
             return True
@@ -219,7 +226,7 @@ class SharedLog:
         """Wait until everything published so far is in the database (shutdown, tests)."""
         async def wait() -> None:
             async with self._appended:
-                await self._appended.wait_for(lambda: not self._outbox)
+                await self._appended.wait_for(lambda: not self._outbox and not self._sending)
         try:
             await asyncio.wait_for(wait(), timeout_s)
             return True
