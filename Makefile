@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvrelay-installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 # Optional extras on top of dev; CI adds triton so the kernel tests run under TRITON_INTERPRET=1.
 EXTRAS ?= dev
 # vLLM (CPU build) lives in its own venv: its torch stack must not touch the engine's.

@@ -225,6 +225,7 @@ class GatewaySettings(YamlFileSettings):
     adapters: AdapterSettings = AdapterSettings()  # agent -> LoRA adapter routing
     approximation: ApproximationSettings = ApproximationSettings()  # opt-in approximate reuse and its guard
     health_interval_s: PositiveFloat = 5.0
+    health_timeouts: PositiveInt = 3  # health checks in a row that time out before an upstream is taken out
     load_guard_factor: Annotated[float, Field(ge=1)] = 2.0  # leave a session's upstream above this x mean load
     routing: RoutingSettings = RoutingSettings()
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000

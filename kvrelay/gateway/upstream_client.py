@@ -186,7 +186,12 @@ class UpstreamClient:
         await asyncio.gather(*(self._check(u) for u in self.pool.upstreams))
 
     async def _check(self, upstream: Upstream) -> None:
+        """A refused connection or a bad answer takes the upstream out at once; a check that
+        times out only after `health_timeouts` in a row: a busy engine, or a loaded host,
+        answers late, and taking the only upstream out for a health interval would turn
+        load into an outage of every request."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeouts.connect_s)
+        timed_out = False
         try:
             async with self.http.get(upstream.url + "/health", timeout=timeout) as health:
                 ok = health.status == 200
@@ -197,8 +202,14 @@ class UpstreamClient:
                         # Names become metric labels: only strings that can be written out.
                         upstream.models = frozenset(m["id"] for m in listing.get("data", [])[:_MAX_MODELS]
                                                     if isinstance(m["id"], str) and encodable(m["id"]))
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+        except TimeoutError:
+            ok, timed_out = False, True
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError, AttributeError):
             ok = False
+        upstream.health_timeouts = upstream.health_timeouts + 1 if timed_out else 0
+        if timed_out and upstream.health_timeouts < self.settings.health_timeouts:
+            logger.info("upstream %s: health check timed out (%d in a row)", upstream.url, upstream.health_timeouts)
+            return
         if ok and not upstream.healthy:
             logger.info("upstream %s is healthy again", upstream.url)
         if not ok and upstream.healthy:

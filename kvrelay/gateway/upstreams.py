@@ -33,6 +33,7 @@ class Upstream:
     in_flight: int = 0
     in_flight_tokens: int = 0  # prompt tokens the requests in flight still compute here (estimated)
     consecutive_failures: int = 0
+    health_timeouts: int = 0  # health checks in a row that timed out
     open_until: float = 0.0  # circuit open (no traffic) until this monotonic time
     models: frozenset[str] = field(default_factory=frozenset)
 

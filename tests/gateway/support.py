@@ -106,6 +106,7 @@ class Behaviour:
 
     models: list[str] = field(default_factory=lambda: ["fake"])
     health_status: int = 200
+    health_delay: float = 0.0  # before answering /health
     status: int = 200  # not 200: answer the completion with this status and an OpenAI error body
     error_message: str = "the fake upstream exploded"
     first_byte_delay: float = 0.0  # before the response headers
@@ -154,6 +155,7 @@ class FakeUpstream:
 
     # -- routes ---------------------------------------------------------------------------
     async def _health(self, _: Request) -> Response:
+        await asyncio.sleep(self.behaviour.health_delay)
         return JSONResponse({"status": "ok" if self.behaviour.health_status == 200 else "down"},
                             status_code=self.behaviour.health_status)
 

@@ -107,3 +107,22 @@ def test_metrics_are_per_app(fake_upstream, start_gateway):
         http.post("/v1/chat/completions", json=CHAT)
     with two.client() as http:
         assert 'kvrelay_requests_total{status="ok"}' not in http.get("/metrics").text
+
+
+def test_a_slow_health_check_takes_an_upstream_out_only_after_several(fake_upstream, start_gateway):
+    """A check that times out is a busy engine as often as a dead one: the upstream stays in
+    until `health_timeouts` in a row time out, and one good check resets the count."""
+    from kvrelay.gateway.settings import Timeouts
+
+    fake = fake_upstream()
+    gw = start_gateway([fake.url], health_interval_s=0.05, health_timeouts=3,
+                       timeouts=Timeouts(connect_s=0.5, first_byte_s=5.0, idle_s=5.0, total_s=30.0))
+    up = gw.pool.upstreams[0]
+    fake.behaviour.health_delay = 2.0  # every check times out (0.5 s apart)
+    assert wait_until(lambda: up.health_timeouts == 1, 3)
+    assert up.healthy  # one or two late answers do not take it out
+    with gw.client() as http:
+        assert http.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert wait_until(lambda: not up.healthy, 5) and up.health_timeouts >= 3
+    fake.behaviour.health_delay = 0.0
+    assert wait_until(lambda: up.healthy, 3) and up.health_timeouts == 0
