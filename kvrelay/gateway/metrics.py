@@ -73,7 +73,7 @@ class _BoundsCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("kvrelay_state_bounded", "Inference state cut by a bound, by kind", labels=["kind"])
         for kind in ("sessions_evicted", "apps_evicted", "texts_not_kept", "plans_cut", "agents_evicted",
-                     "agent_matches_cut", "step_edges_not_kept", "plans_over_budget"):
+                     "agent_matches_cut", "step_edges_not_kept", "plans_over_budget", "holders_dropped"):
             family.add_metric([kind], float(self.bounded[kind]))
         yield family
 

@@ -75,7 +75,7 @@ def sessions_to_merge(app: AppState, found: dict[int, list[Match[TextRef]]], ses
     others: list[str] = []
     for matches in found.values():
         for match in matches:
-            if match.end - match.start < app.index.anchor_chars or any(r.session_id == session_id for r in match.refs):
+            if match.end - match.start < app.index.anchor_chars or match.refs.of(session_id):
                 continue
             kinds: dict[str, set[str]] = {}
             for ref in match.refs:

@@ -30,7 +30,7 @@ from kvrelay.gateway.inference.budget import Deadline
 from kvrelay.gateway.inference.messages import PromptMessage, sha256
 from kvrelay.gateway.inference.question import common_core
 from kvrelay.gateway.inference.state import AppState, KnownText, SessionState, TextKind, TextRef
-from kvrelay.gateway.inference.textindex import Match
+from kvrelay.gateway.inference.textindex import Holders, Match
 
 MAX_NAME_CHARS = 128
 INNER_MIN_CHARS = 16  # a shorter text recurs by chance inside longer ones
@@ -187,7 +187,7 @@ class SegmentBuilder:
         """The span of a match: a text of this session first, else a block of another (a
         short text, found as a whole message, only of this session)."""
         digest = sha256(content[match.start:match.end])  # a text may be found under another form than it was kept
-        own = tuple(sorted(ref.seq for ref in match.refs if ref.session_id == self.session.id))
+        own = tuple(sorted(ref.seq for ref in match.refs.of(self.session.id)))
         if own:
             known = self.session.texts[own[-1]]
             return Span(match.start, match.end, "placeholder", None, digest, known.request_id, own[-1],
@@ -216,7 +216,7 @@ class SegmentBuilder:
                 end = at + len(text)
                 if not (at and content[at - 1].isalnum()) and not (end < len(content) and content[end].isalnum()) \
                         and not spans.overlaps(at, end):
-                    match = Match(at, end, tuple(TextRef(self.session.id, s) for s in seqs))
+                    match = Match(at, end, Holders({self.session.id: tuple(TextRef(self.session.id, s) for s in seqs)}))
                     if (span := self._span(match, content, None)) is not None:
                         spans.add(span)
                 at = content.find(text, end)

@@ -128,7 +128,7 @@ class AppState:
         self.graph = StepGraph(max_step_sources, self.bounded)
         self.agents = AgentTable(max_agents, same_agent_ratio, self.graph.remove, self.bounded)
         self.openings = OpeningTemplates()
-        self.index: TextIndex[TextRef] = TextIndex(anchor_chars)
+        self.index: TextIndex[TextRef] = TextIndex(anchor_chars, group=_session_of, bounded=self.bounded)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._calls: dict[str, str] = {}  # tool-call id -> the session whose answer made the call
         self._uses = itertools.count(1)  # stamps SessionState.used, so recency needs no walk of the sessions
@@ -233,3 +233,7 @@ class AppState:
             self.index.remove(TextRef(session_id, seq))
         for call_id in session.call_ids:
             self._calls.pop(call_id, None)
+
+
+def _session_of(ref: TextRef) -> str:
+    return ref.session_id

@@ -14,12 +14,25 @@ only as a whole message (`find_whole`), where a tool result such as "214" or a s
 answer is quoted in real traffic. A text may be kept under several forms (an answer
 as it was produced and with its surrounding whitespace stripped, since apps quote
 either); `text_of` gives the first.
+
+The refs that hold one text are grouped by `group(ref)` (a session, in the planner), and
+at most `max_holders` groups hold one text: the newest, the older ones' refs leave the
+index (their texts stay known under `text_of`). A text every session repeats (an app's
+fixed question, a greeting, one task run a thousand times) would otherwise be held by
+thousands of sessions, and every prompt that contains it would cost as much to plan as
+the app's sessions; those that took it last are also the ones the planner ranks first.
+The planner asks of each match what one session holds of it: a lookup by group, an add
+and a removal cost the same whatever the number of holders. A match carries a snapshot
+of its holders (one small dict of tuples, copied in C), so what the planner learns
+while it plans does not change the matches it is reading.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from typing import Generic, NamedTuple, TypeVar
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
+from itertools import chain
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -28,12 +41,52 @@ Ref = TypeVar("Ref", bound=Hashable)
 _BASE = np.uint64(0x9E3779B97F4A7C15)  # odd, so invertible mod 2^64
 _BASE_INV = np.uint64(pow(int(_BASE), -1, 2**64))
 MAX_INSIDE = 64  # places inside matches looked up for a longer overlapping text, per prompt
+MAX_HOLDERS = 64  # groups (sessions) that hold one text in the index, the newest
+
+
+class Holders(Generic[Ref]):
+    """The refs that hold one text, by group in the order the groups first took it; an
+    immutable snapshot (the index's own is copied on the way out)."""
+
+    __slots__ = ("_by_group",)
+
+    def __init__(self, by_group: dict[Hashable, tuple[Ref, ...]]) -> None:
+        self._by_group = by_group
+
+    def of(self, group: Hashable) -> tuple[Ref, ...]:
+        """The refs of one group; () when it holds none."""
+        return self._by_group.get(group, ())
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._by_group)
+
+    def __iter__(self) -> Iterator[Ref]:
+        return chain.from_iterable(self._by_group.values())
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_group.values()))
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to Holders or a tuple of the same refs in the same order."""
+        if isinstance(other, Holders | tuple):
+            return tuple(self) == tuple(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"Holders{tuple(self)!r}"
 
 
 class Match(NamedTuple, Generic[Ref]):
     start: int
     end: int
-    refs: tuple[Ref, ...]  # every known text equal to prompt[start:end] (outputs can coincide)
+    refs: Holders[Ref]  # every known text equal to prompt[start:end] (outputs can coincide)
+
+
+_Groups = dict[Hashable, tuple[Any, ...]]  # group -> its refs of one text, in the order they came
 
 
 def _codes(text: str) -> np.ndarray:
@@ -81,12 +134,16 @@ def window_hashes(text: str, k: int) -> np.ndarray:
 
 
 class TextIndex(Generic[Ref]):
-    def __init__(self, anchor_chars: int = 32) -> None:
+    def __init__(self, anchor_chars: int = 32, group: Callable[[Ref], Hashable] = lambda ref: ref,
+                 max_holders: int = MAX_HOLDERS, bounded: Counter[str] | None = None) -> None:
         if anchor_chars < 4:
             raise ValueError("anchor_chars must be at least 4")
         self.anchor_chars = anchor_chars
-        self._by_anchor: dict[int, dict[str, list[Ref]]] = {}  # anchor hash -> text -> refs
-        self._whole: dict[str, list[Ref]] = {}  # short text -> refs: found only as a whole message
+        self._group = group
+        self._max_holders = max_holders
+        self._bounded: Counter[str] = bounded if bounded is not None else Counter()  # holders_dropped
+        self._by_anchor: dict[int, dict[str, _Groups]] = {}  # anchor hash -> text -> its holders
+        self._whole: dict[str, _Groups] = {}  # short text -> its holders: found only as a whole message
         self._forms: dict[Ref, list[str]] = {}  # ref -> its forms, the first as given
         self._table = np.zeros(1, dtype=bool)  # see _filter; rebuilt lazily when _filter_stale
         self._mask = np.uint64(0)
@@ -104,10 +161,10 @@ class TextIndex(Generic[Ref]):
         kept = self._forms[ref] = list(dict.fromkeys(f for f in (text, *forms) if f))
         for form in kept:
             if len(form) < self.anchor_chars:
-                self._whole.setdefault(form, []).append(ref)
+                self._hold(self._whole.setdefault(form, {}), ref)
                 continue
             anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
-            self._by_anchor.setdefault(anchor, {}).setdefault(form, []).append(ref)
+            self._hold(self._by_anchor.setdefault(anchor, {}).setdefault(form, {}), ref)
             if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
                 self._filter_stale = True  # grow the filter
             elif not self._filter_stale:
@@ -125,11 +182,13 @@ class TextIndex(Generic[Ref]):
     def remove(self, ref: Ref) -> None:
         for form in self._forms.pop(ref, ()):
             if len(form) < self.anchor_chars:
-                _discard(self._whole, form, ref)
+                _discard(self._whole, form, self._group(ref), ref)
                 continue
             anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
-            texts = self._by_anchor[anchor]
-            _discard(texts, form, ref)
+            texts = self._by_anchor.get(anchor)
+            if texts is None:
+                continue  # its holders were dropped for newer ones, and the others removed
+            _discard(texts, form, self._group(ref), ref)
             if not texts:
                 del self._by_anchor[anchor]
                 self._num_dead_bits += 1  # its filter bit stays set; rebuilt once many are dead
@@ -139,14 +198,14 @@ class TextIndex(Generic[Ref]):
     def find_whole(self, message: str) -> Match[Ref] | None:
         """A short known text that is the whole message, or the whole message but for
         surrounding whitespace; None otherwise (long texts are found by `find`)."""
-        refs = self._whole.get(message)
-        if refs:
-            return Match(0, len(message), tuple(refs))
+        holders = self._whole.get(message)
+        if holders:
+            return Match(0, len(message), Holders(dict(holders)))
         stripped = message.strip()
-        refs = self._whole.get(stripped) if stripped != message else None
-        if refs:
+        holders = self._whole.get(stripped) if stripped != message else None
+        if holders:
             start = len(message) - len(message.lstrip())
-            return Match(start, start + len(stripped), tuple(refs))
+            return Match(start, start + len(stripped), Holders(dict(holders)))
         return None
 
     def find(self, prompt: str) -> list[Match[Ref]]:
@@ -183,11 +242,18 @@ class TextIndex(Generic[Ref]):
         return matches
 
     def _longest_at(self, prompt: str, start: int, anchor: int) -> Match[Ref] | None:
-        best: tuple[str, list[Ref]] | None = None
-        for text, refs in self._by_anchor.get(anchor, {}).items():  # {} when the filter erred
+        best: tuple[str, _Groups] | None = None
+        for text, holders in self._by_anchor.get(anchor, {}).items():  # {} when the filter erred
             if (best is None or len(text) > len(best[0])) and prompt.startswith(text, start):
-                best = (text, refs)
-        return Match(start, start + len(best[0]), tuple(best[1])) if best is not None else None
+                best = (text, holders)
+        return Match(start, start + len(best[0]), Holders(dict(best[1]))) if best is not None else None
+
+    def _hold(self, holders: _Groups, ref: Ref) -> None:
+        group = self._group(ref)
+        if group not in holders and len(holders) >= self._max_holders:
+            del holders[next(iter(holders))]  # the group that took the text first
+            self._bounded["holders_dropped"] += 1
+        holders[group] = (*holders.get(group, ()), ref)  # a new tuple: snapshots taken before keep theirs
 
     def _filter(self) -> tuple[np.ndarray, np.uint64]:
         """A table indexed by the low bits of a hash, true where some anchor has those bits.
@@ -202,8 +268,16 @@ class TextIndex(Generic[Ref]):
         return self._table, self._mask
 
 
-def _discard(texts: dict[str, list[Ref]], text: str, ref: Ref) -> None:
-    refs = texts[text]
-    refs.remove(ref)
-    if not refs:
+def _discard(texts: dict[str, _Groups], text: str, group: Hashable, ref: Any) -> None:
+    """Take `ref` out of the holders of `text`, if it is still there (a group may have
+    been dropped for newer ones)."""
+    holders = texts.get(text)
+    if holders is None or group not in holders:
+        return
+    kept = tuple(r for r in holders[group] if r != ref)
+    if kept:
+        holders[group] = kept
+    else:
+        del holders[group]
+    if not holders:
         del texts[text]

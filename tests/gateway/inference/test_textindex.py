@@ -241,3 +241,39 @@ def test_randomized_planted_texts_are_found_at_exactly_their_spans():
             prompt += texts[ref]
         prompt += "".join(rnd.choices(filler_alphabet, k=rnd.randint(0, 60)))
         assert idx.find(prompt) == expected
+
+
+def test_holders_are_grouped_and_bounded_to_the_newest_groups():
+    """A text every session repeats is held by the newest `max_holders` sessions only, so a
+    prompt containing it costs the same whatever the number of sessions; a group's refs
+    are found by its key, and removing a dropped ref is a no-op."""
+    from collections import Counter
+
+    bounded: Counter[str] = Counter()
+    idx: TextIndex[tuple[str, int]] = TextIndex(8, group=lambda ref: ref[0], max_holders=4, bounded=bounded)
+    for n in range(6):
+        assert idx.add("hello", (f"s{n}", 0)) and idx.add(TEXT_A, (f"s{n}", 1))
+    assert idx.add(TEXT_A, ("s5", 2))  # a second ref of one group
+    whole, [inside] = idx.find_whole("hello"), idx.find("> " + TEXT_A)
+    assert whole is not None and whole.refs.num_groups == 4 and inside.refs.num_groups == 4
+    assert tuple(whole.refs) == (("s2", 0), ("s3", 0), ("s4", 0), ("s5", 0))
+    assert inside.refs.of("s5") == (("s5", 1), ("s5", 2)) and inside.refs.of("s0") == ()
+    assert bounded["holders_dropped"] == 4
+    assert idx.text_of(("s0", 1)) == TEXT_A  # a dropped holder's text is still known
+    for n in range(6):
+        idx.remove((f"s{n}", 0))
+        idx.remove((f"s{n}", 1))
+    idx.remove(("s5", 2))
+    assert idx.find_whole("hello") is None and idx.find(TEXT_A) == [] and len(idx) == 0
+
+
+def test_a_match_keeps_the_holders_it_was_found_with():
+    """What the planner adds while it reads a match does not change the match."""
+    idx: TextIndex[tuple[str, int]] = TextIndex(8, group=lambda ref: ref[0])
+    idx.add(TEXT_A, ("s0", 0))
+    [match] = idx.find(TEXT_A)
+    idx.add(TEXT_A, ("s0", 1))
+    idx.add(TEXT_A, ("s1", 0))
+    idx.remove(("s0", 0))
+    assert tuple(match.refs) == (("s0", 0),) and match.refs.of("s1") == ()
+    assert tuple(idx.find(TEXT_A)[0].refs) == (("s0", 1), ("s1", 0))
