@@ -295,15 +295,14 @@ def ttft(session_id: Annotated[str, typer.Argument(help="the session's id (see G
 
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
-    from sqlalchemy.ext.asyncio import create_async_engine
-
     from kvrelay.gateway.storage import migrate
+    from kvrelay.gateway.storage.engine import open_database
     from kvrelay.gateway.ttft import format_report, load_requests, session_ttft
 
     url = _gateway_settings(None, database_url).database_url
 
     async def run() -> list[Any]:
-        engine = create_async_engine(url)
+        engine = open_database(url)
         try:
             return await load_requests(engine, session_id)
         finally:
@@ -357,15 +356,15 @@ def _with_keys(database_url: str | None, action: Callable[[KeyStore], Awaitable[
 
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
-    from sqlalchemy.ext.asyncio import create_async_engine
 
     from kvrelay.gateway.auth import KeyNotFoundError, KeyStore
     from kvrelay.gateway.storage import migrate
+    from kvrelay.gateway.storage.engine import open_database
 
     url = _gateway_settings(None, database_url).database_url
 
     async def run() -> T:
-        engine = create_async_engine(url)
+        engine = open_database(url)
         try:
             return await action(KeyStore(engine))
         finally:

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from opentelemetry.sdk.trace import TracerProvider
 from sqlalchemy import text
 from sqlalchemy.exc import SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from kvrelay.wire.salt import TenantSalts
 from kvrelay.wire.seal import PlanSeal
@@ -34,6 +34,7 @@ from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.openapi_docs import CHAT_BODY, COMPLETION_BODY, PROXY_RESPONSES, RESPONSES_BODY
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.storage import migrate
+from kvrelay.gateway.storage.engine import open_database
 from kvrelay.gateway.storage.journal import RecordJournal
 from kvrelay.gateway.storage.writer import RecordWriter
 from kvrelay.gateway.supervisor import SupervisedTask
@@ -58,9 +59,10 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await asyncio.to_thread(migrate.upgrade, settings.database_url)  # alembic runs its own loop
-        db = create_async_engine(settings.database_url, pool_pre_ping=True)
+        db = open_database(settings.database_url)
         journal = RecordJournal(settings.record_journal_dir) if settings.record_journal_dir is not None else None
-        writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size, journal)
+        writer = RecordWriter(db, settings.record_queue_size, settings.record_batch_size, journal,
+                              settings.record_linger_ms / 1e3)
         writer.start()
         access = await build_access(settings, db)
         http = build_http_client(settings)

@@ -230,6 +230,8 @@ class GatewaySettings(YamlFileSettings):
     routing: RoutingSettings = RoutingSettings()
     record_queue_size: Annotated[int, Field(ge=1)] = 100_000
     record_batch_size: Annotated[int, Field(ge=1)] = 256
+    # A batch waits this long for more records: one transaction for many requests, not one each.
+    record_linger_ms: Annotated[float, Field(ge=0, le=1000)] = 20.0
     # Records not yet in SQL also go to journal files here, re-queued by the next start:
     # a killed process loses none (kvrelay/gateway/storage/journal.py). One directory per
     # process; unset: records wait in memory only.

@@ -244,3 +244,49 @@ async def test_a_lone_record_that_always_fails_does_not_hold_up_the_ones_behind_
     await engine.dispose()
     assert (writer.num_written, writer.num_quarantined) == (4, 1)
     assert ids(db) == [f"req-{i:04d}" for i in range(1, 5)]
+
+
+async def test_records_submitted_within_the_linger_share_one_commit(db):
+    """Requests answered a few ms apart (the usual load) are written in one transaction,
+    not one each; a record alone waits only the linger."""
+    from kvrelay.gateway.storage.engine import open_database
+
+    engine = open_database(f"sqlite+aiosqlite:///{db}")
+    writer = RecordWriter(engine, queue_size=10_000, batch_size=64, linger_s=0.3)
+    batches: list[int] = []
+    write = writer._write
+
+    async def counted(batch):
+        batches.append(len(batch))
+        await write(batch)
+
+    writer._write = counted  # type: ignore[method-assign]
+    writer.start()
+    try:
+        for i in range(20):
+            writer.submit(record(i, session=f"s{i % 3}"))
+            await asyncio.sleep(0.005)
+        await wait_for(lambda: writer.num_written == 20)
+        assert batches == [20]
+        started = time.monotonic()
+        writer.submit(record(99))
+        await wait_for(lambda: writer.num_written == 21)
+        assert batches == [20, 1] and time.monotonic() - started < 2.0
+    finally:
+        await writer.close(timeout_s=10)
+        await engine.dispose()
+    assert len(ids(db)) == 21
+
+
+async def test_a_sqlite_database_is_opened_in_write_ahead_logging(db):
+    from sqlalchemy import text
+
+    from kvrelay.gateway.storage.engine import open_database
+
+    engine = open_database(f"sqlite+aiosqlite:///{db}")
+    try:
+        async with engine.connect() as conn:
+            assert (await conn.execute(text("PRAGMA journal_mode"))).scalar() == "wal"
+            assert (await conn.execute(text("PRAGMA synchronous"))).scalar() == 2  # FULL: a commit is on disk
+    finally:
+        await engine.dispose()

@@ -94,8 +94,9 @@ class RecordWriter:
     held (kvrelay/gateway/supervisor.py), and `alive` says so in the meantime (`/ready`)."""
 
     def __init__(self, engine: AsyncEngine, queue_size: int, batch_size: int,
-                 journal: RecordJournal | None = None) -> None:
+                 journal: RecordJournal | None = None, linger_s: float = 0.0) -> None:
         self._engine = engine
+        self._linger_s = linger_s  # a batch's first record waits this long for others
         self._journal = journal  # records not yet in SQL, on local disk (journal.py)
         self._queue: asyncio.Queue[RequestRecord] = asyncio.Queue(maxsize=queue_size)
         self._batch_size = batch_size
@@ -162,6 +163,10 @@ class RecordWriter:
         while True:
             if not self._held:
                 self._held = [await self._queue.get()]
+                if self._linger_s and self._queue.qsize() < self._batch_size - 1:
+                    # A commit costs about as much for one record as for hundreds: wait for
+                    # the others of a busy moment. Records still leave in their order.
+                    await asyncio.sleep(self._linger_s)
                 while len(self._held) < self._batch_size and not self._queue.empty():
                     self._held.append(self._queue.get_nowait())
             try:
