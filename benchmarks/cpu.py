@@ -30,14 +30,16 @@ class Placement:
         return f"CPU {_cpus(self.tested)}", f"load gen, upstream, driver: CPU {_cpus(self.others)}"
 
 
-def split_cpus() -> Placement:
-    """The last available CPU for the process under test, the rest for everything else."""
+def split_cpus(tested_share: float = 0.0) -> Placement:
+    """The last available CPUs for the processes under test, the rest for everything else:
+    one CPU, or `tested_share` of them (at least one, and one left for the others)."""
     if not hasattr(os, "sched_getaffinity"):
         return Placement(frozenset(), frozenset())
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return Placement(frozenset(), frozenset())
-    return Placement(frozenset(cpus[-1:]), frozenset(cpus[:-1]))
+    num_tested = min(len(cpus) - 1, max(1, int(len(cpus) * tested_share)))
+    return Placement(frozenset(cpus[-num_tested:]), frozenset(cpus[:-num_tested]))
 
 
 def pin_self(cpus: frozenset[int]) -> None:
@@ -78,14 +80,39 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) * _TICK_S  # utime, stime: fields 14 and 15
 
 
+def tree_cpu_seconds(pid: int) -> float | None:
+    """cpu_seconds of a process and every live process below it (a server's workers);
+    None where /proc is not available or `pid` is gone."""
+    own = cpu_seconds(pid)
+    if own is None:
+        return None
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # ended meanwhile
+            parent = int(stat[stat.rindex(b")") + 2:].split()[1])  # field 4: ppid
+            children.setdefault(parent, []).append(int(entry))
+    total, todo = own, list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        total += cpu_seconds(child) or 0.0
+        todo += children.get(child, [])
+    return total
+
+
 def settled_cpu_seconds(pid: int, quiet_s: float = 0.1, limit_s: float = 5.0) -> float | None:
-    """The process's CPU time once it has stopped spending any for `quiet_s`: work a load
-    leaves behind (records written in the background) is counted with that load."""
+    """The CPU time of the process and its workers once they have stopped spending any for
+    `quiet_s`: work a load leaves behind (records written in the background) is counted
+    with that load."""
     deadline = time.monotonic() + limit_s
-    last = cpu_seconds(pid)
+    last = tree_cpu_seconds(pid)
     while last is not None and time.monotonic() < deadline:
         time.sleep(quiet_s)
-        now = cpu_seconds(pid)
+        now = tree_cpu_seconds(pid)
         if now == last:
             break
         last = now

@@ -1,11 +1,13 @@
 """Gateway overhead: the same streaming load straight to a fast fake upstream and through
 the gateway, in one run, at concurrency 1 and 64.
 
-Four processes: the fake upstream, the gateway (one uvicorn worker), the load generator
-(benchmarks/gateway_load.py) and this driver, which only sends commands and reads
-/proc. With two CPUs or more, the gateway is pinned to a CPU of its own and the rest
-share the others, so the load generator and the upstream cannot starve the gateway
-(nor the gateway them); the placement is in the config and the table.
+Four kinds of process: the fake upstream, the gateway (`kvrelay gateway`, as a user
+starts it), the load generator (benchmarks/gateway_load.py) and this driver, which only
+sends commands and reads /proc. With two CPUs or more, the gateway is pinned to half of
+them (at least one, one left) and runs one worker per CPU it has (`--workers`: replicas
+sharing inferred state through the SQLite file); the rest share the others, so the load
+generator and the upstream cannot starve the gateway (nor the gateway them); the
+placement and the number of workers are in the config and the table.
 
 Two figures:
 - overhead: the difference of the latency percentiles (to the last byte) of the two
@@ -37,9 +39,10 @@ from typing import IO
 
 
 from benchmarks.common import BenchResult, free_port, wait_healthy
-from benchmarks.cpu import Placement, cpu_seconds, pin_self, pinned, settled_cpu_seconds, split_cpus
+from benchmarks.cpu import Placement, cpu_seconds, pin_self, pinned, settled_cpu_seconds, split_cpus, tree_cpu_seconds
 
 _NUM_CHUNKS = 16
+_CLI = "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', *sys.argv[1:]]; main()"  # kvrelay ...
 
 
 @contextmanager
@@ -107,7 +110,7 @@ def _measure(load: _LoadGenerator, gateway_pid: int, upstream_pid: int, direct_u
         gw_before = settled_cpu_seconds(gateway_pid)
         others_before = _cpu_sum(load.pid, upstream_pid)
         latencies, wall = load.load(gateway_url, concurrency, num_requests // rounds)
-        others_after, gw_after = _cpu_sum(load.pid, upstream_pid), cpu_seconds(gateway_pid)
+        others_after, gw_after = _cpu_sum(load.pid, upstream_pid), tree_cpu_seconds(gateway_pid)
         gw_settled = settled_cpu_seconds(gateway_pid)
         level.round_p50_overheads.append(_pct(latencies, 50) - _pct(direct, 50))
         level.direct += direct
@@ -133,19 +136,21 @@ def run(quick: bool, model: str | None) -> BenchResult:
     del model  # the fake upstream serves no real model
     num_requests = {1: 400 if quick else 1600, 64: 2560 if quick else 12800}
     rounds = 4 if quick else 8
-    placement = split_cpus()
+    placement = split_cpus(tested_share=0.5)
+    workers = max(1, len(placement.tested))
     with pinned(placement.others):  # the driver too keeps off the gateway's CPU
-        rows, metrics = _run_all(placement, num_requests, rounds)
+        rows, metrics = _run_all(placement, workers, num_requests, rounds)
     rows.append(("CPU placement", *placement.describe(), ""))
+    rows.append(("gateway workers", str(workers), "", ""))
     config = {"quick": quick, "num_requests": num_requests, "rounds": rounds, "chunks_per_stream": _NUM_CHUNKS,
-              "gateway_workers": 1, "records": "sqlite", "keep_alive": True,
+              "gateway_workers": workers, "records": "sqlite", "keep_alive": True,
               "cpu_placement": {"gateway": sorted(placement.tested),
                                 "load_generator_fake_upstream_driver": sorted(placement.others)}}
     return BenchResult("gateway", metrics, config, rows,
                        headers=("measure", "through gateway", "direct", "overhead"))
 
 
-def _run_all(placement: Placement, num_requests: dict[int, int],
+def _run_all(placement: Placement, workers: int, num_requests: dict[int, int],
              rounds: int) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
     """Start the fake upstream, the gateway and the load generator; measure each concurrency level."""
     up_port, gw_port = free_port(), free_port()
@@ -156,8 +161,8 @@ def _run_all(placement: Placement, num_requests: dict[int, int],
     metrics: dict[str, float] = {}
     with _server(["-m", "benchmarks.fake_upstream", "--port", str(up_port), "--chunks", str(_NUM_CHUNKS)],
                  up_port, placement.others) as upstream, \
-         _server(["-m", "uvicorn", "kvrelay.gateway.app:create_app", "--factory", "--port", str(gw_port),
-                  "--log-level", "warning", "--no-access-log"], gw_port, placement.tested, gw_env) as gateway:
+         _server(["-c", _CLI, "gateway", "--port", str(gw_port), "--workers", str(workers), "--log-level", "warning"],
+                 gw_port, placement.tested, gw_env) as gateway:
         load = _LoadGenerator(placement.others)
         try:
             direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"

@@ -35,6 +35,7 @@ from kvrelay.gateway.sse import EventReader, EventTooLargeError, inspect, is_don
 from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from kvrelay.gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from kvrelay.gateway.replicas import Replicas
+from kvrelay.gateway.request_headers import RequestHeaders
 from kvrelay.gateway.routing.policies import Route
 from kvrelay.gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
@@ -87,11 +88,12 @@ class ProxiedCall:
             finished_at=self.started_at, latency_ms=0.0, status="ok", http_status=200,
             prompt_sha256=sha256_text(""), prompt_chars=0,
         )
+        self.headers = RequestHeaders(request.headers.raw)
         self.strip_usage = False
         # What the engine echoes in kv_transfer_params that the client must not see: the
         # plan and seal, and the TTFT breakdown (asked for on every call, for the record)
         # unless the client asked too.
-        self.hidden = hidden_from_client(wants_breakdown(request.headers))
+        self.hidden = hidden_from_client(wants_breakdown(self.headers))
         self._completion: list[str] = []
         self._tool_call_ids: list[str] = []  # of the answer: later prompts that carry them continue its session
         self._finish_reasons: list[str] = []
@@ -110,7 +112,7 @@ class ProxiedCall:
         self._probe_body: dict[str, Any] | None = None  # its upstream body, plan included
         self._route: Route | None = None  # what the routing policy knows of the prompt
         self._segments: list[Segment] = []  # the plan's, as sent: what routing may weigh
-        self.span = start_call_span(state.tracer, endpoint.operation, request.headers)
+        self.span = start_call_span(state.tracer, endpoint.operation, self.headers)
 
     # -- the path ---------------------------------------------------------------------------
     async def run(self) -> Response:
@@ -125,11 +127,11 @@ class ProxiedCall:
         stack = AsyncExitStack()
         handed_to_relay = False  # once the relay owns the upstream response, it records the call
         try:
-            key = self.state.access.authenticate(self.request.headers)
+            key = self.state.access.authenticate(self.headers)
             self.record.api_key_id = key.id if key is not None else None
             body = self._parse(await self._read_body())
             self._charge = self.state.access.admit(key, self.view)
-            ident = identify(self.request.headers, self.view, self.record.api_key_id)
+            ident = identify(self.headers, self.view, self.record.api_key_id)
             if ident.session_id is None and (previous := self.endpoint.continues(body)) is not None:
                 ident = ident._replace(session_id=self.state.responses.session_of(ident.app_id, previous))
             if self.state.store is not None and ident.session_id is not None:
@@ -167,7 +169,7 @@ class ProxiedCall:
 
     async def _read_body(self) -> bytes:
         limit = self.state.settings.max_body_bytes
-        declared = self.request.headers.get("content-length")
+        declared = self.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > limit:
             raise BodyTooLargeError(f"request body exceeds {limit} bytes")
         chunks, size = [], 0
@@ -251,7 +253,7 @@ class ProxiedCall:
     def _reuse_choice(self) -> HeaderChoice:
         """The client's X-Kvrelay-Reuse, checked before any planning."""
         try:
-            return parse_header(self.request.headers.get(REUSE_HEADER))
+            return parse_header(self.headers.get(REUSE_HEADER))
         except ValueError as exc:
             raise BadRequestError(f"{REUSE_HEADER} {exc}", param=REUSE_HEADER) from exc
 
@@ -262,7 +264,7 @@ class ProxiedCall:
 
     def _headers(self) -> dict[str, str]:
         """Content headers, and the trace context: the client's, continued by our span."""
-        headers = {k: v for k in _FORWARDED_HEADERS if (v := self.request.headers.get(k))}
+        headers = {k: v for k in _FORWARDED_HEADERS if (v := self.headers.get(k))}
         headers.update(trace_headers(self.span))
         headers[TTFT_HEADER] = "1"  # the engine's TTFT breakdown, reuse on or off (other upstreams ignore it)
         if self.state.upstreams.pool.policy.reads_cache:
