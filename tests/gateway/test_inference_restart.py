@@ -4,32 +4,12 @@ from __future__ import annotations
 
 import random
 
-import openai
-
-from kvrelay.wire.plan import SegmentPlan, read_plan
-
-QUESTION = "The town council asks: should the old mill by the river become a library or a bakery?"
-NUM_AGENTS = 3
+from kvrelay.wire.plan import SegmentPlan
+from tests.gateway.village import NUM_AGENTS, Round, clients_for, village_round
 
 
-def _round(gw, fake, r: int, outputs: list[str], rng: random.Random, headers: dict[str, str]
-           ) -> tuple[list[SegmentPlan], list[dict], list[str]]:
-    """One All-Gather round: every villager reads all outputs of the last round, shuffled."""
-    client = openai.OpenAI(base_url=gw.v1, api_key="unused", max_retries=0)
-    plans, bodies, answers = [], [], []
-    for i in range(NUM_AGENTS):
-        shown = outputs[:]
-        rng.shuffle(shown)
-        user = QUESTION if r == 0 else "What your neighbours said:\n\n" + "\n\n".join(shown)
-        fake.behaviour.pieces = [f"Round {r}, villager {i}: I have listened, and I now argue that the mill "
-                                 f"should become a {('library', 'bakery')[(i + r) % 2]} for the whole town."]
-        messages = [{"role": "system", "content": f"You are villager {i} of a small river town; you speak plainly."},
-                    {"role": "user", "content": user}]
-        answers.append(client.chat.completions.create(model="fake", messages=messages, extra_headers=headers)
-                       .choices[0].message.content)
-        bodies.append(fake.received[-1].body)
-        plans.append(read_plan(bodies[-1]))
-    return plans, bodies, answers
+def _round(gw, fake, r: int, outputs: list[str], rng: random.Random, headers: dict[str, str]) -> Round:
+    return village_round(clients_for([gw]), fake, r, outputs, rng, headers)
 
 
 def _covered(plan: SegmentPlan, body: dict, kind: str) -> dict[str, str]:

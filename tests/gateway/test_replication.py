@@ -19,10 +19,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from kvrelay.gateway.inference.replication import SharedLog
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.storage.models import ObservationRow
-from kvrelay.wire.plan import SegmentPlan, read_plan
+from kvrelay.wire.plan import SegmentPlan
+from tests.gateway.village import NUM_AGENTS, clients_for, village_round
 
-QUESTION = "The town council asks: should the old mill by the river become a library or a bakery?"
-NUM_AGENTS = 3
 
 
 def _settled(gateways, timeout: float = 10.0) -> None:
@@ -40,30 +39,14 @@ def _settled(gateways, timeout: float = 10.0) -> None:
 
 def _village(gateways, fake, rounds: int, settle: bool = True) -> tuple[list[list[SegmentPlan]], list[list[dict]]]:
     """All-Gather rounds of three villagers, request i sent to gateway i mod N."""
-    clients = [openai.OpenAI(base_url=g.v1, api_key="unused", max_retries=0) for g in gateways]
-    rng, outputs, sent = random.Random(3), [], 0
+    clients, rng, outputs = clients_for(gateways), random.Random(3), []
     plans: list[list[SegmentPlan]] = []
     bodies: list[list[dict]] = []
     for r in range(rounds):
-        answers, plans_r, bodies_r = [], [], []
-        for i in range(NUM_AGENTS):
-            shown = outputs[:]
-            rng.shuffle(shown)
-            user = QUESTION if r == 0 else "What your neighbours said:\n\n" + "\n\n".join(shown)
-            fake.behaviour.pieces = [f"Round {r}, villager {i}: I have listened, and I now argue that the mill "
-                                     f"should become a {('library', 'bakery')[(i + r) % 2]} for the whole town."]
-            messages = [{"role": "system", "content": f"You are villager {i} of a small river town; you speak plainly."},
-                        {"role": "user", "content": user}]
-            if settle:
-                _settled(gateways)
-            client = clients[sent % len(clients)]
-            sent += 1
-            answers.append(client.chat.completions.create(model="fake", messages=messages).choices[0].message.content)
-            bodies_r.append(fake.received[-1].body)
-            plans_r.append(read_plan(bodies_r[-1]))
-        outputs = answers
-        plans.append(plans_r)
-        bodies.append(bodies_r)
+        played = village_round(clients, fake, r, outputs, rng, before_each=(lambda: _settled(gateways)) if settle else None)
+        outputs = played.answers
+        plans.append(played.plans)
+        bodies.append(played.bodies)
     return plans, bodies
 
 
