@@ -33,6 +33,7 @@ class Replicas:
     def __init__(self, engine: AsyncEngine, settings: ReplicationSettings, inference: Inference, pool: UpstreamPool,
                  responses: ResponseSessions) -> None:
         self.inference = inference
+        inference.agreed_session_ids = True  # a session two replicas start at once is one (session_ids.py)
         self.pool = pool
         self.responses = responses
         self.log = SharedLog(engine, settings.replica_id or default_replica_id(), self.apply,

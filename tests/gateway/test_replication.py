@@ -88,6 +88,25 @@ def test_replicas_that_share_nothing_split_the_village(fake_upstream, start_gate
     assert any(len(_quoted(p, b)) < NUM_AGENTS for p, b in zip(plans[1], bodies[1]))
 
 
+@pytest.mark.parametrize("agreed", [True, False])
+def test_replicas_that_start_a_session_at_once_start_the_same_one(fake_upstream, start_gateway, tmp_path, agreed):
+    """The first prompts of a round's agents, each planned by another replica before it
+    has read the other's plan, land in one session: replicas derive a new session's id
+    alike. The control (random ids, as one gateway mints them) splits the round."""
+    fake = fake_upstream()
+    db = f"sqlite+aiosqlite:///{tmp_path}/shared.sqlite"
+    gateways = [start_gateway([fake.url], database_url=db, replication={"enabled": True, "replica_id": f"r{n}"})
+                for n in range(2)]
+    held: list[tuple[str, dict]] = []
+    gateways[1].state.replicas.log._apply = lambda kind, payload: held.append((kind, payload))  # deaf to r0
+    for gw in gateways:
+        gw.state.inference.agreed_session_ids = agreed
+    played = village_round(clients_for(gateways), fake, 0, [], random.Random(3))
+    assert [kind for kind, _ in held] and "plan" in {kind for kind, _ in held}  # r1 planned without r0's plans
+    sessions = {p.session_id for p in played.plans}
+    assert len(sessions) == 1 if agreed else len(sessions) > 1
+
+
 def test_a_new_sessions_home_is_the_same_on_every_replica(fake_upstream, start_gateway, tmp_path):
     fakes = [fake_upstream() for _ in range(3)]
     urls = [f.url for f in fakes]

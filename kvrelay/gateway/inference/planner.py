@@ -16,7 +16,6 @@ spent the stages left are skipped. The request then goes on with the plan built 
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter, OrderedDict
 from typing import Any, NamedTuple
 
@@ -31,6 +30,7 @@ from kvrelay.gateway.inference.messages import call_ids, prompt_messages, sha256
 from kvrelay.gateway.inference.prefix import PrefixLearner
 from kvrelay.gateway.inference.rounds import read_pattern
 from kvrelay.gateway.inference.segments import SegmentBuilder
+from kvrelay.gateway.inference.session_ids import ask_of, new_session_id
 from kvrelay.gateway.inference.state import AppState, Changes, KnownText, SessionState
 from kvrelay.gateway.settings import InferenceSettings
 from kvrelay.gateway.tenancy import TenantMap
@@ -56,6 +56,9 @@ class Inference:
         self.changes = Changes()  # for the StateStore, which saves them to SQL
         self.tenants = TenantMap(settings.shared_caches)
         self.bounded: Counter[str] = Counter()  # what the bounds cut, by kind (gateway /metrics)
+        # New sessions get ids every gateway replica derives alike (session_ids.py); set by
+        # Replicas. Off: random ids, one gateway.
+        self.agreed_session_ids = False
 
     def app(self, app_id: str) -> AppState:
         """The app's state (created if new), as the most recently used; past `max_apps`
@@ -93,10 +96,13 @@ class Inference:
         opening = next((m.content for m in messages if m.content), None)
         agent = resolve_agent(app, ident.agent_id, system.content if system else None, model, self.new_learner,
                               None if system else opening)
+        ask = ask_of(messages) if self.agreed_session_ids else ""
         session_id = (replay_in or ident.session_id or called
                       or linked_session(app, found, agent.id, messages[-1].index if messages else 0)
-                      or f"sess-{uuid.uuid4().hex[:16]}")
+                      or new_session_id(self.agreed_session_ids, ident.app_id, ask, app.starts))
         session = app.session(session_id)
+        if self.agreed_session_ids and ident.session_id is None and not session.num_requests:
+            app.starts.started(ask, session_id)  # also when replayed: what the next run's id derives from
         if ident.session_id is None and (joined := sessions_to_merge(app, found, session_id)):
             for other in joined:
                 app.merge(session, app.sessions[other])

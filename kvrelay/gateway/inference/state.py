@@ -21,6 +21,7 @@ from kvrelay.gateway.inference.agenttable import AgentTable
 from kvrelay.gateway.inference.rounds import RoundDetector
 from kvrelay.gateway.inference.stepgraph import StepGraph
 from kvrelay.gateway.inference.template import OpeningTemplates
+from kvrelay.gateway.inference.session_ids import SessionStarts
 from kvrelay.gateway.inference.textindex import TextIndex
 
 TextKind = Literal["response", "tool", "question", "block"]
@@ -129,6 +130,7 @@ class AppState:
         self.agents = AgentTable(max_agents, same_agent_ratio, self.graph.remove, self.bounded)
         self.openings = OpeningTemplates()
         self.index: TextIndex[TextRef] = TextIndex(anchor_chars, group=_session_of, bounded=self.bounded)
+        self.starts = SessionStarts(max_sessions)  # the last session each ask started (session_ids.py)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
         self._calls: dict[str, str] = {}  # tool-call id -> the session whose answer made the call
         self._uses = itertools.count(1)  # stamps SessionState.used, so recency needs no walk of the sessions
