@@ -41,6 +41,7 @@ from kvrelay.gateway.supervisor import SupervisedTask
 from kvrelay.gateway.tracing import build_tracer_provider, tracer_from
 from kvrelay.gateway.upstream_client import UpstreamClient, build_http_client
 from kvrelay.gateway.upstreams import UpstreamPool
+from kvrelay.gateway.proxy_routes import GatewayApp
 from kvrelay.gateway.replicas import Replicas
 from kvrelay.gateway.routing.cache_poll import CachePoller
 from kvrelay.wire.errors import error_response, error_responses, install_request_error_handlers
@@ -120,7 +121,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes the batch of spans not yet exported
 
-    app = FastAPI(title="kvrelay gateway", lifespan=lifespan)
+    app = GatewayApp(title="kvrelay gateway", lifespan=lifespan)
     install_request_error_handlers(app)
     install_admin(app)
     install_ui(app)

@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from opentelemetry.trace import Tracer
 
 from kvrelay.gateway.approximation import Approximation, HeaderChoice, parse_header
@@ -31,6 +31,7 @@ from kvrelay.gateway.inference import Inference, RoundHold, StateStore
 from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.endpoints import Endpoint, ResponseSessions
+from kvrelay.gateway.event_stream import EventStreamResponse
 from kvrelay.gateway.sse import EventReader, EventTooLargeError, inspect, is_done
 from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from kvrelay.gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
@@ -154,8 +155,7 @@ class ProxiedCall:
             if self.record.stream:
                 relay = self._relay(dispatch, stack)
                 stack, handed_to_relay = AsyncExitStack(), True
-                return StreamingResponse(relay, media_type="text/event-stream",
-                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                return EventStreamResponse(relay)
             return await self._unary(dispatch)
         except GatewayError as exc:
             return self._fail(exc)
