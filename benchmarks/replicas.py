@@ -14,6 +14,12 @@ Metrics: `placeholder_f1_drop_max`, `session_rand_drop_max` and `next_agent_drop
 (one replica's score minus the worst of 2 and 3, the larger of the two families);
 `reuse_drop_max` (the plans' placed tokens, fixed prefixes, placeholders and shared
 blocks, relative); `staleness_p99_ms` (the largest p99 any replica saw, from /metrics).
+The replay runs four sessions at once, and how their requests interleave changes what can
+be linked: the same configuration scores differently from run to run (one replica's
+placeholder F1 moved by 0.1 between runs). So every configuration runs `repeats` times
+(2 in --quick, 3 otherwise), each on a fresh database and upstream, the configurations
+taking turns so a slow spell of the machine hits them alike; the drops are computed on
+the means, and each configuration's range over its runs is printed with it.
 The database is a SQLite file (replicas of one host); outside `--quick`, with `KVRELAY_BENCH_POSTGRES_URL`
 (or the test suite's `KVRELAY_TEST_POSTGRES_URL`) set, PostgreSQL is measured too.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +53,8 @@ from kvrelay.gateway.storage import migrate
 
 REPLICAS = (1, 2, 3)
 CONCURRENCY = 4  # runs in flight at once
+REPEATS = {True: 2, False: 3}  # runs of each configuration, by --quick
+_SCORES = {"placeholder_f1": "placeholder_f1", "session_rand": "session_rand", "next_agent": "next_agent_acc"}
 _SHARED_KINDS = ("fixed_prefix", "placeholder", "shared_block")
 _STALENESS = re.compile(r'^kvrelay_replication_staleness_ms\{quantile="([0-9.]+)"\} ([0-9.eE+-]+)$', re.M)
 
@@ -63,10 +72,51 @@ class Cell:
     staleness_p50_ms: float | None
     staleness_p99_ms: float | None
     seconds: float
+    repeat: int = 0
+
+    @property
+    def config(self) -> tuple[str, str, int, bool]:
+        return self.family, self.database, self.replicas, self.shared
 
     @property
     def label(self) -> str:
         return f"{self.family}, {self.database}, {self.replicas} {'shared' if self.shared else 'share nothing'}"
+
+    def measure(self, name: str) -> float:
+        return self.placed_tokens if name == "reuse" else float(getattr(self.scores, _SCORES[name]))
+
+
+@dataclass
+class Summary:
+    """One configuration over its repeated runs."""
+
+    runs: list[Cell]
+
+    @property
+    def first(self) -> Cell:
+        return self.runs[0]
+
+    def mean(self, name: str) -> float:
+        return statistics.fmean(c.measure(name) for c in self.runs)
+
+    def spread(self, name: str) -> float:
+        values = [c.measure(name) for c in self.runs]
+        return max(values) - min(values)
+
+    def staleness(self) -> tuple[float | None, float | None]:
+        p50 = [c.staleness_p50_ms for c in self.runs if c.staleness_p50_ms is not None]
+        p99 = [c.staleness_p99_ms for c in self.runs if c.staleness_p99_ms is not None]
+        return (max(p50) if p50 else None), (max(p99) if p99 else None)
+
+    def shown(self) -> str:
+        """Means, and the range over the runs when there are several."""
+        parts = []
+        for name, digits in (("placeholder_f1", 3), ("session_rand", 3), ("next_agent", 3), ("reuse", 0)):
+            part = f"{self.mean(name):.{digits}f}"
+            if len(self.runs) > 1:
+                part += f" (±{self.spread(name) / 2:.{digits}f})"
+            parts.append(part)
+        return " / ".join(parts)
 
 
 @contextmanager
@@ -145,8 +195,8 @@ class Bench:
         return {"sqlite": None, **({"postgresql": pg} if pg and not self.quick else {})}
 
     def cell(self, family: str, workloads: list[Workload], upstream: str, database: str, pg_url: str | None,
-             replicas: int, shared: bool) -> Cell:
-        tag = f"{family}-{database}-{replicas}-{'shared' if shared else 'alone'}"
+             replicas: int, shared: bool, repeat: int) -> Cell:
+        tag = f"{family}-{database}-{replicas}-{'shared' if shared else 'alone'}-{repeat}"
         if pg_url is None:
             url = f"sqlite+aiosqlite:///{self.log_dir / tag}.sqlite"
         else:
@@ -165,8 +215,8 @@ class Bench:
         scores = score(workloads, observed_from(outcomes, records))
         errors = sum(1 for o in outcomes.values() if not o.ok)
         cell = Cell(family, database, replicas, shared, scores, _placed_tokens(records, outcomes), errors, unknown,
-                    p50, p99, seconds)
-        print(f"  {cell.label}: {len(outcomes)} requests in {seconds:.1f}s, ph_f1 {scores.placeholder_f1:.3f}, "
+                    p50, p99, seconds, repeat)
+        print(f"  {cell.label}, run {repeat + 1}: {len(outcomes)} requests in {seconds:.1f}s, ph_f1 {scores.placeholder_f1:.3f}, "
               f"session {scores.session_rand:.3f}, next {scores.next_agent_acc:.3f}, placed "
               f"{cell.placed_tokens:.0f}, staleness p99 {p99}", flush=True)
         return cell
@@ -175,73 +225,79 @@ class Bench:
         families = {"short": load_all(CAPTURES), "long": load_all(LONG_CAPTURES)}
         for family, workloads in families.items():
             for database, pg_url in self.databases().items():
-                for replicas, shared in [(n, True) for n in REPLICAS] + [(3, False)]:
-                    port = free_port()  # a fresh upstream per cell: recurring prompts answered from the start
-                    with _process(["-m", "benchmarks.capture_upstream", "--port", str(port), "--family", family],
-                                  port, {}, self.log_dir / "upstream.log"):
-                        self.cells.append(self.cell(family, workloads, f"http://127.0.0.1:{port}", database, pg_url,
-                                                    replicas, shared))
+                for repeat in range(REPEATS[self.quick]):
+                    for replicas, shared in [(n, True) for n in REPLICAS] + [(3, False)]:
+                        port = free_port()  # a fresh upstream per cell: recurring prompts answered from the start
+                        with _process(["-m", "benchmarks.capture_upstream", "--port", str(port), "--family", family],
+                                      port, {}, self.log_dir / "upstream.log"):
+                            self.cells.append(self.cell(family, workloads, f"http://127.0.0.1:{port}", database,
+                                                        pg_url, replicas, shared, repeat))
         return self.result()
+
+    def summaries(self) -> dict[tuple[str, str, int, bool], Summary]:
+        grouped: dict[tuple[str, str, int, bool], Summary] = {}
+        for cell in self.cells:
+            grouped.setdefault(cell.config, Summary([])).runs.append(cell)
+        return grouped
 
     def result(self) -> BenchResult:
         metrics: dict[str, float] = {}
         rows: list[tuple[str, str, str, str]] = []
-        drops: dict[str, list[float]] = {"placeholder_f1": [], "session_rand": [], "next_agent": [], "reuse": []}
+        drops: dict[str, list[float]] = {name: [] for name in ("placeholder_f1", "session_rand", "next_agent", "reuse")}
+        summaries = self.summaries()
         for family in ("short", "long"):
             for database in self.databases():
-                group = [c for c in self.cells if c.family == family and c.database == database]
-                one = next((c for c in group if c.replicas == 1), None)
-                many = [c for c in group if c.replicas > 1 and c.shared]
-                alone = next((c for c in group if not c.shared), None)
+                group = [s for (f, d, _, _), s in summaries.items() if (f, d) == (family, database)]
+                one = next((s for s in group if s.first.replicas == 1), None)
+                many = [s for s in group if s.first.replicas > 1 and s.first.shared]
+                alone = next((s for s in group if not s.first.shared), None)
                 if one is None or not many:
                     continue
-                worst = {"placeholder_f1": min(c.scores.placeholder_f1 for c in many),
-                         "session_rand": min(c.scores.session_rand for c in many),
-                         "next_agent": min(c.scores.next_agent_acc for c in many),
-                         "reuse": min(c.placed_tokens for c in many)}
-                base = {"placeholder_f1": one.scores.placeholder_f1, "session_rand": one.scores.session_rand,
-                        "next_agent": one.scores.next_agent_acc, "reuse": one.placed_tokens}
                 for name in drops:
-                    drop = base[name] - worst[name]
-                    drops[name].append(drop / base[name] if name == "reuse" and base[name] else drop)
-                for c in group:
-                    metrics[f"{family}_{database}_{c.replicas}{'' if c.shared else '_alone'}_placeholder_f1"] = \
-                        c.scores.placeholder_f1
-                    metrics[f"{family}_{database}_{c.replicas}{'' if c.shared else '_alone'}_session_rand"] = \
-                        c.scores.session_rand
-                    metrics[f"{family}_{database}_{c.replicas}{'' if c.shared else '_alone'}_next_agent_acc"] = \
-                        c.scores.next_agent_acc
-                    metrics[f"{family}_{database}_{c.replicas}{'' if c.shared else '_alone'}_placed_tokens"] = \
-                        c.placed_tokens
-                    reference = alone if alone is not None and c is not alone else None
-                    rows.append((f"{c.label}: placeholder F1 / session Rand / next agent / placed tokens",
-                                 f"{c.scores.placeholder_f1:.3f} / {c.scores.session_rand:.3f} / "
-                                 f"{c.scores.next_agent_acc:.3f} / {c.placed_tokens:.0f}",
-                                 "" if reference is None else
-                                 f"{reference.scores.placeholder_f1:.3f} / {reference.scores.session_rand:.3f} / "
-                                 f"{reference.scores.next_agent_acc:.3f} / {reference.placed_tokens:.0f}",
-                                 "" if reference is None or not reference.placed_tokens else
-                                 f"{c.placed_tokens / reference.placed_tokens:.2f}x placed"))
-                    if c.staleness_p99_ms is not None:
-                        rows.append((f"{c.label}: staleness p50 / p99 ms", f"{c.staleness_p50_ms:.1f} / "
-                                     f"{c.staleness_p99_ms:.1f}", "", ""))
-                    if c.errors or c.unknown_prompts:
-                        rows.append((f"{c.label}: failed requests / prompts the capture lacks",
-                                     f"{c.errors} / {c.unknown_prompts}", "", ""))
+                    drop = one.mean(name) - min(s.mean(name) for s in many)
+                    drops[name].append(drop / one.mean(name) if name == "reuse" and one.mean(name) else drop)
+                for summary in group:
+                    rows += self._rows(summary, alone if summary is not alone else None)
+                    c = summary.first
+                    key = f"{family}_{database}_{c.replicas}{'' if c.shared else '_alone'}"
+                    for name, metric in (("placeholder_f1", "placeholder_f1"), ("session_rand", "session_rand"),
+                                         ("next_agent", "next_agent_acc"), ("reuse", "placed_tokens")):
+                        metrics[f"{key}_{metric}"] = summary.mean(name)
+                        if len(summary.runs) > 1:
+                            metrics[f"{key}_{metric}_range"] = summary.spread(name)
         for name, values in drops.items():
             if values:
                 metrics[f"{name}_drop_max"] = max(values)
-        stale = [c.staleness_p99_ms for c in self.cells if c.staleness_p99_ms is not None]
+        stale = [p99 for s in summaries.values() if (p99 := s.staleness()[1]) is not None]
         if stale:
             metrics["staleness_p99_ms"] = max(stale)
         metrics["failed_requests"] = float(sum(c.errors for c in self.cells))
         config = {"replicas": list(REPLICAS), "concurrency": CONCURRENCY, "databases": list(self.databases()),
+                  "repeats": REPEATS[self.quick], "drops": "on the means of the repeated runs",
                   "baseline": "3 replicas sharing nothing", "gaps": "as captured", "quick": self.quick,
-                  "cells": [{"label": c.label, "seconds": round(c.seconds, 2), "requests": c.scores.scored}
+                  "cells": [{"label": c.label, "run": c.repeat + 1, "seconds": round(c.seconds, 2),
+                             "requests": c.scores.scored, "placeholder_f1": round(c.scores.placeholder_f1, 4),
+                             "session_rand": round(c.scores.session_rand, 4),
+                             "next_agent_acc": round(c.scores.next_agent_acc, 4), "placed_tokens": c.placed_tokens}
                             for c in self.cells]}
         return BenchResult("replicas", metrics, config, rows,
                            ("measure", "kvrelay replicas", "baseline (3, share nothing)", "ratio"))
 
+    @staticmethod
+    def _rows(summary: Summary, alone: Summary | None) -> list[tuple[str, str, str, str]]:
+        c = summary.first
+        runs = f", mean of {len(summary.runs)}" if len(summary.runs) > 1 else ""
+        rows = [(f"{c.label}: placeholder F1 / session Rand / next agent / placed tokens{runs}", summary.shown(),
+                 "" if alone is None else alone.shown(),
+                 "" if alone is None or not alone.mean("reuse") else
+                 f"{summary.mean('reuse') / alone.mean('reuse'):.2f}x placed")]
+        p50, p99 = summary.staleness()
+        if p50 is not None and p99 is not None:
+            rows.append((f"{c.label}: staleness p50 / p99 ms (worst run)", f"{p50:.1f} / {p99:.1f}", "", ""))
+        errors, unknown = sum(r.errors for r in summary.runs), sum(r.unknown_prompts for r in summary.runs)
+        if errors or unknown:
+            rows.append((f"{c.label}: failed requests / prompts the capture lacks", f"{errors} / {unknown}", "", ""))
+        return rows
 
 def run(quick: bool = False, model: str | None = None) -> BenchResult:
     with tempfile.TemporaryDirectory(prefix="kvrelay-bench-replicas-") as tmp:

@@ -39,9 +39,9 @@ def test_the_upstream_answers_each_captured_prompt_with_its_captured_answer():
     assert client.get("/stats").json()["unknown"] == 1
 
 
-def _cell(replicas: int, shared: bool, f1: float, placed: float, p99: float | None = None) -> Cell:
+def _cell(replicas: int, shared: bool, f1: float, placed: float, p99: float | None = None, repeat: int = 0) -> Cell:
     scores = InferenceScores(1.0, 1.0, f1, 0.99, 1.0, 1.0, 0.9, 0.9, None, 10)
-    return Cell("short", "sqlite", replicas, shared, scores, placed, 0, 0, p99, p99, 1.0)
+    return Cell("short", "sqlite", replicas, shared, scores, placed, 0, 0, p99, p99, 1.0, repeat)
 
 
 def test_drops_are_one_replica_minus_the_worst_of_several(tmp_path):
@@ -53,3 +53,20 @@ def test_drops_are_one_replica_minus_the_worst_of_several(tmp_path):
     assert abs(metrics["reuse_drop_max"] - 0.10) < 1e-9
     assert metrics["session_rand_drop_max"] == 0.0 and metrics["staleness_p99_ms"] == 9.0
     assert BENCHMARKS["replicas"] == "benchmarks.replicas"
+
+
+def test_repeated_runs_are_averaged_before_the_drop_and_their_range_reported(tmp_path):
+    bench = Bench(quick=True, log_dir=tmp_path)
+    bench.cells = [_cell(1, True, 0.80, 1000), _cell(2, True, 0.70, 1000, 5.0), _cell(3, True, 0.78, 1000, 7.0),
+                   _cell(3, False, 0.50, 700),
+                   _cell(1, True, 0.70, 1000, repeat=1), _cell(2, True, 0.80, 1000, 6.0, repeat=1),
+                   _cell(3, True, 0.70, 1000, 9.0, repeat=1), _cell(3, False, 0.52, 700, repeat=1)]
+    result = bench.result()
+    # Single runs would give 0.80 - 0.70 = 0.10; the means are 0.75 (one), 0.75 (two) and 0.74 (three).
+    assert abs(result.metrics["placeholder_f1_drop_max"] - 0.01) < 1e-9
+    assert abs(result.metrics["short_sqlite_1_placeholder_f1_range"] - 0.10) < 1e-9
+    assert abs(result.metrics["short_sqlite_3_alone_placeholder_f1"] - 0.51) < 1e-9
+    assert result.metrics["staleness_p99_ms"] == 9.0 and result.config["repeats"] == 2
+    shown = dict((row[0], row[1]) for row in result.rows)
+    assert shown["short, sqlite, 1 shared: placeholder F1 / session Rand / next agent / placed tokens, mean of 2"] \
+        == "0.750 (±0.050) / 0.990 (±0.000) / 0.900 (±0.000) / 1000 (±0)"
