@@ -9,6 +9,11 @@ sharing inferred state through the SQLite file); the rest share the others, so t
 generator and the upstream cannot starve the gateway (nor the gateway them); the
 placement and the number of workers are in the config and the table.
 
+A third path is the floor: a bare relay (benchmarks/bare_relay.py) on the same server and
+client libraries, pinned and given workers as the gateway, that forwards bytes and does
+nothing else. The gateway's figures less the relay's are what kvrelay's own work costs;
+the relay's are what any Python gateway on these libraries pays on this machine.
+
 Two figures:
 - overhead: the difference of the latency percentiles (to the last byte) of the two
   paths, measured in alternating rounds so drift hits both alike. A difference of
@@ -96,13 +101,17 @@ class _Level:
     gateway_cpu_s: float = 0.0  # settled: includes the records written after the load
     gateway_busy_s: float = 0.0  # during the loads only
     others_busy_s: float = 0.0  # load generator + fake upstream, during the through loads
+    relay: list[float] = field(default_factory=list)  # the bare relay's latencies
+    relay_wall_s: float = 0.0
+    relay_cpu_s: float = 0.0
 
 
-def _measure(load: _LoadGenerator, gateway_pid: int, upstream_pid: int, direct_url: str, gateway_url: str,
-             concurrency: int, num_requests: int, rounds: int) -> _Level:
+def _measure(load: _LoadGenerator, gateway_pid: int, upstream_pid: int, relay_pid: int, direct_url: str,
+             gateway_url: str, relay_url: str, concurrency: int, num_requests: int, rounds: int) -> _Level:
     level = _Level()
-    warmup = max(4 * concurrency, 32)  # opens every connection, warms both servers' code paths
+    warmup = max(4 * concurrency, 32)  # opens every connection, warms every server's code paths
     load.load(gateway_url, concurrency, warmup)
+    load.load(relay_url, concurrency, warmup)
     load.load(direct_url, concurrency, warmup)
     settled_cpu_seconds(gateway_pid)
     for _ in range(rounds):  # alternate the paths so drift on a busy machine hits both
@@ -120,6 +129,13 @@ def _measure(load: _LoadGenerator, gateway_pid: int, upstream_pid: int, direct_u
             level.gateway_cpu_s += gw_settled - gw_before  # type: ignore[operator]
             level.gateway_busy_s += gw_after - gw_before  # type: ignore[operator]
             level.others_busy_s += others_after - others_before  # type: ignore[operator]
+        relay_before = settled_cpu_seconds(relay_pid)
+        relay, relay_wall = load.load(relay_url, concurrency, num_requests // rounds)
+        relay_after = settled_cpu_seconds(relay_pid)
+        level.relay += relay
+        level.relay_wall_s += relay_wall
+        if relay_before is not None and relay_after is not None:
+            level.relay_cpu_s += relay_after - relay_before
     return level
 
 
@@ -153,7 +169,7 @@ def run(quick: bool, model: str | None) -> BenchResult:
 def _run_all(placement: Placement, workers: int, num_requests: dict[int, int],
              rounds: int) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
     """Start the fake upstream, the gateway and the load generator; measure each concurrency level."""
-    up_port, gw_port = free_port(), free_port()
+    up_port, gw_port, relay_port = free_port(), free_port(), free_port()
     db = tempfile.mkdtemp(prefix="kvrelay-bench-")
     gw_env = {"KVRELAY_UPSTREAMS": f'["http://127.0.0.1:{up_port}"]',
               "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{db}/records.db"}
@@ -162,13 +178,17 @@ def _run_all(placement: Placement, workers: int, num_requests: dict[int, int],
     with _server(["-m", "benchmarks.fake_upstream", "--port", str(up_port), "--chunks", str(_NUM_CHUNKS)],
                  up_port, placement.others) as upstream, \
          _server(["-c", _CLI, "gateway", "--port", str(gw_port), "--workers", str(workers), "--log-level", "warning"],
-                 gw_port, placement.tested, gw_env) as gateway:
+                 gw_port, placement.tested, gw_env) as gateway, \
+         _server(["-m", "benchmarks.bare_relay", "--port", str(relay_port), "--upstream",
+                  f"http://127.0.0.1:{up_port}", "--workers", str(workers)], relay_port, placement.tested) as relay:
         load = _LoadGenerator(placement.others)
         try:
             direct_url = f"http://127.0.0.1:{up_port}/v1/chat/completions"
             gateway_url = f"http://127.0.0.1:{gw_port}/v1/chat/completions"
+            relay_url = f"http://127.0.0.1:{relay_port}/v1/chat/completions"
             for concurrency, n in num_requests.items():
-                level = _measure(load, gateway.pid, upstream.pid, direct_url, gateway_url, concurrency, n, rounds)
+                level = _measure(load, gateway.pid, upstream.pid, relay.pid, direct_url, gateway_url, relay_url,
+                                 concurrency, n, rounds)
                 rows += _rows(level, concurrency)
                 metrics.update(_metrics(level, concurrency))
         finally:
@@ -191,6 +211,12 @@ def _rows(level: _Level, concurrency: int) -> list[tuple[str, str, str, str]]:
                      f"{level.gateway_cpu_s * 1e3 / len(level.through):.3f}", "", ""))
         rows.append((f"CPU busy during its loads @ {concurrency} streams", f"gateway {level.gateway_busy_s / wall:.0%}",
                      f"load gen + upstream {level.others_busy_s / wall:.0%}", ""))
+    for q in (50, 99):
+        d, r = _pct(level.direct, q) * 1e3, _pct(level.relay, q) * 1e3
+        rows.append((f"bare relay: p{q} latency ms @ {concurrency} streams", f"{r:.2f}", f"{d:.2f}", f"{r - d:+.2f} ms"))
+    if level.relay_cpu_s:
+        rows.append((f"bare relay: CPU ms/request @ {concurrency} streams",
+                     f"{level.relay_cpu_s * 1e3 / len(level.relay):.3f}", "", ""))
     return rows
 
 
@@ -202,4 +228,9 @@ def _metrics(level: _Level, concurrency: int) -> dict[str, float]:
         metrics["gateway_rps"] = len(level.through) / level.through_wall_s
     if level.gateway_cpu_s:
         metrics[f"gateway_cpu_ms_per_request{suffix}"] = level.gateway_cpu_s * 1e3 / len(level.through)
+    metrics[f"relay_overhead_p50_ms{suffix}"] = (_pct(level.relay, 50) - _pct(level.direct, 50)) * 1e3
+    if concurrency == 64:
+        metrics["relay_overhead_p99_ms"] = (_pct(level.relay, 99) - _pct(level.direct, 99)) * 1e3
+    if level.relay_cpu_s:
+        metrics[f"relay_cpu_ms_per_request{suffix}"] = level.relay_cpu_s * 1e3 / len(level.relay)
     return metrics

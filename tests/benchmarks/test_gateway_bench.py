@@ -23,8 +23,10 @@ def test_gateway_bench_quick_writes_the_issue_metrics(tmp_path):
     metrics = data["metrics"]
     assert {"overhead_p50_ms", "overhead_p99_ms", "overhead_p50_ms_c1", "gateway_rps"} <= set(metrics)
     assert metrics["gateway_rps"] > 0
+    assert {"relay_overhead_p50_ms", "relay_overhead_p99_ms", "relay_overhead_p50_ms_c1"} <= set(metrics)
     if os.path.exists("/proc/self/stat"):
         assert metrics["gateway_cpu_ms_per_request"] > 0 and metrics["gateway_cpu_ms_per_request_c1"] > 0
+        assert metrics["relay_cpu_ms_per_request"] > 0 and metrics["relay_cpu_ms_per_request_c1"] > 0
     placement = data["config"]["cpu_placement"]
     assert not set(placement["gateway"]) & set(placement["load_generator_fake_upstream_driver"])
     assert data["config"]["gateway_workers"] == max(1, len(placement["gateway"]))  # one per CPU it has
