@@ -163,15 +163,19 @@ def gateway(
     """Run the OpenAI gateway alone, in front of already running engines."""
     import uvicorn
 
+    from kvrelay.gateway.collector import tune_for_serving
+
     _setup_logging(log_level)
     settings = _gateway_settings(upstream, database_url)
     typer.echo(f"kvrelay gateway: upstreams {', '.join(settings.upstreams)}; base_url=http://{host}:{port}/v1"
                + (f"; {workers} workers sharing inferred state" if workers > 1 else ""))
     if workers == 1:
-        uvicorn.run(_build_gateway_app(settings), host=host, port=port, log_level=log_level)
+        gateway_app = _build_gateway_app(settings)
+        tune_for_serving()
+        uvicorn.run(gateway_app, host=host, port=port, log_level=log_level)
         return
     _prepare_workers(settings)
-    uvicorn.run("kvrelay.gateway.app:create_app", factory=True, workers=workers, host=host, port=port,
+    uvicorn.run("kvrelay.gateway.app:create_served_app", factory=True, workers=workers, host=host, port=port,
                 log_level=log_level)
 
 
@@ -206,6 +210,8 @@ def up(
 
     import uvicorn
 
+    from kvrelay.gateway.collector import tune_for_serving
+
     _setup_logging(log_level)
     llm = _build_engine(settings)
     front, seal = sealed(_gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url))
@@ -226,6 +232,7 @@ def up(
         engine_server.should_exit = True
         await engine_task
 
+    tune_for_serving()
     asyncio.run(serve_both())
 
 

@@ -28,6 +28,7 @@ from kvrelay.gateway.admin import install_admin
 from kvrelay.gateway.ui import install_ui
 from kvrelay.gateway.auth import AccessControl, KeyStore, RateLimiter, TokenEstimator
 from kvrelay.gateway.call import GatewayState, ProxiedCall
+from kvrelay.gateway.collector import tune_for_serving
 from kvrelay.gateway.endpoints import ENDPOINTS, ResponseSessions
 from kvrelay.gateway.inference import Inference, RoundHold, StateStore
 from kvrelay.gateway.metrics import GatewayMetrics
@@ -167,6 +168,14 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
     async def metrics(state: State) -> Response:
         return PlainTextResponse(state.metrics.render())
 
+    return app
+
+
+def create_served_app() -> FastAPI:
+    """The app of a `kvrelay gateway --workers N` worker, a process that serves it alone:
+    settings from the environment, the collector set for serving (collector.py)."""
+    app = create_app()
+    tune_for_serving()
     return app
 
 
