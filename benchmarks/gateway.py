@@ -170,7 +170,13 @@ def _run_all(placement: Placement, workers: int, num_requests: dict[int, int],
              rounds: int) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
     """Start the fake upstream, the gateway and the load generator; measure each concurrency level."""
     up_port, gw_port, relay_port = free_port(), free_port(), free_port()
-    db = tempfile.mkdtemp(prefix="kvrelay-bench-")
+    with tempfile.TemporaryDirectory(prefix="kvrelay-bench-gateway-") as db:
+        return _run_in(placement, workers, num_requests, rounds, (up_port, gw_port, relay_port), db)
+
+
+def _run_in(placement: Placement, workers: int, num_requests: dict[int, int], rounds: int,
+            ports: tuple[int, int, int], db: str) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
+    up_port, gw_port, relay_port = ports
     gw_env = {"KVRELAY_UPSTREAMS": f'["http://127.0.0.1:{up_port}"]',
               "KVRELAY_DATABASE_URL": f"sqlite+aiosqlite:///{db}/records.db"}
     rows: list[tuple[str, str, str, str]] = []

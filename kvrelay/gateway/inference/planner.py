@@ -96,13 +96,17 @@ class Inference:
         opening = next((m.content for m in messages if m.content), None)
         agent = resolve_agent(app, ident.agent_id, system.content if system else None, model, self.new_learner,
                               None if system else opening)
-        ask = ask_of(messages) if self.agreed_session_ids else ""
-        session_id = (replay_in or ident.session_id or called
-                      or linked_session(app, found, agent.id, messages[-1].index if messages else 0)
-                      or new_session_id(self.agreed_session_ids, ident.app_id, ask, app.starts))
+        known = (replay_in or ident.session_id or called
+                 or linked_session(app, found, agent.id, messages[-1].index if messages else 0))
+        # With agreed ids, a session the gateway starts is filed under the prompt's ask
+        # (also when replayed: what the next run's id derives from); hashed only then.
+        starts_here = self.agreed_session_ids and ident.session_id is None and \
+            (known is None or (existing := app.sessions.get(known)) is None or not existing.num_requests)
+        ask = ask_of(messages) if starts_here else ""
+        session_id = known or new_session_id(self.agreed_session_ids, ident.app_id, ask, app.starts)
         session = app.session(session_id)
-        if self.agreed_session_ids and ident.session_id is None and not session.num_requests:
-            app.starts.started(ask, session_id)  # also when replayed: what the next run's id derives from
+        if starts_here:
+            app.starts.started(ask, session_id)
         if ident.session_id is None and (joined := sessions_to_merge(app, found, session_id)):
             for other in joined:
                 app.merge(session, app.sessions[other])

@@ -37,3 +37,29 @@ def test_one_gateway_mints_random_ids_and_starts_are_bounded():
     for n in range(3):
         starts.started(f"ask-{n}", f"sess-{n}")
     assert starts.last("ask-0") is None and starts.last("ask-2") == "sess-2"
+
+
+def test_the_ask_is_hashed_only_when_a_session_starts(monkeypatch):
+    import kvrelay.gateway.inference.planner as planner
+    from kvrelay.gateway.adapters import AdapterRouter
+    from kvrelay.gateway.identity import Identity
+    from kvrelay.gateway.inference import Inference
+    from kvrelay.gateway.settings import GatewaySettings
+
+    hashed: list[int] = []
+    monkeypatch.setattr(planner, "ask_of", lambda messages: hashed.append(len(messages)) or ask_of(messages))
+    settings = GatewaySettings()
+    inference = Inference(settings.inference, AdapterRouter.from_settings(settings.adapters))
+    inference.agreed_session_ids = True
+    answer = "The mill should stay open through the winter, since the orders for spring are already booked."
+    first = inference.plan(Identity("app", None, None), {"messages": [
+        {"role": "system", "content": "You are the chair."}, {"role": "user", "content": "Should the mill close?"}]},
+        "req-1", "m")
+    inference.observe_response("app", first.session_id, first.agent_id, "req-1", answer, ())
+    assert hashed == [2]  # a session started: its id derives from the ask
+    quoting = inference.plan(Identity("app", None, None), {"messages": [
+        {"role": "system", "content": "You are the critic."},
+        {"role": "user", "content": f"The chair said: {answer} Do you agree?"}]}, "req-2", "m")
+    assert quoting.session_id == first.session_id and hashed == [2]  # linked to it: nothing to hash
+    inference.plan(Identity("app", "given", None), {"messages": [{"role": "user", "content": "Hi"}]}, "req-3", "m")
+    assert hashed == [2]  # the client named the session
