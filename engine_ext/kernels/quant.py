@@ -25,8 +25,9 @@ BLOCK = 32
 
 class QuantWeight(ABC):
     """One (N, K) weight in blocks of 32 along K. Contract: `linear(x)` equals
-    `x @ dequantize().T` up to the order of its sums, and a row's result does not depend
-    on the rows beside it (bitwise)."""
+    `x @ dequantize().T` up to fp32 rounding of its sums (their order, and on AVX2 a
+    block's scale and minimum applied to its sums), and a row's result does not depend on
+    the rows beside it (bitwise)."""
 
     @classmethod
     @abstractmethod

@@ -148,6 +148,20 @@ def test_requantized_weights_and_constant_blocks_multiply_as_dequantized(isa: st
     assert torch.equal(y, quant.linear(x_t.contiguous(), 2))
 
 
+def test_q4_1_blocks_whose_minimum_cancels_their_codes_stay_within_rounding(isa: str) -> None:
+    """The AVX2 kernel applies a block's minimum to the sum of x (d*sum(q*x) + m*sum(x)):
+    the two terms cancel when the weights sit near zero (m = -7.5 d, codes 7 and 8, so
+    |w| = d/2) and x has a large mean. The error must stay at fp32 rounding of the sums."""
+    gen = _gen(11)
+    n, k = 48, 1536
+    codes = torch.randint(7, 9, (n, k // BLOCK, BLOCK), generator=gen, dtype=torch.uint8)
+    d = (torch.rand(n, k // BLOCK, generator=gen) + 0.5) * 0.01
+    quant = Q4_1((codes[..., :16] | (codes[..., 16:] << 4)).contiguous(), d, -7.5 * d)
+    x = 4.0 + 0.1 * torch.randn(9, k, generator=_gen(12))
+    for rows in (1, 9):
+        _assert_product(quant, x[:rows], quant.linear(x[:rows], 2))
+
+
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
 def test_a_row_s_result_is_bitwise_the_same_alone_in_any_batch_and_on_any_threads(isa: str, fmt: str) -> None:
     quant = random_q4_1(72, 96, seed=7) if fmt == "q4_1" else random_q8_0(72, 96, seed=7)
