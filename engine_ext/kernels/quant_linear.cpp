@@ -129,7 +129,7 @@ inline float reduce(__m256 v) {
 // the minimums' term), whatever the number of rows or threads.
 constexpr bool kBlockSums = true;
 
-// The 32-bit lane l of pshufb(broadcast block bytes, kSpread[h]) holds byte 8h + l (zero
+// The 32-bit lane l of pshufb(broadcast block bytes, spread(h)) holds byte 8h + l (zero
 // above it): its low nibble is element 8h + l, its high nibble element 16 + 8h + l.
 inline __m256i spread(int h) {
   const int b = 8 * h;
