@@ -32,7 +32,8 @@ from kvrelay.gateway.metrics import GatewayMetrics
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.endpoints import Endpoint, ResponseSessions
 from kvrelay.gateway.event_stream import EventStreamResponse
-from kvrelay.gateway.sse import EventReader, EventTooLargeError, inspect, is_done
+from kvrelay.gateway.sse import EventReader, EventTooLargeError, is_done
+from kvrelay.gateway.sse_deltas import DeltaReader
 from kvrelay.gateway.storage.writer import RecordWriter, RequestRecord, sha256_text
 from kvrelay.gateway.tracing import describe_plan, describe_request, end_call_span, start_call_span, trace_headers
 from kvrelay.gateway.replicas import Replicas
@@ -321,7 +322,7 @@ class ProxiedCall:
 
     async def _relay(self, dispatch: Dispatch, stack: AsyncExitStack) -> AsyncIterator[bytes]:
         """Forward SSE events as they arrive; note TTFT and usage on the way."""
-        reader = EventReader()
+        reader, deltas = EventReader(), DeltaReader()
         deadline = self.received + self.state.settings.timeouts.total_s
         delivered = False  # the client has [DONE]: a hang-up after it ends nothing it asked for
         try:
@@ -332,7 +333,7 @@ class ProxiedCall:
                     raise UpstreamFailedError(str(exc)) from exc
                 forward, terminal = [], False  # the events of one read go out in one write
                 for event in events:
-                    info = inspect(event)
+                    info = deltas.inspect(event)
                     if info.has_content and self.record.first_token_at is None:
                         self._mark_first_token()
                         dispatch.occupancy.prefilled()
