@@ -29,6 +29,7 @@ while it plans does not change the matches it is reading.
 
 from __future__ import annotations
 
+import operator
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator
 from itertools import chain
@@ -113,10 +114,18 @@ class _Powers:
 _POWERS = _Powers()
 
 
-def _anchor_hash(codes: np.ndarray) -> int:
-    _POWERS.ensure(len(codes))
-    with np.errstate(over="ignore"):
-        return int(np.sum(codes * _POWERS.pow[: len(codes)], dtype=np.uint64))
+_MOD_MASK = 2**64 - 1
+_INT_POWERS = [1]  # B^i mod 2^64 as Python ints, grown on demand
+
+
+def anchor_hash(text: str) -> int:
+    """The hash of all of `text` (an anchor), equal to its window's in window_hashes. In
+    Python ints, not numpy: for one anchor, the ten numpy calls cost several times the 32
+    multiplications (ord() is the code point utf-32 gives)."""
+    while len(_INT_POWERS) < len(text):
+        _INT_POWERS.append(_INT_POWERS[-1] * int(_BASE) & _MOD_MASK)
+    total: int = sum(map(operator.mul, map(ord, text), _INT_POWERS))
+    return total & _MOD_MASK
 
 
 def window_hashes(text: str, k: int) -> np.ndarray:
@@ -163,7 +172,7 @@ class TextIndex(Generic[Ref]):
             if len(form) < self.anchor_chars:
                 self._hold(self._whole.setdefault(form, {}), ref)
                 continue
-            anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
+            anchor = anchor_hash(form[: self.anchor_chars])
             self._hold(self._by_anchor.setdefault(anchor, {}).setdefault(form, {}), ref)
             if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
                 self._filter_stale = True  # grow the filter
@@ -184,7 +193,7 @@ class TextIndex(Generic[Ref]):
             if len(form) < self.anchor_chars:
                 _discard(self._whole, form, self._group(ref), ref)
                 continue
-            anchor = _anchor_hash(_codes(form[: self.anchor_chars]))
+            anchor = anchor_hash(form[: self.anchor_chars])
             texts = self._by_anchor.get(anchor)
             if texts is None:
                 continue  # its holders were dropped for newer ones, and the others removed

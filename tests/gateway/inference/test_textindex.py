@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import random
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 
-from kvrelay.gateway.inference.textindex import Match, TextIndex
+from kvrelay.gateway.inference.textindex import Match, TextIndex, anchor_hash, window_hashes
 
 TEXT_A = "The quarterly report shows revenue up 12 percent."
 TEXT_B = "Tool result: 42 rows returned from the orders table."
@@ -277,3 +279,10 @@ def test_a_match_keeps_the_holders_it_was_found_with():
     idx.remove(("s0", 0))
     assert tuple(match.refs) == (("s0", 0),) and match.refs.of("s1") == ()
     assert tuple(idx.find(TEXT_A)[0].refs) == (("s0", 1), ("s1", 0))
+
+
+@hypothesis.given(text=st.text(min_size=1, max_size=300) | st.sampled_from(["\ud800abc", "\U0001F600" * 40, "a" * 4096]))
+@hypothesis.settings(max_examples=300, deadline=None, database=None)
+def test_anchor_hash_is_the_window_hash_of_the_whole_text(text):
+    """The index files a text under anchor_hash and finds it with window_hashes: the two must agree."""
+    assert anchor_hash(text) == int(window_hashes(text, len(text))[0])

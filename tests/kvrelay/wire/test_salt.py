@@ -3,6 +3,9 @@ derives per tenant namespace."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 import pytest
 
 from kvrelay.wire.salt import MAX_SALT_CHARS, TenantSalts, check_salt, salted_tenant
@@ -41,3 +44,11 @@ def test_the_gateway_s_salt_is_per_namespace_keyed_and_valid():
     assert salts.salt("app:a", "user-1") not in (a, salts.salt("app:a", "user-2"), "user-1")
     for salt in (a, salts.salt("app:a", "x" * MAX_SALT_CHARS), TenantSalts(None).salt("group:1")):
         assert check_salt(salt) == salt
+
+
+def test_the_salt_is_hmac_sha256_of_the_namespace_and_client_salt():
+    """Its value is a contract: engines keep a tenant's cached KV across gateway upgrades
+    and replicas only while every gateway derives the same salt."""
+    key = b"cache_salt\0" + SECRET.encode()
+    assert TenantSalts(SECRET).salt("app:x", "mine") == hmac.new(key, b"app:x\0mine", hashlib.sha256).hexdigest()
+    assert TenantSalts(SECRET).salt("app:x") == hmac.new(key, b"app:x\0", hashlib.sha256).hexdigest()
