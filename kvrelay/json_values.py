@@ -15,6 +15,7 @@ Shared by the gateway and the engine; torch-free.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, NamedTuple
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -74,6 +75,24 @@ def first_misfit(value: Any, root: str = "") -> Misfit | None:
             link = _Link(parent, label)
             stack.extend((child, link, f"[{i}]") for i, child in reversed(list(enumerate(item))))
     return None
+
+
+# What a raw ASCII body needs to hold a misfit: a surrogate's escape, NaN or Infinity, an
+# exponent (how a short float literal overflows) or 19 digits in a row (an int past int64,
+# or a float literal long enough to overflow). Found inside a string, it only costs the
+# walk. A NUL is never in UTF-8 JSON; it is in UTF-16 and UTF-32, which json.loads also
+# reads and where these patterns are spelt otherwise.
+_MAYBE_MISFIT = re.compile(rb"NaN|Infinity|\\u[dD][89a-fA-F]|[0-9][eE]|[0-9]{19}|\x00")
+
+
+def body_misfit(raw: bytes, body: Any) -> Misfit | None:
+    """first_misfit(body) for `body = json.loads(raw)`, without walking the body when its
+    raw text cannot hold one (one C scan of the bytes; the walk is a Python loop over
+    every value, on every request). ASCII text makes every string ASCII but for its
+    escapes, so a lone surrogate needs a `\\uD800`-`\\uDFFF` escape."""
+    if raw.isascii() and _MAYBE_MISFIT.search(raw) is None:
+        return None
+    return first_misfit(body)
 
 
 class _Link(NamedTuple):

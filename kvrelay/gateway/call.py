@@ -48,7 +48,7 @@ from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_bre
 from kvrelay.gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
 from kvrelay.wire.errors import error_response
-from kvrelay.json_values import first_misfit
+from kvrelay.json_values import body_misfit
 
 logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
@@ -190,7 +190,7 @@ class ProxiedCall:
             raise BadRequestError("the request body is not valid JSON") from exc
         if not isinstance(body, dict):
             raise BadRequestError("the request body must be a JSON object")
-        if (misfit := first_misfit(body)) is not None:  # before anything hashes, logs or records it
+        if (misfit := body_misfit(raw, body)) is not None:  # before anything hashes, logs or records it
             raise BadRequestError(misfit.message, param=misfit.path)
         body = without_client_plan(body)  # the engine follows only the gateway's plans
         try:
@@ -395,7 +395,8 @@ class ProxiedCall:
         elapsed = time.perf_counter() - self.received
         self.record.ttft_ms = elapsed * 1e3
         self.record.first_token_at = self.started_at + timedelta(seconds=elapsed)
-        self.state.metrics.ttft.labels(self.state.metrics.model_label(self.record.model)).observe(elapsed)
+        metrics = self.state.metrics
+        metrics.child(metrics.ttft, metrics.model_label(self.record.model)).observe(elapsed)
 
     def _take_engine_reports(self, params: Any) -> None:
         """Keep the engine's TTFT breakdown (a JSON object under kvrelay_ttft) with the
@@ -417,7 +418,8 @@ class ProxiedCall:
             self.record.cached_tokens = _count(details.get("cached_tokens"))
 
     def _observe_upstream(self, dispatch: Dispatch) -> None:
-        self.state.metrics.upstream_latency.labels(dispatch.upstream.url).observe(time.perf_counter() - dispatch.sent_at)
+        metrics = self.state.metrics
+        metrics.child(metrics.upstream_latency, dispatch.upstream.url).observe(time.perf_counter() - dispatch.sent_at)
 
     def _finish(self) -> None:
         elapsed = time.perf_counter() - self.received
@@ -431,12 +433,12 @@ class ProxiedCall:
                 rec.completion_text = completion
         metrics = self.state.metrics
         metrics.in_flight.dec()
-        metrics.requests.labels(rec.status).inc()
-        metrics.latency.labels(metrics.model_label(rec.model), rec.status).observe(elapsed)
+        metrics.child(metrics.requests, rec.status).inc()
+        metrics.child(metrics.latency, metrics.model_label(rec.model), rec.status).observe(elapsed)
         for kind, value in (("prompt", rec.prompt_tokens), ("completion", rec.completion_tokens),
                             ("cached", rec.cached_tokens)):
             if isinstance(value, int):
-                metrics.tokens.labels(kind).inc(value)
+                metrics.child(metrics.tokens, kind).inc(value)
         self.state.access.settle(self._charge, rec.prompt_tokens, rec.completion_tokens)
         if rec.status == "ok" and self._app_id is not None and rec.session_id and self._response_id:
             self.state.responses.remember(self._app_id, self._response_id, rec.session_id)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections import Counter as Tally
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from kvrelay.gateway.storage.writer import RecordWriter
 
 OTHER_MODEL = "other"
+_M = TypeVar("_M", bound=MetricWrapperBase)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
@@ -42,6 +44,17 @@ class GatewayMetrics:
         self.requests = Counter("kvrelay_requests_total", "Requests by outcome", ["status"], registry=r)
         self.tokens = Counter("kvrelay_tokens_total", "Tokens by kind", ["kind"], registry=r)
         self.in_flight = Gauge("kvrelay_in_flight_requests", "Requests being proxied now", registry=r)
+        self._children: dict[tuple[int, tuple[str, ...]], MetricWrapperBase] = {}  # see child()
+
+    def child(self, metric: _M, *values: str) -> _M:
+        """`metric.labels(*values)`, kept after the first call: labels() checks, converts
+        and locks on every call, several times per request on the proxy path. The cache
+        is as bounded as the label values are (see above)."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return cast(_M, child)  # the child of a metric is of the metric's class
 
     def model_label(self, model: str | None) -> str:
         """`model` when an upstream serves it, else "other": a client's string never

@@ -6,6 +6,8 @@ import re
 
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from kvrelay.gateway.metrics import GatewayMetrics
+
 from tests.gateway.support import wait_until
 
 CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}]}
@@ -126,3 +128,11 @@ def test_a_slow_health_check_takes_an_upstream_out_only_after_several(fake_upstr
     assert wait_until(lambda: not up.healthy, 5) and up.health_timeouts >= 3
     fake.behaviour.health_delay = 0.0
     assert wait_until(lambda: up.healthy, 3) and up.health_timeouts == 0
+
+
+def test_child_is_the_labelled_metric_kept():
+    metrics = GatewayMetrics()
+    child = metrics.child(metrics.requests, "ok")
+    assert child is metrics.requests.labels("ok") and metrics.child(metrics.requests, "ok") is child
+    assert metrics.child(metrics.latency, "m", "ok") is metrics.latency.labels("m", "ok")
+    assert metrics.child(metrics.requests, "timeout") is not child
