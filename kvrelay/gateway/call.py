@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
-import uuid
 from contextlib import AsyncExitStack
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ from kvrelay.gateway.routing.policies import Route
 from kvrelay.gateway.upstream_client import Dispatch, UpstreamClient
 from kvrelay.wire.salt import SALT_FIELD, TenantSalts, check_salt
 from kvrelay.wire.seal import PlanSeal
-from kvrelay.wire.plan import RoundInfo, Segment
+from kvrelay.wire.plan import RoundInfo, Segment, plan_text
 from kvrelay.wire.cache_report import BLOCKS_HEADER, read_prompt_blocks
 from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_breakdown
 from kvrelay.gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
@@ -54,6 +54,7 @@ logger = logging.getLogger(__name__)
 REUSE_HEADER = "x-kvrelay-reuse"
 REQUEST_ID_HEADER = "x-kvrelay-request-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
+_EMPTY_SHA256 = sha256_text("")
 _COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
 
 
@@ -86,9 +87,9 @@ class ProxiedCall:
         self.received = time.perf_counter()
         self.started_at = datetime.now(UTC)
         self.record = RequestRecord(
-            id=f"req-{uuid.uuid4().hex}", endpoint=endpoint.path, stream=False, started_at=self.started_at,
+            id=f"req-{os.urandom(16).hex()}", endpoint=endpoint.path, stream=False, started_at=self.started_at,
             finished_at=self.started_at, latency_ms=0.0, status="ok", http_status=200,
-            prompt_sha256=sha256_text(""), prompt_chars=0,
+            prompt_sha256=_EMPTY_SHA256, prompt_chars=0,
         )
         self.headers = RequestHeaders(request.headers.raw)
         self.strip_usage = False
@@ -222,7 +223,8 @@ class ProxiedCall:
             self.state.replicas.planned(ident, self.view, self.record.id, model, result.session_id)
         self._app_id, self._round = ident.app_id, result.plan.round
         self.record.session_id, self.record.agent_id = result.session_id, result.agent_id
-        self.record.plan = result.plan.model_dump_json()
+        values = result.plan.model_dump(mode="json")  # serialized once, for the record and the upstream
+        self.record.plan = plan_text(values)
         describe_plan(self.span, result.plan, result.session_inferred, result.agent_name)
         adapter = result.plan.adapter
         if adapter is not None and adapter.model != model:
@@ -233,17 +235,19 @@ class ProxiedCall:
             # No reuse: no segments, no round, no workflow; the plan still names the
             # tenant, whose prefix cache alone the request may read and fill.
             plan = plan.model_copy(update={"segments": [], "round": None, "workflow": None})
+            values = plan.model_dump(mode="json")
         else:
             approx, tenant = self.state.approximation, plan.tenant or ident.app_id
             method = approx.method_for(choice, tenant, ident.app_id, plan.agent_id, self.record.model or "")
             if method is not None:  # a sampled share is scored again by the engine (kvrelay/gateway/fidelity_guard.py)
                 plan = Approximation.apply(plan, method, approx.wants_probe(tenant, ident.app_id, method))
                 self._holds_round = plan.round is not None
-                self.record.plan = plan.model_dump_json()  # the record says which method ran
+                values = plan.model_dump(mode="json")
+                self.record.plan = plan_text(values)  # the record says which method ran
                 if plan.probe:
                     self._probe = (tenant, ident.app_id, method)
         self._segments = plan.segments
-        body = with_plan(body, plan, self.state.plan_seal)
+        body = with_plan(body, values, self.state.plan_seal)
         # The tenant's salt replaces the client's: engines share cached KV within it only.
         namespace = plan.tenant or self.state.inference.tenants.namespace(ident.app_id)
         body = {**body, SALT_FIELD: self.state.salts.salt(namespace, self._client_salt)}

@@ -29,8 +29,9 @@ def without_client_plan(body: dict[str, Any]) -> dict[str, Any]:
     return without_params(body, PRIVATE_KEYS)
 
 
-def with_plan(body: dict[str, Any], plan: SegmentPlan, seal: PlanSeal | None) -> dict[str, Any]:
-    """The upstream body with the gateway's plan, sealed when a secret is configured."""
+def with_plan(body: dict[str, Any], plan: SegmentPlan | dict[str, Any], seal: PlanSeal | None) -> dict[str, Any]:
+    """The upstream body with the gateway's plan (or its model_dump(mode="json")), sealed
+    when a secret is configured."""
     body = attach_plan(body, plan)
     if seal is not None:
         body["kv_transfer_params"][SEAL_KEY] = seal.seal(body["kv_transfer_params"][PLAN_KEY])

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.trace import (INVALID_SPAN_CONTEXT, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer,
+from opentelemetry.trace import (INVALID_SPAN, INVALID_SPAN_CONTEXT, NoOpTracer, Span, SpanKind, Status, StatusCode, Tracer,
                                  set_span_in_context)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -44,7 +44,11 @@ def tracer_from(provider: TracerProvider | None) -> Tracer:
 
 def start_call_span(tracer: Tracer, operation: str, client_headers: Mapping[str, str]) -> Span:
     """The call's span, a child of the client's trace when it sent a traceparent;
-    `operation`: the GenAI operation name of its route (Endpoint.operation)."""
+    `operation`: the GenAI operation name of its route (Endpoint.operation). Tracing off
+    (a NoOpTracer, the default): the span every NoOpTracer returns, without reading the
+    client's trace context first (its traceparent still goes upstream as it came)."""
+    if isinstance(tracer, NoOpTracer):
+        return INVALID_SPAN
     parent: Context = _PROPAGATOR.extract(client_headers)
     span = tracer.start_span(operation, context=parent, kind=SpanKind.CLIENT)
     if span.is_recording():

@@ -26,6 +26,8 @@ KV cache (ICaRus mode) without parsing model names.
 
 from __future__ import annotations
 
+import json
+
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -135,12 +137,23 @@ class SegmentPlan(_Frozen):
         return self
 
 
-def attach_plan(body: dict[str, Any], plan: SegmentPlan) -> dict[str, Any]:
-    """The body with the plan under kv_transfer_params, keeping the client's other entries."""
+def attach_plan(body: dict[str, Any], plan: SegmentPlan | dict[str, Any]) -> dict[str, Any]:
+    """The body with the plan under kv_transfer_params, keeping the client's other entries.
+    `plan`: the plan, or its model_dump(mode="json") when the caller has it already."""
     params = body.get("kv_transfer_params")
     params = dict(params) if isinstance(params, dict) else {}
-    params[PLAN_KEY] = plan.model_dump(mode="json")
+    params[PLAN_KEY] = plan if isinstance(plan, dict) else plan.model_dump(mode="json")
     return {**body, "kv_transfer_params": params}
+
+
+_PLAN_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def plan_text(values: dict[str, Any]) -> str:
+    """The JSON text of a plan from its model_dump(mode="json"): the same text as
+    model_dump_json (compact, UTF-8 unescaped; a plan holds no float), without building it
+    from the model a second time when the values are at hand."""
+    return _PLAN_JSON.encode(values)
 
 
 def read_plan(body: dict[str, Any]) -> SegmentPlan | None:

@@ -12,6 +12,8 @@ from kvrelay.gateway.settings import LimitSettings
 from kvrelay.gateway.sse import finish_reasons_of, tool_call_ids
 
 
+_PROMPT_JSON = json.JSONEncoder(sort_keys=True, ensure_ascii=False)  # json.dumps(...) builds one per call
+
 class ChatCompletions(Endpoint):
     path = "/v1/chat/completions"
     operation = "chat"
@@ -21,7 +23,7 @@ class ChatCompletions(Endpoint):
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise BadRequestError("messages: a non-empty list of message objects is required", param="messages")
         check_messages(messages, limits)
-        return PromptView(body, json.dumps(messages, sort_keys=True, ensure_ascii=False))
+        return PromptView(body, _PROMPT_JSON.encode(messages))
 
     def answer(self, parsed: dict[str, Any]) -> AnswerFacts:
         return _choices_answer(parsed)

@@ -7,7 +7,9 @@ import copy
 import hashlib
 import json
 
+import hypothesis
 import pytest
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvrelay.wire.plan import (
@@ -19,6 +21,7 @@ from kvrelay.wire.plan import (
     SegmentPlan,
     WorkflowInfo,
     attach_plan,
+    plan_text,
     read_plan,
 )
 
@@ -219,3 +222,17 @@ def test_models_are_frozen():
     p = plan()
     with pytest.raises(ValidationError):
         p.session_id = "other"  # type: ignore[misc]
+
+
+@hypothesis.given(ids=st.lists(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=6), min_size=4,
+                               max_size=4), with_segment=st.booleans())
+@hypothesis.settings(max_examples=300, deadline=None, database=None)
+def test_plan_text_is_model_dump_json(ids, with_segment):
+    """The record keeps plan_text(values): it must be the text model_dump_json gives."""
+    session, agent, name, step = ids
+    segments = [Segment(message_index=0, char_start=0, char_end=3, kind="placeholder", name=name or "n", content_hash=HASH,
+                        source_request=agent)] if with_segment else []
+    p = SegmentPlan(session_id=session, agent_id=agent, request_id="r\u2028\x7f\x01\"\\", segments=segments,
+                    workflow=WorkflowInfo(steps_to_execution={step: 1}, next=[step]), app_id=name or None,
+                    tenant=session or None, round=RoundInfo(id=agent, size=2, index=1))
+    assert plan_text(p.model_dump(mode="json")) == p.model_dump_json()
