@@ -55,7 +55,7 @@ class LoadGenerator:
             while remaining > 0:
                 remaining -= 1
                 start = time.perf_counter()
-                async with client.post(url, data=_BODY_BYTES, headers=_JSON) as response:
+                async with await _post(client, url) as response:
                     if response.status != 200:
                         raise RuntimeError(f"{url} answered {response.status}")
                     async for _ in response.content.iter_any():
@@ -76,6 +76,18 @@ class LoadGenerator:
     async def close(self) -> None:
         for session in self._sessions.values():
             await session.close()
+
+
+async def _post(client: aiohttp.ClientSession, url: str) -> aiohttp.ClientResponse:
+    """The request, sent again once if the kept-alive connection it went out on turned out
+    closed: a server closes a connection idle past its keep-alive timeout (uvicorn: 5 s),
+    and on a slow machine a path's connections idle that long while the other paths'
+    rounds run. Any HTTP client retries this (the OpenAI SDK does); the retry's time
+    counts in the request's latency."""
+    try:
+        return await client.post(url, data=_BODY_BYTES, headers=_JSON)
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+        return await client.post(url, data=_BODY_BYTES, headers=_JSON)
 
 
 async def serve() -> None:
