@@ -9,16 +9,22 @@ bytes before the text's string literal, and after it) from an event that it pars
 found plain: a text, and nothing else the gateway looks at. A later event made of that
 skeleton around one JSON string is read by decoding that string alone.
 
-Why that is exact: the two events differ only in one string token, at the same offset.
-A JSON parser reads the identical head alike, then a string either way, then the
-identical tail alike; so the later event parses to the learned one with its text
-replaced, and inspect() would say of it what it said of the learned one, with that
-text. The token is the delta's content, not some other string, because the skeleton has
-no backslash (every key in it is spelled out, none escaped) and `"content":` once, the
-delta's; and no NUL (the JSON is UTF-8, as the token is decoded, not UTF-16 or 32).
-Anything else (another shape, a finish reason, usage, a second choice, a Responses
-event) goes to inspect(), and tests/gateway/test_sse_deltas.py checks the two agree on
-generated streams.
+Why that is exact. The learned event is one `data:` line (no other line, no CR), so
+inspect() reads its JSON whole, and a later event made of the same head and tail around
+one strict JSON string is one line too (such a string holds no raw control character).
+The span between head and tail is a value token of the learned JSON: the string after
+its first `"content":` key (a key, since that byte sequence cannot sit inside a string).
+A JSON parser reads the identical head alike, then a string token either way, then the
+identical tail alike: the two events parse to the same tree but for the value in that
+one place. Whether that place is the delta's content (and not another object's
+"content", the first of two duplicate keys, or a key spelt `"content" :`) is checked,
+not assumed: the learned event is parsed again with another string in the span, and
+must give that string as its text. The other fields inspect() reads are the same in
+every such event, and the learned one has none set (no tool call, reasoning, finish
+reason, usage, error or engine report). No NUL in head or tail: the JSON is UTF-8, as
+the token is decoded, not UTF-16 or 32. Anything else goes to inspect(), and
+tests/gateway/test_sse_deltas.py checks the two agree on generated streams and on
+events built to mislead.
 """
 
 from __future__ import annotations
@@ -58,16 +64,20 @@ class DeltaReader:
 
     def _learn(self, event: bytes) -> None:
         """Keep the event's skeleton if the event is a plain delta that fits the proof above."""
+        if not event.startswith(b"data:") or event.find(b"\n") != len(event) - 2 or b"\r" in event:
+            return  # not one data line
         span = _string_after_key(event)
         if span is None:
             return
         head, tail = event[: span[0]], event[span[1]:]
-        if b"\\" in head or b"\\" in tail or b"\x00" in head or b"\x00" in tail or _KEY in tail \
-                or head.count(_KEY) != 1:
+        if b"\x00" in head or b"\x00" in tail:
             return
         text = _plain_text(event)
         if text is None or _decoded(event[span[0]:span[1]]) != text:
             return
+        other = "a" if text != "a" else "b"
+        if _plain_text(head + b'"' + other.encode() + b'"' + tail) != other:
+            return  # the span is some other string: the delta's text does not follow it
         self._skeleton = _Skeleton(head, tail)
         self._learned += 1
 

@@ -67,10 +67,35 @@ def test_skeletons_that_would_mislead_are_not_learned():
         # the literal key belongs to a key that ends in an escaped quote
         b'data: {"q\\"content":"a","choices":[{"delta":{"content":"a"}}]}\n\n',
         "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\n".encode("utf-16-le"),
+        # the delta's key spelt with a space before the colon; the literal one is another object's
+        b'data: {"x":{"content":"a"},"choices":[{"delta":{"content" :"a"}}]}\n\n',
+        # the first of two duplicate keys (the parser keeps the last), the last spelt with a space
+        b'data: {"choices":[{"delta":{"content":"a","content" :"a"}}]}\n\n',
+        # the string after "content": on a line of its own, and in a comment line
+        b'data: {"choices":[{"delta":{"content":\n"a"\ndata: "a"}}]}\n\n',
+        b': "content":"a"\ndata: {"choices":[{"delta":{"content" :"a"}}]}\n\n',
+        # the delta's key split across two data lines, which inspect() joins
+        b'data: {"x":{"content":"a"},"choices":[{"delta":{"cont\ndata:ent":"a"}}]}\n\n',
     ]:
         reader = DeltaReader()
         reader.inspect(event)
         assert reader._skeleton is None, event
+
+
+def test_misleading_skeletons_disagree_with_nothing():
+    """Each event of a pair above, then the same with the span's string changed: the reader
+    says what inspect() says of both (what a skeleton learned from the first would get wrong)."""
+    learned = b'data: {"x":{"content":"a"},"choices":[{"delta":{"content" :"a"}}]}\n\n'
+    probe = learned.replace(b'{"content":"a"}', b'{"content":"b"}')
+    assert read_all([learned, probe]) == [inspect(learned), inspect(probe)]
+
+
+def test_the_last_of_duplicate_keys_is_learned_and_read_right():
+    event = b'data: {"choices":[{"delta":{"content" :"z","content":"a"}}]}\n\n'
+    reader = DeltaReader()
+    assert reader.inspect(event) == inspect(event) and reader._skeleton is not None
+    later = event.replace(b'"a"}', b'"b"}')
+    assert reader.inspect(later) == inspect(later) and inspect(later).text == "b"
 
 
 def test_learning_stops_after_max_learned():
@@ -90,7 +115,10 @@ deltas = st.fixed_dictionaries({"content": texts}, optional={
 events = st.builds(lambda d, f, c, e, a: chunk(d, f, c, **e).replace(b"data: ", b"data:" if a else b"data: "),
                    deltas, st.none() | st.just("stop"), st.booleans(), extras, st.booleans())
 mutations = st.sampled_from([lambda e: e, lambda e: e.replace(b"\n\n", b"\r\n\r\n"), lambda e: e[:-3] + b"\n\n",
-                             lambda e: b"event: x\n" + e, lambda e: e.replace(b'"content":', b'"content": ')])
+                             lambda e: b"event: x\n" + e, lambda e: e.replace(b'"content":', b'"content": '),
+                             lambda e: e.replace(b'"content":', b'"content" :'),
+                             lambda e: e.replace(b'"content":', b'"content":\ndata: '),
+                             lambda e: e.replace(b'"model":', b'"content":"x","model":')])
 
 
 @hypothesis.given(stream=st.lists(st.tuples(events, mutations), max_size=12))
