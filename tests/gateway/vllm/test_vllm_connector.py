@@ -15,8 +15,12 @@ import httpx
 import openai
 import pytest
 
+from kvrelay.gateway.settings import Timeouts
 from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
 from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
+
+# vLLM on CPU, on a loaded 2-core machine, can take longer than the fixture's 5 s to its first byte.
+VLLM_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=60.0, idle_s=60.0, total_s=120.0)
 
 # About 430 tokens with the chat template: 3 whole vLLM blocks inside the system prompt.
 SYSTEM = "You are the archivist of a merchant guild. File each ledger under its year and trade. " * 22
@@ -129,7 +133,7 @@ def test_a_damaged_block_file_is_recomputed_not_trusted(client, replica):
 
 
 def test_the_gateway_s_plans_drive_the_connector(vllm_replicas, start_gateway):
-    gw = start_gateway([r.url for r in vllm_replicas])
+    gw = start_gateway([r.url for r in vllm_replicas], timeouts=VLLM_TIMEOUTS)
     system = SYSTEM.replace("archivist", "auditor")
     headers = {"x-kvrelay-session-id": "audit"}
     before = {r.url: _block_files(r.host_dir) for r in vllm_replicas}
@@ -172,7 +176,7 @@ def test_the_agent_due_next_keeps_its_prefix_in_vllm_s_own_cache(client, replica
 def test_tenants_share_no_cached_kv_on_vllm_and_the_tiers_serve_salted_requests(replica, start_gateway):
     """The gateway salts each tenant's requests: on one replica, tenant B gets nothing of
     A's prompt from vLLM's own cache, and the connector still keeps and loads A's prefix."""
-    gw = start_gateway([replica.url])  # one replica: both tenants' requests meet on it
+    gw = start_gateway([replica.url], timeouts=VLLM_TIMEOUTS)  # one replica: both tenants' requests meet on it
     system = SYSTEM.replace("archivist", "notary")
 
     def ask(app: str, question: str):
