@@ -16,7 +16,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvrelay-installed
 AGENTS_VENV  ?= .venv-agents
 AGENTS_STAMP := $(AGENTS_VENV)/.kvrelay-installed
 
-.PHONY: install run test test-vllm vllm-venv agents-venv agents-capture agents-capture-long ui-assets bench clean
+.PHONY: install run test test-slow test-all test-vllm vllm-venv agents-venv agents-capture agents-capture-long ui-assets bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -35,10 +35,20 @@ install: $(STAMP)
 run: install
 	$(BIN)/kvrelay up --host $(HOST) --port $(PORT)
 
+# `make test` (what CI runs): lint, types, and every test not marked slow. The slow tier
+# (benchmarks' quick runs, real vLLM replicas, the real model's sweeps, outages that wait)
+# is `make test-slow`; `make test-all` runs both. A -m in PYTEST_ARGS overrides the tier.
+TEST_MARKERS ?= not slow
 test: install
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	scripts/with-postgres.sh $(BIN)/python -m pytest $(PYTEST_ARGS) tests
+	scripts/with-postgres.sh $(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS) tests
+
+test-slow: install $(VLLM_STAMP)
+	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python scripts/with-postgres.sh $(BIN)/python -m pytest -m slow $(PYTEST_ARGS) tests
+
+test-all: install $(VLLM_STAMP)
+	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(MAKE) test TEST_MARKERS=
 
 $(VLLM_STAMP):
 	$(PYTHON) -m venv $(VLLM_VENV)

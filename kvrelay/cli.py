@@ -35,17 +35,25 @@ def _fail(message: str) -> typer.Exit:
 
 
 def _build_engine(settings: EngineSettings) -> LLMEngine:
-    """The engine the settings describe; a model or setting it cannot serve fails the command."""
-    try:
-        from engine_ext.async_engine import build_off_thread
-        from engine_ext.engine import LLMEngine
-        from engine_ext.errors import EngineError
-        from engine_ext.model_store import resolve_model
-    except ModuleNotFoundError as exc:  # a gateway-only install
-        raise _fail(f"the embedded engine needs the `engine` extra (pip install 'kvrelay[engine]'): {exc}") from exc
+    """The engine the settings describe; a model or setting it cannot serve fails the command.
+
+    The settings and the model directory are checked before torch is imported (engine_ext's
+    config and model store are torch-free), so a bad option is refused in about a second,
+    not after the several seconds that loading the engine's stack takes."""
+    from engine_ext.errors import EngineError
+    from engine_ext.model_store import resolve_model
+
     try:
         config = settings.engine_config()
         model_dir = resolve_model(settings.model)
+    except (EngineError, ValueError) as exc:
+        raise _fail(str(exc).replace("\n", "; ")) from exc
+    try:
+        from engine_ext.async_engine import build_off_thread
+        from engine_ext.engine import LLMEngine
+    except ModuleNotFoundError as exc:  # a gateway-only install
+        raise _fail(f"the embedded engine needs the `engine` extra (pip install 'kvrelay[engine]'): {exc}") from exc
+    try:
         # Served, the engine is stepped on its own thread (AsyncEngine): see build_off_thread.
         return build_off_thread(lambda: LLMEngine(model_dir, config, settings.served_model_name or model_dir.name))
     except (EngineError, ValueError) as exc:
@@ -213,8 +221,9 @@ def up(
     from kvrelay.gateway.collector import tune_for_serving
 
     _setup_logging(log_level)
-    llm = _build_engine(settings)
+    # The gateway's settings first: a refusal should not wait for the model to load.
     front, seal = sealed(_gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url))
+    llm = _build_engine(settings)
     gateway_app = _build_gateway_app(front)
     engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, settings.generic_tool_auto),
                                                   host="127.0.0.1", port=engine_port, log_level=log_level))
@@ -412,6 +421,8 @@ def train(
 ) -> None:
     """Fine-tune a LoRA adapter on CPU with the base frozen; writes it in PEFT's format,
     marked with the training mode (only icarus-trained adapters are served in icarus mode)."""
+    if mode not in ("icarus", "lora"):  # refused before the training stack (torch) loads
+        raise _fail(f"unknown training mode {mode!r} (icarus | lora)")
     from engine_ext.adapters.dataset import read_examples
     from engine_ext.adapters.training import train as fit
     from engine_ext.config import ModelConfig
@@ -420,8 +431,6 @@ def train(
     from engine_ext.model_store import resolve_model
     from engine_ext.tokenizer import Tokenizer
 
-    if mode not in ("icarus", "lora"):
-        raise _fail(f"unknown training mode {mode!r} (icarus | lora)")
     try:
         model_dir = resolve_model(model)
         cfg = ModelConfig.from_dir(model_dir)

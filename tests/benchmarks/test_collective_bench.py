@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 import benchmarks.collective as bench_collective
 from benchmarks import run_benchmark
 
 
+@pytest.mark.slow
 def test_collective_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_collective, "QUICK", bench_collective.Sizes(
         agent_counts=(3,), history_tokens=24, output_tokens=24, repeats=1, fidelity_agents=2, num_fidelity_tokens=3,

@@ -26,6 +26,7 @@ def small(monkeypatch):
     monkeypatch.setattr(bench_engine, "read_bandwidth", lambda: 20e9)  # a 1 GiB sum is the bench's, not the test's
 
 
+@pytest.mark.slow
 def test_engine_bench_writes_the_issue_metrics(llama_dir, tmp_path, monkeypatch, capsys, small):
     monkeypatch.setattr(engine_vllm, "find_vllm_python", lambda: None)
     out = tmp_path / "engine.json"
@@ -52,6 +53,7 @@ def test_engine_bench_writes_the_issue_metrics(llama_dir, tmp_path, monkeypatch,
     assert "prefill tok/s @ 96" in printed and "prefix_hit_ttft_ratio" in printed and "skipped" in printed
 
 
+@pytest.mark.slow
 def test_the_vllm_speedups_are_kvrelay_s_over_vllm_s(llama_dir, monkeypatch, small):
     seen = {}
 

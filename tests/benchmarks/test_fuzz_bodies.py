@@ -28,6 +28,7 @@ def cases():
     return draw_cases(NUM_CASES, seed=0)
 
 
+@pytest.mark.slow
 def test_the_same_seed_draws_the_same_cases_and_another_seed_others(cases):
     assert draw_cases(100, seed=0) == cases[:100]
     others = draw_cases(100, seed=1)

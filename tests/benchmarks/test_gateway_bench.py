@@ -12,6 +12,7 @@ from benchmarks import run_benchmark
 from benchmarks.cpu import cpu_seconds, split_cpus, tree_cpu_seconds
 
 
+@pytest.mark.slow
 def test_gateway_bench_quick_writes_the_issue_metrics(tmp_path):
     out = tmp_path / "gateway.json"
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import run_benchmark
 
 
+@pytest.mark.slow
 def test_inference_bench_quick_writes_the_issue_metrics(tmp_path):
     out = tmp_path / "inference.json"
     result = run_benchmark("inference", quick=True, json_path=out, model=None)

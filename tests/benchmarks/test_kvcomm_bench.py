@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 import benchmarks.kvcomm as bench_kvcomm
 from benchmarks import run_benchmark
 
 
+@pytest.mark.slow
 def test_kvcomm_bench_reports_every_metric(llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_kvcomm, "QUICK", bench_kvcomm.Sizes(
         num_agents=3, num_questions=4, role_tokens=20, question_tokens=40, answer_tokens=24, num_fidelity_tokens=3))

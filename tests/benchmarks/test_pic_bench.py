@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 import benchmarks.pic as bench_pic
 from benchmarks import run_benchmark
 
 
+@pytest.mark.slow
 def test_pic_bench_reports_ttft_and_fidelity_for_every_method(llama_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(bench_pic, "QUICK", bench_pic.Sizes(doc_lens=(24,), ttft_repeats=1, num_questions=1,
                                                             num_fidelity_tokens=4))

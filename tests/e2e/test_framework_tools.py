@@ -31,7 +31,6 @@ from sqlalchemy.orm import Session
 from kvrelay.gateway.storage.models import RequestRow, SegmentRow
 from tests.gateway.support import free_port, read_rows, wait_until
 
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 APPS = Path(__file__).resolve().parent / "apps"

@@ -80,7 +80,6 @@ def upstream() -> Iterator[str]:
         _stop(proc)
 
 
-@pytest.mark.slow
 def test_the_gateway_serves_and_records_without_the_engine_stack(upstream: str, tmp_path: Path) -> None:
     port = _free_port()
     database = tmp_path / "gateway.sqlite"

@@ -15,7 +15,6 @@ import pytest
 from tests.gateway.support import Behaviour, FakeUpstream
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.slow
 
 
 KVRELAY = [sys.executable, "-c", "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', *sys.argv[1:]]; main()"]
@@ -25,6 +24,7 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("KVRELAY_", "OTEL_"))}
 
 
+@pytest.mark.slow
 def test_workers_on_one_port_plan_as_one_gateway(tmp_path):
     fake = FakeUpstream(Behaviour())
     with socket.socket() as sock:

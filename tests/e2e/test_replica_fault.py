@@ -14,12 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.gateway.support import Behaviour, FakeUpstream
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.slow
 
 
 def _port() -> int:

@@ -54,6 +54,7 @@ def _cached(reply: dict) -> int:
     return int(((reply.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
 
+@pytest.mark.slow
 def test_an_unsealed_plan_naming_another_tenant_gets_no_hit_on_its_cache(up: Up) -> None:
     first = _chat(up.gateway, headers={"X-Kvrelay-App": VICTIM})
     again = _chat(up.gateway, headers={"X-Kvrelay-App": VICTIM})

@@ -61,7 +61,6 @@ def test_failed_conversion_leaves_nothing_behind(monkeypatch, tmp_path):
     assert list(models.iterdir()) == []  # the staging directory was removed too
 
 
-@pytest.mark.slow
 def test_default_model_directory_is_complete(smollm2_dir):
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (smollm2_dir / name).is_file()

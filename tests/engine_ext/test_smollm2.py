@@ -11,7 +11,6 @@ from engine_ext.engine import LLMEngine
 from engine_ext.model_store import DEFAULT_MODEL_NAME
 from engine_ext.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -163,7 +163,6 @@ def test_encode_decode_roundtrip_and_specials(llama_dir):
     assert tok.token_id(None) is None
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_smollm2_template_matches_transformers(smollm2_dir, name, add_generation_prompt):
@@ -173,7 +172,6 @@ def test_smollm2_template_matches_transformers(smollm2_dir, name, add_generation
         assert ours.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
-@pytest.mark.slow
 def test_smollm2_encoding_matches_transformers(smollm2_dir):
     hf = hf_tokenizer(smollm2_dir)
     tok = Tokenizer(smollm2_dir)

@@ -24,6 +24,7 @@ def srv(smollm2_dir, run_server):
         yield server
 
 
+@pytest.mark.slow
 def test_a_session_s_ttft_per_request_per_round_and_in_total(srv, start_gateway):
     gw = start_gateway([srv.base_url], admin_key=ADMIN, timeouts=TOWN_TIMEOUTS)
     run_town_session(gw.v1)

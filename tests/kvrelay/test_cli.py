@@ -115,6 +115,7 @@ def test_bad_gateway_settings_name_the_field_but_never_echo_the_value(tmp_path):
         "kvrelay: error: invalid gateway settings: admin_key: Value error, admin_key must be at least 16 characters"]
 
 
+@pytest.mark.slow
 def test_train_writes_an_adapter_the_engine_serves(tiny_model_dir, tmp_path):
     model_dir = tiny_model_dir("llama")
     data = Path(__file__).resolve().parents[2] / "data" / "tiny_math.jsonl"

@@ -117,6 +117,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_the_cli_marks_what_it_trains_and_refuses_icarus_for_other_adapters(tiny_model_dir, tmp_path):
     """`kvrelay train lora` marks its adapter as a conventional LoRA; `kvrelay engine` and
     `kvrelay up` with --adapter-mode icarus refuse it, and a plain PEFT adapter, with one

@@ -322,6 +322,7 @@ def test_a_source_that_does_not_compile_is_a_one_line_build_error(
         load_library()
 
 
+@pytest.mark.slow
 def test_a_fresh_cache_builds_the_library_from_source_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """What `make install` does on a fresh machine: g++ builds the library into the cache,
     named by instruction set and source hash; a second build finds it and compiles nothing."""

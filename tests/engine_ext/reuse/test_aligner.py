@@ -307,7 +307,6 @@ def test_method_is_taken_from_the_plan_segment(aligner):
     assert [s.method for s in result.segments] == [None, "shift"]
 
 
-@pytest.mark.slow
 def test_smollm2_shared_text(smollm2_dir):
     tok = Tokenizer(smollm2_dir)
     aligner = PromptAligner(tok)

@@ -4,6 +4,8 @@ countless pieces is not sent; each cut is counted."""
 
 from __future__ import annotations
 
+import pytest
+
 from kvrelay.gateway.identity import identify
 from kvrelay.gateway.inference import Inference
 from kvrelay.gateway.settings import InferenceSettings
@@ -48,6 +50,7 @@ def test_a_plan_of_too_many_segments_is_not_sent():
     assert plan.segments == [] and inference.bounded["plans_cut"] == 1
 
 
+@pytest.mark.slow
 def test_a_hundred_thousand_distinct_sessions_stay_within_the_bound():
     inference = Inference(InferenceSettings(max_sessions=10_000))
     for i in range(100_000):

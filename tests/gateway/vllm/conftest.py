@@ -34,6 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(item.fspath).parents:
             item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.slow)  # a replica takes minutes to start on 2 cores
             if missing:
                 item.add_marker(skip)
 
