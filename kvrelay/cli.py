@@ -34,15 +34,21 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def _engine_extra_missing(exc: ModuleNotFoundError) -> typer.Exit:
+    return _fail(f"the embedded engine needs the `engine` extra (pip install 'kvrelay[engine]'): {exc}")
+
+
 def _build_engine(settings: EngineSettings) -> LLMEngine:
     """The engine the settings describe; a model or setting it cannot serve fails the command.
 
     The settings and the model directory are checked before torch is imported (engine_ext's
     config and model store are torch-free), so a bad option is refused in about a second,
     not after the several seconds that loading the engine's stack takes."""
-    from engine_ext.errors import EngineError
-    from engine_ext.model_store import resolve_model
-
+    try:
+        from engine_ext.errors import EngineError
+        from engine_ext.model_store import resolve_model
+    except ModuleNotFoundError as exc:  # a gateway-only install
+        raise _engine_extra_missing(exc) from exc
     try:
         config = settings.engine_config()
         model_dir = resolve_model(settings.model)
@@ -51,8 +57,8 @@ def _build_engine(settings: EngineSettings) -> LLMEngine:
     try:
         from engine_ext.async_engine import build_off_thread
         from engine_ext.engine import LLMEngine
-    except ModuleNotFoundError as exc:  # a gateway-only install
-        raise _fail(f"the embedded engine needs the `engine` extra (pip install 'kvrelay[engine]'): {exc}") from exc
+    except ModuleNotFoundError as exc:  # engine_ext without torch
+        raise _engine_extra_missing(exc) from exc
     try:
         # Served, the engine is stepped on its own thread (AsyncEngine): see build_off_thread.
         return build_off_thread(lambda: LLMEngine(model_dir, config, settings.served_model_name or model_dir.name))
