@@ -45,7 +45,7 @@ test: install
 	scripts/with-postgres.sh $(BIN)/python -m pytest -m "$(TEST_MARKERS)" $(PYTEST_ARGS) tests
 
 test-slow: install $(VLLM_STAMP)
-	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python scripts/with-postgres.sh $(BIN)/python -m pytest -m slow $(PYTEST_ARGS) tests
+	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(MAKE) test TEST_MARKERS=slow
 
 test-all: install $(VLLM_STAMP)
 	KVRELAY_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(MAKE) test TEST_MARKERS=

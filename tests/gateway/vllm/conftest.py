@@ -19,12 +19,16 @@ from pathlib import Path
 import pytest
 
 from engine_ext.vllm.server import VllmServer, find_vllm_python
+from kvrelay.gateway.settings import Timeouts
 from tests.gateway.support import free_port
 
 MODEL = "smollm2-135m"
 START_TIMEOUT_S = 300.0
 VLLM_BLOCK = 128  # vLLM's CPU block size: its prefix cache and the connector work in whole blocks
 NUM_VLLM_BLOCKS = 24
+# A gateway in front of vLLM on CPU: on a loaded 2-core machine its first byte can take longer
+# than the shared fixture's 5 s (FAST_TIMEOUTS), which would be a 504 that says nothing about vLLM.
+VLLM_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=60.0, idle_s=60.0, total_s=120.0)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,12 +15,8 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.gateway.settings import Timeouts
 from kvrelay.wire.plan import PLAN_KEY, Segment, SegmentPlan, WorkflowInfo
-from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
-
-# vLLM on CPU, on a loaded 2-core machine, can take longer than the fixture's 5 s to its first byte.
-VLLM_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=60.0, idle_s=60.0, total_s=120.0)
+from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK, VLLM_TIMEOUTS
 
 # About 430 tokens with the chat template: 3 whole vLLM blocks inside the system prompt.
 SYSTEM = "You are the archivist of a merchant guild. File each ledger under its year and trade. " * 22

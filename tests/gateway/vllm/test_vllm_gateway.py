@@ -12,13 +12,11 @@ import threading
 import openai
 import pytest
 
-from kvrelay.gateway.settings import Timeouts
-from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK
+from tests.gateway.vllm.conftest import MODEL, VLLM_BLOCK, VLLM_TIMEOUTS
 
 # ~430 tokens: vLLM's CPU backend caches whole 128-token blocks.
 SYSTEM = "You are a careful travel planner. Answer in one short sentence. " * 32
 CONCURRENT_TOKENS = 64
-VLLM_TIMEOUTS = Timeouts(connect_s=5.0, first_byte_s=60.0, idle_s=60.0, total_s=120.0)
 GEN = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
 
 

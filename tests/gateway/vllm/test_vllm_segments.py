@@ -101,7 +101,7 @@ def test_the_gateway_scores_its_blend_probes_on_vllm(replica, start_gateway):
     request, and since vLLM cannot score probes the gateway scores them itself on the
     replica's idle time. The replicas run blend at ratio 1, so the figures must be exact."""
     from kvrelay.gateway.approximation import ApproximationSettings, GuardSettings
-    from tests.gateway.vllm.test_vllm_gateway import VLLM_TIMEOUTS
+    from tests.gateway.vllm.conftest import VLLM_TIMEOUTS
 
     approximation = ApproximationSettings(rules=[{"method": "blend"}],
                                           guard=GuardSettings(sample_rate=1.0, poll_interval_s=0.2))
