@@ -2,7 +2,8 @@
 
 Run as `python -m benchmarks.bare_relay --port P --upstream URL [--workers N]`. The same
 server (uvicorn, with the loop and HTTP parser it picks for the gateway) and the same
-client (one aiohttp session, keep-alive) as the gateway, and nothing else: the body is
+client (kvrelay's HTTP/1.1 client of kvrelay/gateway/http1.py, keep-alive) as the gateway,
+and nothing else: the body is
 read and posted upstream as it came, the answer's chunks written back as they arrive. No
 parsing, planning, records, metrics or traces. What `kvrelay bench gateway` measures
 through it is what any Python gateway built on these libraries pays on this machine; the
@@ -16,8 +17,9 @@ import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-import aiohttp
 import uvicorn
+
+from kvrelay.gateway.http1 import HttpClient, Origin, request_head
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -31,8 +33,8 @@ class BareRelay:
     """ASGI: POSTs forwarded to the upstream, GET /health answered; nothing else."""
 
     def __init__(self, upstream: str) -> None:
-        self.upstream = upstream.rstrip("/")
-        self.http: aiohttp.ClientSession | None = None
+        self.origin = Origin.of(upstream)
+        self.http: HttpClient | None = None
 
     async def __call__(self, scope: Message, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -47,11 +49,11 @@ class BareRelay:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+                self.http = HttpClient(limit=4096, keepalive_s=15.0, connect_s=5.0)
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
                 if self.http is not None:
-                    await self.http.close()
+                    self.http.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -62,10 +64,14 @@ class BareRelay:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        async with self.http.post(self.upstream + scope["path"], data=body, headers=_JSON) as answer:
+        answer = await self.http.send(self.origin, request_head("POST", self.origin, scope["path"], _JSON, len(body)),
+                                      body)
+        try:
             await send({"type": "http.response.start", "status": answer.status, "headers": _SSE})
-            async for chunk in answer.content.iter_any():
+            while chunk := await answer.readany():
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        finally:
+            self.http.release(answer)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -40,7 +40,7 @@ from kvrelay.gateway.storage.journal import RecordJournal
 from kvrelay.gateway.storage.writer import RecordWriter
 from kvrelay.gateway.supervisor import SupervisedTask
 from kvrelay.gateway.tracing import build_tracer_provider, tracer_from
-from kvrelay.gateway.upstream_client import UpstreamClient, build_http_client
+from kvrelay.gateway.upstream_client import UpstreamClient, build_http_client, build_proxy_client
 from kvrelay.gateway.upstreams import UpstreamPool
 from kvrelay.gateway.proxy_routes import GatewayApp
 from kvrelay.gateway.replicas import Replicas
@@ -69,7 +69,8 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
         access = await build_access(settings, db)
         http = build_http_client(settings)
         pool = UpstreamPool(settings.upstreams, settings.breaker, settings.load_guard_factor, settings.routing)
-        upstreams = UpstreamClient(http, pool, settings)
+        proxy = build_proxy_client(settings)
+        upstreams = UpstreamClient(http, pool, settings, proxy)
         await upstreams.check_health()
         loops = [SupervisedTask("kvrelay-key-refresh", access.refresh_loop),
                  SupervisedTask("kvrelay-health", upstreams.health_loop)]
@@ -118,6 +119,7 @@ def create_app(settings: GatewaySettings | None = None, *, tracer_provider: Trac
             if store is not None:
                 await final_flush(store)
             await http.close()
+            proxy.close()
             await db.dispose()
             if owned_provider is not None:
                 owned_provider.shutdown()  # flushes the batch of spans not yet exported

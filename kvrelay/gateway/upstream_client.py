@@ -4,11 +4,9 @@ A request is retried (on another upstream when there is one) only on connection
 errors and 502/503, and only before any byte reached the client: those failures mean
 the upstream never started the work, so a retry cannot duplicate a generation.
 
-Why aiohttp and not httpx: with 64 streams in flight, httpx's connection pool rescans
-every pooled connection (a getpeername syscall each) on every request event; profiled
-under `kvrelay bench gateway`, that was over a third of the gateway's CPU. aiohttp's
-connector hands connections out without scanning. Its exceptions never leave this
-module: callers see the gateway's own errors.
+Proxied requests go through the lean HTTP/1.1 client of kvrelay/gateway/http1.py (why
+is said there); health checks and the background pollers use aiohttp. Neither client's
+exceptions leave this module: callers see the gateway's own errors.
 """
 
 from __future__ import annotations
@@ -19,11 +17,13 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import NamedTuple
+from urllib.parse import urlsplit
 
 import aiohttp
 
-from kvrelay.gateway.errors import (ModelNotFoundError, NoUpstreamError, UpstreamFailedError, UpstreamTimeoutError,
-                            UpstreamUnreachableError)
+from kvrelay.gateway.errors import (GatewayInternalError, ModelNotFoundError, NoUpstreamError, UpstreamFailedError,
+                                    UpstreamTimeoutError, UpstreamUnreachableError)
+from kvrelay.gateway.http1 import BodyBrokenError, Connection, ConnectFailedError, HttpClient, Origin, request_head
 from kvrelay.gateway.idle_watch import IdleTimeout, IdleWatch
 from kvrelay.gateway.settings import GatewaySettings
 from kvrelay.gateway.routing.policies import Route
@@ -39,47 +39,48 @@ class UpstreamResponse:
     """An upstream's answer, headers received. Its body is read through here, and a
     stall or a broken connection comes out as UpstreamTimeoutError / UpstreamFailedError."""
 
-    def __init__(self, url: str, raw: aiohttp.ClientResponse, idle_s: float) -> None:
+    def __init__(self, url: str, client: HttpClient, conn: Connection, idle_s: float) -> None:
         self._url = url
-        self._raw = raw
+        self._client = client
+        self._conn = conn
         self._idle_s = idle_s
-        self.status = raw.status
+        self._released = False
+        self.status = conn.status
 
     async def read(self) -> bytes:
         try:
             async with asyncio.timeout(self._idle_s):
-                return await self._raw.read()
+                return await self._conn.read()
         except TimeoutError as exc:
             raise UpstreamTimeoutError(f"{self._url} stalled mid-response") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailedError(f"{self._url} broke the connection: {type(exc).__name__}") from exc
+        except BodyBrokenError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the connection: {exc}") from exc
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive; no chunk may take longer than idle_s."""
-        content = self._raw.content
-        watch = IdleWatch(content, self._idle_s)  # one timer per idle period, not one per chunk
+        conn = self._conn
+        watch = IdleWatch(conn, self._idle_s)  # one timer per idle period, not one per chunk
         try:
             while True:
                 watch.reading()
-                chunk = await content.readany()
+                chunk = await conn.readany()
                 watch.done()
                 if not chunk:
                     return
                 yield chunk
         except IdleTimeout as exc:
             raise UpstreamTimeoutError(f"{self._url} stalled mid-stream") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamFailedError(f"{self._url} broke the stream: {type(exc).__name__}") from exc
+        except BodyBrokenError as exc:
+            raise UpstreamFailedError(f"{self._url} broke the stream: {exc}") from exc
         finally:
             watch.close()
 
     def close(self) -> None:
         """Keep the connection for reuse when the body was read to the end; otherwise drop
         it, which is also how a client's disconnect cancels the upstream's generation."""
-        if self._raw.content.at_eof():
-            self._raw.release()
-        else:
-            self._raw.close()
+        if not self._released:
+            self._released = True
+            self._client.release(self._conn)
 
 
 class Occupancy:
@@ -109,8 +110,13 @@ class Dispatch(NamedTuple):
     occupancy: Occupancy
 
 
+def build_proxy_client(settings: GatewaySettings) -> HttpClient:
+    """The proxied requests' client; call inside the running event loop."""
+    return HttpClient(settings.max_connections, settings.keepalive_s, settings.timeouts.connect_s)
+
+
 def build_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
-    """One session for all upstreams; call inside the running event loop."""
+    """One session for the background calls to all upstreams; call inside the running event loop."""
     t = settings.timeouts
     connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=0,
                                      keepalive_timeout=settings.keepalive_s)
@@ -121,10 +127,13 @@ def build_http_client(settings: GatewaySettings) -> aiohttp.ClientSession:
 
 
 class UpstreamClient:
-    def __init__(self, http: aiohttp.ClientSession, pool: UpstreamPool, settings: GatewaySettings) -> None:
-        self.http = http
+    def __init__(self, http: aiohttp.ClientSession, pool: UpstreamPool, settings: GatewaySettings,
+                 proxy: HttpClient) -> None:
+        self.http = http  # health checks
+        self.proxy = proxy  # proxied requests
         self.pool = pool
         self.settings = settings
+        self._targets: dict[str, tuple[Origin, str]] = {}  # upstream URL -> (origin, base path)
 
     @asynccontextmanager
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], model: str,
@@ -142,7 +151,7 @@ class UpstreamClient:
             occupancy = Occupancy(upstream, self.pool.expected_work(route, upstream))
             try:
                 response = await self._send(upstream, path, body, headers)
-            except aiohttp.ClientConnectionError as exc:  # connect errors and the like: never reached the engine
+            except ConnectFailedError as exc:  # no answer came: the engine never started the work
                 occupancy.release()
                 last_error = f"{upstream.url}: connection failed ({type(exc).__name__}: {exc})"
                 _failed(upstream, last_error)
@@ -171,15 +180,29 @@ class UpstreamClient:
 
     async def _send(self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:
         t = self.settings.timeouts
+        origin, base = self._target(upstream.url)
+        try:
+            head = request_head("POST", origin, base + path, headers, len(body))
+        except ValueError as exc:
+            raise GatewayInternalError(f"cannot send the request upstream: {exc}") from exc
         try:
             async with asyncio.timeout(t.first_byte_s):
-                raw = await self.http.post(upstream.url + path, data=body, headers=headers)
+                conn = await self.proxy.send(origin, head, body)
         except TimeoutError as exc:
             # The engine may be working on it: a retry could run the generation twice.
             upstream.record_failure(time.monotonic())
             raise UpstreamTimeoutError(f"{upstream.url} sent no response within "
                                        f"{t.first_byte_s:g}s") from exc
-        return UpstreamResponse(upstream.url, raw, t.idle_s)
+        except BodyBrokenError as exc:
+            upstream.record_failure(time.monotonic())
+            raise UpstreamFailedError(f"{upstream.url} sent a malformed response: {exc}") from exc
+        return UpstreamResponse(upstream.url, self.proxy, conn, t.idle_s)
+
+    def _target(self, url: str) -> tuple[Origin, str]:
+        target = self._targets.get(url)
+        if target is None:
+            target = self._targets[url] = (Origin.of(url), urlsplit(url).path.rstrip("/"))
+        return target
 
     # -- health --------------------------------------------------------------------------
     async def check_health(self) -> None:
