@@ -52,10 +52,22 @@ class ProxyRoutes:
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, with ProxyRoutes in front of its middleware stack."""
+    """FastAPI, with ProxyRoutes in front of its middleware stack. Once the stack is built
+    (at the lifespan's start), a proxy POST skips FastAPI's and Starlette's own entry too
+    (its telemetry check, the scope bookkeeping): it goes from the server to ProxyRoutes."""
 
     def build_middleware_stack(self) -> ASGIApp:
         return ProxyRoutes(super().build_middleware_stack(), self)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        routes = self.middleware_stack
+        if isinstance(routes, ProxyRoutes):
+            if self.root_path:
+                scope["root_path"] = self.root_path  # what FastAPI.__call__ sets
+            if _proxy_endpoint(scope) is not None:
+                await routes(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
 
 
 def _proxy_endpoint(scope: Scope) -> Endpoint | None:

@@ -52,9 +52,18 @@ class TenantSalts:
     process that reaches the engine directly could compute it (as it could send an
     unsealed plan; `kvrelay up` always sets a secret)."""
 
-    def __init__(self, secret: str | None) -> None:
+    def __init__(self, secret: str | None, max_cached: int = 4096) -> None:
         self._key = b"cache_salt\0" + secret.encode() if secret is not None else _PUBLIC_KEY
+        self._cached: dict[tuple[str, str | None], str] = {}  # every request asks; few distinct answers
+        self._max_cached = max_cached
 
     def salt(self, namespace: str, client_salt: str | None = None) -> str:
-        message = namespace.encode() + b"\0" + (client_salt or "").encode()
-        return hmac.digest(self._key, message, "sha256").hex()  # 64 hex characters; one-shot, in C
+        key = (namespace, client_salt)
+        salt = self._cached.get(key)
+        if salt is None:
+            message = namespace.encode() + b"\0" + (client_salt or "").encode()
+            salt = hmac.digest(self._key, message, "sha256").hex()  # 64 hex characters
+            if len(self._cached) >= self._max_cached:
+                self._cached.clear()  # client salts are unbounded; the tenants' own come back at once
+            self._cached[key] = salt
+        return salt

@@ -177,7 +177,7 @@ class TextIndex(Generic[Ref]):
             if len(self._by_anchor) * 64 > len(self._table) and len(self._table) < 1 << 24:
                 self._filter_stale = True  # grow the filter
             elif not self._filter_stale:
-                self._table[np.uint64(anchor) & self._mask] = True
+                self._table[anchor & int(self._mask)] = True  # a Python int indexes without numpy scalars
         return True
 
     def text_of(self, ref: Ref) -> str | None:

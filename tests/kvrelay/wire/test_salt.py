@@ -52,3 +52,11 @@ def test_the_salt_is_hmac_sha256_of_the_namespace_and_client_salt():
     key = b"cache_salt\0" + SECRET.encode()
     assert TenantSalts(SECRET).salt("app:x", "mine") == hmac.new(key, b"app:x\0mine", hashlib.sha256).hexdigest()
     assert TenantSalts(SECRET).salt("app:x") == hmac.new(key, b"app:x\0", hashlib.sha256).hexdigest()
+
+
+def test_cached_salts_stay_the_derived_ones_past_the_cache_s_bound():
+    salts, fresh = TenantSalts(SECRET, max_cached=4), TenantSalts(SECRET)
+    asked = [("app:a", None), ("app:a", "u1"), ("app:b", None)] + [("app:c", f"u{i}") for i in range(10)]
+    for namespace, client in asked * 2:  # the second pass reads cached salts, and some evicted ones again
+        assert salts.salt(namespace, client) == fresh.salt(namespace, client)
+    assert len(salts._cached) <= 4
