@@ -64,6 +64,18 @@ def chunked(*parts: bytes) -> bytes:
     return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
 
 
+def answering(response: bytes, *, then_close: bool = False) -> Handler:
+    """A handler that answers one request with `response`, then closes or waits for the client to."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(response)
+        await writer.drain()
+        if not then_close:
+            await reader.read()
+
+    return handler
+
+
 async def post(client: HttpClient, origin: Origin, body: bytes = b"{}", path: str = "/v1/x") -> tuple[int, bytes]:
     conn = await client.send(origin, request_head("POST", origin, path, {"content-type": "application/json"},
                                                   len(body)), body)
@@ -120,12 +132,7 @@ async def test_a_chunked_stream_arrives_piece_by_piece(serve) -> None:
 
 
 async def test_a_body_that_ends_with_the_connection_is_whole(serve) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.0 200 OK\r\n\r\nall of it")
-        await writer.drain()
-
-    server = await serve(handler)
+    server = await serve(answering(b"HTTP/1.0 200 OK\r\n\r\nall of it", then_close=True))
     client = HttpClient(limit=4, keepalive_s=15, connect_s=5)
     assert await post(client, server.origin) == (200, b"all of it")
     assert await post(client, server.origin) == (200, b"all of it")
@@ -238,13 +245,7 @@ async def test_at_most_limit_requests_are_in_flight(serve) -> None:
 async def test_a_large_body_pauses_the_socket_and_arrives_whole(serve) -> None:
     payload = bytes(range(256)) * 8192  # 2 MiB, past the high-water mark
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(answering(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload))
     client = HttpClient(limit=2, keepalive_s=15, connect_s=5)
     conn = await client.send(server.origin, request_head("POST", server.origin, "/", {}, 0), b"")
     await asyncio.sleep(0.2)  # let the server fill the buffer while nobody reads
@@ -255,13 +256,7 @@ async def test_a_large_body_pauses_the_socket_and_arrives_whole(serve) -> None:
 
 
 async def test_a_stalled_read_fails_with_the_exception_set_on_it(serve) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
-        await writer.drain()
-        await reader.read()
-
-    server = await serve(handler)
+    server = await serve(answering(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"))
     client = HttpClient(limit=2, keepalive_s=15, connect_s=5)
     conn = await client.send(server.origin, request_head("POST", server.origin, "/", {}, 0), b"")
     pending = asyncio.create_task(conn.readany())
