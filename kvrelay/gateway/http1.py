@@ -87,6 +87,7 @@ class Connection(asyncio.Protocol):
         self._got_bytes = False
         self._keep_alive = False
         self._framed = False  # content-length or chunked: the body's end is known without EOF
+        self._interim = False  # the message being parsed is a 1xx before the answer
         self._decoder: zlib._Decompress | None = None
         self._paused = False
 
@@ -132,7 +133,11 @@ class Connection(asyncio.Protocol):
             self._decoder = zlib.decompressobj(zlib.MAX_WBITS | 32 if coding != b"deflate" else zlib.MAX_WBITS)
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        self._interim = 100 <= status < 200  # "100 Continue" and the like: the answer follows
+        if self._interim:
+            return
+        self.status = status
         self._keep_alive = self._parser.should_keep_alive()
         if self._headers_seen is not None and not self._headers_seen.done():
             self._headers_seen.set_result(None)
@@ -150,6 +155,8 @@ class Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            return
         if self._decoder is not None and (tail := self._decoder.flush()):
             self._chunks.append(tail)
         self._finish()

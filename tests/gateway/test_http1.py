@@ -131,6 +131,22 @@ async def test_a_chunked_stream_arrives_piece_by_piece(serve) -> None:
     client.close()
 
 
+async def test_an_interim_answer_is_skipped_for_the_one_that_follows(serve) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the interim answer is read alone
+        writer.write(b"HTTP/1.1 201 Created\r\nContent-Length: 4\r\n\r\ndone")
+        await writer.drain()
+        await reader.read()
+
+    server = await serve(handler)
+    client = HttpClient(limit=4, keepalive_s=15, connect_s=5)
+    assert await post(client, server.origin) == (201, b"done")
+    client.close()
+
+
 async def test_a_body_that_ends_with_the_connection_is_whole(serve) -> None:
     server = await serve(answering(b"HTTP/1.0 200 OK\r\n\r\nall of it", then_close=True))
     client = HttpClient(limit=4, keepalive_s=15, connect_s=5)
