@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import time
-from contextlib import AsyncExitStack
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -127,7 +126,7 @@ class ProxiedCall:
 
     async def _respond(self) -> Response:
         self.state.metrics.in_flight.inc()
-        stack = AsyncExitStack()
+        dispatch: Dispatch | None = None  # closed here unless the relay took it
         handed_to_relay = False  # once the relay owns the upstream response, it records the call
         try:
             key = self.state.access.authenticate(self.headers)
@@ -148,16 +147,16 @@ class ProxiedCall:
             self.state.metrics.overhead.observe(time.perf_counter() - self.received)
             if self._round is not None and self.state.round_hold is not None:
                 await self.state.round_hold.wait(self._round)
-            dispatch = await stack.enter_async_context(self.state.upstreams.dispatch(
+            dispatch = await self.state.upstreams.dispatch(
                 self.endpoint.path, payload, self._headers(), self.record.model or "", self.record.session_id,
-                hold=self._holds_round, route=self._route))
+                hold=self._holds_round, route=self._route)
             self.record.upstream = dispatch.upstream.url
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
             if self.record.stream:
-                relay = self._relay(dispatch, stack)
-                stack, handed_to_relay = AsyncExitStack(), True
-                return EventStreamResponse(relay)
+                relay, relayed = self._relay(dispatch), dispatch
+                dispatch, handed_to_relay = None, True
+                return EventStreamResponse(relay, abandoned=lambda: self._abandoned(relayed))
             return await self._unary(dispatch)
         except GatewayError as exc:
             return self._fail(exc)
@@ -165,7 +164,8 @@ class ProxiedCall:
             logger.exception("request %s failed inside the gateway", self.record.id)
             return self._fail(GatewayInternalError("the gateway failed to handle the request"))
         finally:
-            await stack.aclose()
+            if dispatch is not None:
+                dispatch.close()
             if not handed_to_relay:
                 self._finish()
 
@@ -324,7 +324,7 @@ class ProxiedCall:
             message = content[:200].decode(errors="replace")
         raise UpstreamFailedError(f"upstream {dispatch.upstream.url} returned {status}: {message}")
 
-    async def _relay(self, dispatch: Dispatch, stack: AsyncExitStack) -> AsyncIterator[bytes]:
+    async def _relay(self, dispatch: Dispatch) -> AsyncIterator[bytes]:
         """Forward SSE events as they arrive; note TTFT and usage on the way."""
         reader, deltas = EventReader(), DeltaReader()
         deadline = self.received + self.state.settings.timeouts.total_s
@@ -383,8 +383,16 @@ class ProxiedCall:
             raise
         finally:
             self._observe_upstream(dispatch)
-            await stack.aclose()
+            dispatch.close()
             self._finish()
+
+    def _abandoned(self, dispatch: Dispatch) -> None:
+        """The response ended before its relay began (the client left while its headers
+        were going out): what the relay's end would have done, for a hang-up."""
+        self.record.status, self.record.http_status, self.record.error_type = "cancelled", 499, "client_disconnected"
+        self._observe_upstream(dispatch)
+        dispatch.close()
+        self._finish()
 
     def _sse_error(self, message: str, type_: str, code: str) -> bytes:
         return self.endpoint.stream_error(message, type_, code, self._last_sequence)

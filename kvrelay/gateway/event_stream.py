@@ -12,7 +12,7 @@ did under StreamingResponse.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -25,8 +25,10 @@ class EventStreamResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 abandoned: Callable[[], None] | None = None) -> None:
         self.events = events
+        self.abandoned = abandoned  # called when the response ends before `events` began
         self.status_code = 200
         self.background = None
         self.init_headers({**SSE_HEADERS, **(headers or {})})
@@ -44,8 +46,10 @@ class EventStreamResponse(Response):
             task.cancel()
 
         watcher = asyncio.create_task(watch())
+        began = False
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            began = True  # from here the iterator's own cleanup runs however the stream ends
             async for chunk in self.events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -55,3 +59,7 @@ class EventStreamResponse(Response):
             task.uncancel()  # the client left: the stream ended as it should
         finally:
             watcher.cancel()
+            if not began and self.abandoned is not None:
+                self.abandoned()  # an iterator never started runs none of its code, cleanup included
+            elif began and (aclose := getattr(self.events, "aclose", None)) is not None:
+                await aclose()  # left at a yield (a write failed): its cleanup runs now, not when collected

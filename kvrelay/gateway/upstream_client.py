@@ -15,7 +15,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -104,10 +103,17 @@ class Occupancy:
 
 
 class Dispatch(NamedTuple):
+    """An upstream's response to a request, opened by UpstreamClient.dispatch; `close()` it
+    exactly once, however the call ends."""
+
     upstream: Upstream
     response: UpstreamResponse
     sent_at: float  # perf_counter when the request went out
     occupancy: Occupancy
+
+    def close(self) -> None:
+        self.occupancy.release()
+        self.response.close()
 
 
 def build_proxy_client(settings: GatewaySettings) -> HttpClient:
@@ -135,11 +141,11 @@ class UpstreamClient:
         self.settings = settings
         self._targets: dict[str, tuple[Origin, str]] = {}  # upstream URL -> (origin, base path)
 
-    @asynccontextmanager
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], model: str,
-                       session_id: str | None, hold: bool = False, route: Route | None = None
-                       ) -> AsyncIterator[Dispatch]:
-        """Open the response of the first upstream that accepts the request."""
+                       session_id: str | None, hold: bool = False, route: Route | None = None) -> Dispatch:
+        """Open the response of the first upstream that accepts the request. A plain call
+        and `Dispatch.close()`, not a context manager: an async generator's context costs
+        more per request than the rest of this method."""
         candidates = self.pool.candidates(model, session_id, hold, route)
         if not candidates:
             if self.pool.knows_no(model):
@@ -170,12 +176,7 @@ class UpstreamClient:
             else:
                 upstream.record_success()
             self.pool.routed(route, upstream)
-            try:
-                yield Dispatch(upstream, response, time.perf_counter(), occupancy)
-            finally:
-                occupancy.release()
-                response.close()
-            return
+            return Dispatch(upstream, response, time.perf_counter(), occupancy)
         raise UpstreamUnreachableError(f"no upstream accepted the request ({last_error})")
 
     async def _send(self, upstream: Upstream, path: str, body: bytes, headers: dict[str, str]) -> UpstreamResponse:

@@ -86,3 +86,36 @@ async def test_a_cancel_from_outside_is_not_swallowed():
         await task
     await asyncio.sleep(0)
     assert len(asyncio.all_tasks()) == 1  # the watcher went with it
+
+
+async def test_a_stream_that_never_began_is_handed_back_and_one_left_at_a_yield_is_closed():
+    ran: list[str] = []
+
+    async def events() -> AsyncIterator[bytes]:
+        try:
+            ran.append("began")
+            yield b"data: first\n\n"
+            yield b"data: second\n\n"
+        finally:
+            ran.append("cleaned up")  # where the relay closes the upstream and records the call
+
+    class Failing(Client):
+        def __init__(self, fail_at: int, error: BaseException) -> None:
+            super().__init__()
+            self.fail_at, self.error = fail_at, error
+
+        async def send(self, message: dict[str, Any]) -> None:
+            if len(self.sent) == self.fail_at:
+                raise self.error
+            await super().send(message)
+
+    abandoned: list[bool] = []
+    with pytest.raises(asyncio.CancelledError):  # the server shuts the request down as its headers go out
+        await EventStreamResponse(events(), abandoned=lambda: abandoned.append(True))(
+            SCOPE, Failing(0, asyncio.CancelledError()).receive, Failing(0, asyncio.CancelledError()).send)
+    assert abandoned == [True] and ran == []
+
+    with pytest.raises(OSError):  # the write of the first chunk fails: the stream sits at its first yield
+        await EventStreamResponse(events(), abandoned=lambda: abandoned.append(True))(
+            SCOPE, Client().receive, Failing(1, OSError("broken pipe")).send)
+    assert abandoned == [True] and ran == ["began", "cleaned up"]
