@@ -121,7 +121,7 @@ class ProxiedCall:
         """The response, carrying the record's id in REQUEST_ID_HEADER so a client can find
         its request in /admin, the SQL records and the traces."""
         response = await self._respond()
-        response.headers[REQUEST_ID_HEADER] = self.record.id
+        response.raw_headers.append((REQUEST_ID_HEADER.encode(), self.record.id.encode()))  # no header wrapper
         return response
 
     async def _respond(self) -> Response:

@@ -17,7 +17,10 @@ from collections.abc import AsyncIterator, Callable
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# No caching or proxy buffering of a stream; the media type as Starlette's init_headers
+# writes it. Built once: the headers of every response are these and the caller's.
+_RAW_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                    (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 class EventStreamResponse(Response):
@@ -31,7 +34,8 @@ class EventStreamResponse(Response):
         self.abandoned = abandoned  # called when the response ends before `events` began
         self.status_code = 200
         self.background = None
-        self.init_headers({**SSE_HEADERS, **(headers or {})})
+        self.raw_headers = [*_RAW_SSE_HEADERS, *((k.lower().encode("latin-1"), v.encode("latin-1"))
+                                                 for k, v in (headers or {}).items())]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
