@@ -239,13 +239,13 @@ class Connection(asyncio.Protocol):
 class HttpClient:
     """Kept-alive connections per origin, at most `limit` requests in flight together."""
 
-    def __init__(self, limit: int, keepalive_s: float, connect_s: float) -> None:
+    def __init__(self, limit: int, keepalive_s: float, connect_s: float, tls: ssl.SSLContext | None = None) -> None:
         self._slots = asyncio.Semaphore(limit)
         self._keepalive_s = keepalive_s
         self._connect_s = connect_s
         self._idle: dict[Origin, list[Connection]] = {}
         self._limit = limit
-        self._tls: ssl.SSLContext | None = None
+        self._tls = tls  # for https origins; None: the system's trusted CAs, verified (made on first use)
 
     async def send(self, origin: Origin, head: bytes, body: bytes) -> Connection:
         """The connection, its response's headers received; `release` it when done."""

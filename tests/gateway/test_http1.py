@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import pytest
 
@@ -295,3 +299,42 @@ def test_a_head_refuses_line_breaks_and_characters_outside_latin1() -> None:
         request_head("POST", origin, "/", {"authorization": "Bearer \u2603"}, 0)
     with pytest.raises(ValueError, match="not an http"):
         Origin.of("ftp://host/")
+
+
+@pytest.fixture
+def certificate(tmp_path: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, made by the openssl CLI."""
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert, key
+
+
+async def test_an_https_upstream_is_verified_and_served(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    served = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    served.load_cert_chain(cert, key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                _, body = await read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError, ssl.SSLError):
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=served)
+    origin = Origin("https", "127.0.0.1", server.sockets[0].getsockname()[1])
+    trusting = HttpClient(limit=2, keepalive_s=15, connect_s=5, tls=ssl.create_default_context(cafile=cert))
+    assert await post(trusting, origin, b"secret") == (200, b"secret")
+    assert await post(trusting, origin, b"again") == (200, b"again")  # over the kept-alive TLS connection
+    default = HttpClient(limit=2, keepalive_s=15, connect_s=5)  # the system's CAs do not know this certificate
+    with pytest.raises(ConnectFailedError, match="CERTIFICATE_VERIFY_FAILED"):
+        await post(default, origin)
+    trusting.close()
+    default.close()
+    server.close()
