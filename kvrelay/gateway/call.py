@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -154,9 +155,9 @@ class ProxiedCall:
             if dispatch.response.status >= 400:
                 return await self._upstream_error(dispatch)
             if self.record.stream:
-                relay, relayed = self._relay(dispatch), dispatch
+                response = EventStreamResponse(self._relay(dispatch), abandoned=partial(self._abandoned, dispatch))
                 dispatch, handed_to_relay = None, True
-                return EventStreamResponse(relay, abandoned=lambda: self._abandoned(relayed))
+                return response
             return await self._unary(dispatch)
         except GatewayError as exc:
             return self._fail(exc)
@@ -382,14 +383,15 @@ class ProxiedCall:
                     "cancelled", 499, "client_disconnected"
             raise
         finally:
-            self._observe_upstream(dispatch)
-            dispatch.close()
-            self._finish()
+            self._end_relay(dispatch)
 
     def _abandoned(self, dispatch: Dispatch) -> None:
         """The response ended before its relay began (the client left while its headers
         were going out): what the relay's end would have done, for a hang-up."""
         self.record.status, self.record.http_status, self.record.error_type = "cancelled", 499, "client_disconnected"
+        self._end_relay(dispatch)
+
+    def _end_relay(self, dispatch: Dispatch) -> None:
         self._observe_upstream(dispatch)
         dispatch.close()
         self._finish()

@@ -167,9 +167,7 @@ class Connection(asyncio.Protocol):
         assert self._transport is not None
         self._reset()
         self._headers_seen = asyncio.get_running_loop().create_future()
-        self._transport.write(head + body if len(body) < 65536 else head)
-        if len(body) >= 65536:
-            self._transport.write(body)
+        self._transport.writelines((head, body))
         await self._headers_seen
 
     async def readany(self) -> bytes:

@@ -41,6 +41,10 @@ class ProxyRoutes:
         if endpoint is None:
             await self.fallback(scope, receive, send)
             return
+        await self.serve(endpoint, scope, receive, send)
+
+    async def serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
+        """One POST to `endpoint`, through ProxiedCall."""
         scope["app"] = self.app  # what Starlette sets for Request.app
         state = cast(GatewayState, self.app.state.gateway)
         try:
@@ -64,8 +68,8 @@ class GatewayApp(FastAPI):
         if isinstance(routes, ProxyRoutes):
             if self.root_path:
                 scope["root_path"] = self.root_path  # what FastAPI.__call__ sets
-            if _proxy_endpoint(scope) is not None:
-                await routes(scope, receive, send)
+            if (endpoint := _proxy_endpoint(scope)) is not None:
+                await routes.serve(endpoint, scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
