@@ -48,6 +48,7 @@ from kvrelay.wire.reports import TTFT_HEADER, TTFT_KEY, TtftBreakdown, wants_bre
 from kvrelay.gateway.engine_params import (event_without_params, hidden_from_client, with_plan, without_client_plan,
                                    without_params)
 from kvrelay.wire.errors import error_response
+from kvrelay import json_codec
 from kvrelay.json_values import body_misfit
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,6 @@ REUSE_HEADER = "x-kvrelay-reuse"
 REQUEST_ID_HEADER = "x-kvrelay-request-id"
 _FORWARDED_HEADERS = ("content-type", "accept", "traceparent", "tracestate", "x-request-id")
 _EMPTY_SHA256 = sha256_text("")
-_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps(..., separators=) builds one per call
 
 
 @dataclass
@@ -185,7 +185,7 @@ class ProxiedCall:
 
     def _parse(self, raw: bytes) -> dict[str, Any]:
         try:
-            body = json.loads(raw)
+            body = json_codec.loads(raw)
         except RecursionError as exc:  # JSON nested past Python's recursion limit
             raise BadRequestError("the request body is nested too deeply") from exc
         except ValueError as exc:
@@ -266,7 +266,7 @@ class ProxiedCall:
     def _prepare(self, body: dict[str, Any]) -> bytes:
         """The upstream body, its stream's usage asked for (Endpoint.upstream_body)."""
         body, self.strip_usage = self.endpoint.upstream_body(body, self.record.stream)
-        return _COMPACT_JSON.encode(body).encode()
+        return json_codec.dumps(body)
 
     def _headers(self) -> dict[str, str]:
         """Content headers, and the trace context: the client's, continued by our span."""

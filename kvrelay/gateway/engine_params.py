@@ -10,13 +10,13 @@ of other requests' load.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvrelay.wire.seal import SEAL_KEY, PlanSeal
 from kvrelay.wire.plan import PLAN_KEY, SegmentPlan, attach_plan
 from kvrelay.wire.cache_report import BLOCKS_KEY
 from kvrelay.wire.reports import TTFT_KEY
+from kvrelay.json_codec import dumps, loads
 
 PRIVATE_KEYS = (PLAN_KEY, SEAL_KEY)  # never from a client, never back to one
 
@@ -58,11 +58,11 @@ def event_without_params(event: bytes, keys: tuple[str, ...]) -> bytes:
     `event:` name) kept."""
     lines = event.splitlines()
     data = b"".join(line[5:].lstrip() for line in lines if line.startswith(b"data:"))
-    body = json.loads(data)
+    body = loads(data)
     response = body.get("response")
     if "kv_transfer_params" not in body and isinstance(response, dict) and "kv_transfer_params" in response:
         body = {**body, "response": without_params(response, keys)}
     else:
         body = without_params(body, keys)
     fields = b"".join(line + b"\n" for line in lines if line and not line.startswith(b"data:"))
-    return fields + b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+    return fields + b"data: " + dumps(body) + b"\n\n"

@@ -9,9 +9,10 @@ response.*; its usage and the engine's reports ride in the final Response) alike
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, NamedTuple
+
+from kvrelay.json_codec import loads
 
 _BOUNDARY = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
@@ -31,7 +32,6 @@ class EventInfo(NamedTuple):
 
 
 _NOTHING = EventInfo(False, "", None, False, None, ())
-_DECODE = json.JSONDecoder().decode  # what json.loads uses for a str, without its checks
 
 
 class EventTooLargeError(ValueError):
@@ -101,7 +101,7 @@ def inspect(event: bytes) -> EventInfo:
     if not data or data == b"[DONE]":
         return _NOTHING
     try:
-        body = _loads(data)
+        body = loads(data)
     except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
         return _NOTHING
     if not isinstance(body, dict):
@@ -187,14 +187,6 @@ def response_call_ids(items: list[Any]) -> tuple[str, ...]:
     """The call_ids of the function_call items among Responses output items."""
     return tuple(item["call_id"] for item in items if isinstance(item, dict) and item.get("type") == "function_call"
                  and isinstance(item.get("call_id"), str) and item["call_id"])
-
-
-def _loads(data: bytes) -> Any:
-    """json.loads(data), skipping its encoding detection when it would pick UTF-8 anyway
-    (data opening with "{" then a non-zero byte: what every upstream sends)."""
-    if data[:1] == b"{" and data[1:2] != b"\x00":
-        return _DECODE(data.decode("utf-8", "surrogatepass"))
-    return json.loads(data)
 
 
 def finish_reasons_of(choices: list[Any]) -> tuple[str, ...]:

@@ -29,11 +29,11 @@ events built to mislead.
 
 from __future__ import annotations
 
-import json
 from _json import scanstring  # what json.decoder uses: the C scanner
 from typing import Any, NamedTuple
 
 from kvrelay.gateway.sse import EventInfo, inspect
+from kvrelay.json_codec import loads
 
 _KEY = b'"content":'
 _JSON_SPACE = b" \t\r\n"
@@ -134,7 +134,7 @@ def _plain_text(event: bytes) -> str | None:
     gateway reads (no tool call, reasoning, finish reason, usage, error or engine report)."""
     data = b"".join(line[5:].lstrip() for line in event.splitlines() if line.startswith(b"data:"))
     try:
-        body: Any = json.loads(data)
+        body: Any = loads(data)
     except (ValueError, RecursionError):
         return None
     if not isinstance(body, dict) or isinstance(body.get("type"), str) \

@@ -26,11 +26,11 @@ KV cache (ICaRus mode) without parsing model names.
 
 from __future__ import annotations
 
-import json
 
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from kvrelay.json_codec import dumps_text
 
 PLAN_VERSION: Final = 1
 PLAN_KEY = "kvrelay"  # the key under kv_transfer_params
@@ -146,14 +146,11 @@ def attach_plan(body: dict[str, Any], plan: SegmentPlan | dict[str, Any]) -> dic
     return {**body, "kv_transfer_params": params}
 
 
-_PLAN_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-
-
 def plan_text(values: dict[str, Any]) -> str:
     """The JSON text of a plan from its model_dump(mode="json"): the same text as
     model_dump_json (compact, UTF-8 unescaped; a plan holds no float), without building it
     from the model a second time when the values are at hand."""
-    return _PLAN_JSON.encode(values)
+    return dumps_text(values)
 
 
 def read_plan(body: dict[str, Any]) -> SegmentPlan | None:

@@ -18,6 +18,7 @@ from kvrelay.gateway.inference.prefix import PrefixLearner
 from kvrelay.gateway.inference.rounds import RoundState
 from kvrelay.gateway.inference.state import MAX_INNER_KEPT, AppState, KnownText, SessionState, TextRef
 from kvrelay.gateway.inference.stepgraph import StepNode
+from kvrelay.json_codec import dumps_text
 
 Row = dict[str, Any]
 
@@ -45,7 +46,7 @@ def session_row(app_id: str, session: SessionState) -> Row:
               "pass": sorted(session.rounds.pass_agents), "last_pass": sorted(session.rounds.last_pass)}
     return {"app_id": app_id, "session_id": session.id, "num_requests": session.num_requests,
             "question_seq": session.question_seq, "last_agent": session.last_agent,
-            "series": json.dumps(series), "last_round_size": len(session.rounds.last_pass) or None,
+            "series": dumps_text(series), "last_round_size": len(session.rounds.last_pass) or None,
             "current_round": session.rounds.current_id,
             "first_seen": session.first_seen_at, "last_seen": session.last_seen_at}
 
@@ -66,7 +67,7 @@ def segment_rows(app: AppState, app_id: str, session: SessionState, start: int, 
 def round_rows(app_id: str, session: SessionState, ids: set[str]) -> list[Row]:
     rounds = session.rounds.rounds
     return [{"app_id": app_id, "session_id": session.id, "round_id": round_id,
-             "outputs": json.dumps(sorted(rounds[round_id].reads)), "expected": rounds[round_id].expected,
+             "outputs": dumps_text(sorted(rounds[round_id].reads)), "expected": rounds[round_id].expected,
              "num_requests": rounds[round_id].num_requests} for round_id in sorted(ids)]
 
 
