@@ -92,6 +92,11 @@ class Connection(asyncio.Protocol):
         self._paused = False
 
     @property
+    def got_bytes(self) -> bool:
+        """Some byte of an answer to the request under way came."""
+        return self._got_bytes
+
+    @property
     def usable(self) -> bool:
         return not self._closed and self._transport is not None and not self._transport.is_closing()
 
@@ -246,10 +251,28 @@ class HttpClient:
         self._tls = tls  # for https origins; None: the system's trusted CAs, verified (made on first use)
 
     async def send(self, origin: Origin, head: bytes, body: bytes) -> Connection:
-        """The connection, its response's headers received; `release` it when done."""
+        """The connection, its response's headers received; `release` it when done.
+
+        A kept-alive connection may be closed by the server just as a request goes out on
+        it: its keep-alive ran out (uvicorn's is 5 s, shorter than ours) and the close
+        crossed the request, which the server never read. Such a request is sent once
+        more, on a new connection, when not a byte of an answer came on the old one (as
+        HTTP clients do); anything else is the caller's failure."""
         await self._slots.acquire()
         try:
-            conn = self._pooled(origin) or await self._connect(origin)
+            conn = self._pooled(origin)
+            if conn is not None:
+                try:
+                    await conn.send(head, body)
+                    return conn
+                except ConnectFailedError:
+                    conn.abort()
+                    if conn.got_bytes:
+                        raise
+                except BaseException:
+                    conn.abort()
+                    raise
+            conn = await self._connect(origin)
             try:
                 await conn.send(head, body)
             except BaseException:

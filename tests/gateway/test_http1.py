@@ -242,6 +242,32 @@ async def test_a_half_read_response_closes_its_connection_and_a_closed_one_is_no
     client.close()
 
 
+async def test_a_request_crossed_by_the_servers_keep_alive_close_is_sent_again_on_a_new_connection(serve) -> None:
+    """The server closes a kept-alive connection as the next request arrives on it,
+    unread (its keep-alive ran out): the client sends it once more on a new connection.
+    A connection that closes after some bytes of an answer is not retried."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        _, body = await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the next request's head arrives, and is never answered
+        if body == b"partial":
+            writer.write(b"HTTP/1.1 200 O")
+            await writer.drain()
+
+    server = await serve(handler)
+    client = HttpClient(limit=4, keepalive_s=15, connect_s=5)
+    origin = server.origin
+    assert await post(client, origin, b"first") == (200, b"ok")
+    assert await asyncio.wait_for(post(client, origin, b"again"), 5) == (200, b"ok")  # on a second connection
+    assert server.connections == 2
+    assert await post(client, origin, b"partial") == (200, b"ok")  # on the second connection's successor
+    with pytest.raises(ConnectFailedError):
+        await post(client, origin, b"x")  # half a status line came: not sent again
+    assert server.connections == 3
+    client.close()
+
+
 async def test_at_most_limit_requests_are_in_flight(serve) -> None:
     release = asyncio.Event()
 
