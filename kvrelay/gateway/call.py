@@ -338,6 +338,14 @@ class ProxiedCall:
                     raise UpstreamFailedError(str(exc)) from exc
                 forward, terminal = [], False  # the events of one read go out in one write
                 for event in events:
+                    if (text := deltas.skeleton_text(event)) is not None:  # the usual delta: its text is all it holds
+                        if text:
+                            if self.record.first_token_at is None:
+                                self._mark_first_token()
+                                dispatch.occupancy.prefilled()
+                            self._completion.append(text)
+                        forward.append(event)
+                        continue
                     info = deltas.inspect(event)
                     if info.has_content and self.record.first_token_at is None:
                         self._mark_first_token()

@@ -53,9 +53,15 @@ class DeltaReader:
         self._skeleton: _Skeleton | None = None
         self._learned = 0
 
-    def inspect(self, event: bytes) -> EventInfo:
+    def skeleton_text(self, event: bytes) -> str | None:
+        """The text of a content delta made of the learned skeleton (all inspect() would
+        find in it: EventInfo(bool(text), text, None, False, None, ())); None when the
+        event needs inspect()."""
         skeleton = self._skeleton
-        if skeleton is not None and (text := _text_in(event, skeleton)) is not None:
+        return None if skeleton is None else _text_in(event, skeleton)
+
+    def inspect(self, event: bytes) -> EventInfo:
+        if (text := self.skeleton_text(event)) is not None:
             return _info(text)
         info = inspect(event)
         if info.text and self._learned < MAX_LEARNED and info == EventInfo(True, info.text, None, False, None, ()):

@@ -9,7 +9,7 @@ import json
 import hypothesis
 from hypothesis import strategies as st
 
-from kvrelay.gateway.sse import inspect
+from kvrelay.gateway.sse import EventInfo, inspect
 from kvrelay.gateway.sse_deltas import MAX_LEARNED, DeltaReader
 
 
@@ -20,8 +20,16 @@ def chunk(delta: dict, finish: str | None = None, compact: bool = True, **extra:
 
 
 def read_all(events: list[bytes]) -> list[object]:
-    reader = DeltaReader()
-    return [reader.inspect(event) for event in events]
+    """What the reader says of each event; where skeleton_text reads one (as the relay
+    does first), it says the same as inspect."""
+    reader, infos = DeltaReader(), []
+    for event in events:
+        text = reader.skeleton_text(event)
+        info = reader.inspect(event)
+        if text is not None:
+            assert info == EventInfo(bool(text), text, None, False, None, ())
+        infos.append(info)
+    return infos
 
 
 def test_plain_deltas_are_read_by_skeleton_and_agree():
