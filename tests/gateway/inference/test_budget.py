@@ -126,3 +126,20 @@ def test_through_the_gateway_the_upstream_gets_the_tenant_only_plan_and_metrics_
     assert plan is not None and plan.tenant is not None
     assert plan.segments == [] and plan.round is None and plan.workflow is None
     assert re.search(r'^kvrelay_state_bounded_total\{kind="plans_over_budget"\} 1\.0$', text, re.M)
+
+
+def test_the_cpu_clock_is_read_only_once_the_wall_clock_has_run_the_budget(monkeypatch):
+    """A thread's CPU time never runs ahead of the wall clock: before the budget's wall
+    time has passed, expired() does not ask the CPU clock (a system call); after it,
+    the CPU clock alone says whether the budget is spent."""
+    deadline = Deadline(0.05, time.thread_time)
+    reads: list[float] = []
+    monkeypatch.setattr(deadline, "_clock", lambda: reads.append(now := time.thread_time()) or now)
+    assert not deadline.expired() and reads == []
+    time.sleep(0.06)  # the wall clock ran the budget; the thread's CPU time hardly moved
+    assert not deadline.expired() and len(reads) == 1
+    while time.thread_time() < deadline.at:  # spend the budget in CPU time
+        pass
+    assert deadline.expired()
+    assert not Deadline(0.05, lambda: 0.0).expired()  # another clock is always read: no shortcut
+    assert Deadline(0.0, lambda: 0.0).expired()
