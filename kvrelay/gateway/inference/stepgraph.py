@@ -194,7 +194,7 @@ class StepGraph:
             after = [(self.nodes[a].succession[current], a) for a in self._named_by.get(current, ())
                      if self.nodes[a].succession[current]]
             following = [max(after)[1]] if after else []
-        return WorkflowInfo.model_construct(steps_to_execution=steps, next=following)  # counts and ids: nothing to check
+        return WorkflowInfo(steps_to_execution=steps, next=following)  # validated: faster than model_construct
 
     def mermaid(self, agents: set[str] | None = None, names: Mapping[str, str] | None = None) -> str:
         """The graph (or its part among `agents`) as Mermaid flowchart text: AND nodes as
