@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import sys
@@ -186,11 +187,12 @@ def gateway(
     if workers == 1:
         gateway_app = _build_gateway_app(settings)
         tune_for_serving()
-        uvicorn.run(gateway_app, host=host, port=port, log_level=log_level)
+        uvicorn.run(gateway_app, host=host, port=port, log_level=log_level,
+                    timeout_keep_alive=settings.client_keepalive_s)
         return
     _prepare_workers(settings)
     uvicorn.run("kvrelay.gateway.app:create_served_app", factory=True, workers=workers, host=host, port=port,
-                log_level=log_level)
+                log_level=log_level, timeout_keep_alive=settings.client_keepalive_s)
 
 
 def _prepare_workers(settings: GatewaySettings) -> None:
@@ -231,10 +233,12 @@ def up(
     front, seal = sealed(_gateway_settings([f"http://127.0.0.1:{engine_port}"], database_url))
     llm = _build_engine(settings)
     gateway_app = _build_gateway_app(front)
+    # The engine keeps the gateway's idle connections longer than the gateway's pool does.
     engine_server = uvicorn.Server(uvicorn.Config(_build_engine_app(llm, seal, settings.generic_tool_auto),
-                                                  host="127.0.0.1", port=engine_port, log_level=log_level))
-    gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port,
-                                                   log_level=log_level))
+                                                  host="127.0.0.1", port=engine_port, log_level=log_level,
+                                                  timeout_keep_alive=math.ceil(front.keepalive_s) + 5))
+    gateway_server = uvicorn.Server(uvicorn.Config(gateway_app, host=host, port=port, log_level=log_level,
+                                                   timeout_keep_alive=front.client_keepalive_s))
 
     async def serve_both() -> None:
         engine_task = asyncio.create_task(engine_server.serve())

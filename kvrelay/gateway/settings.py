@@ -217,6 +217,11 @@ class GatewaySettings(YamlFileSettings):
     limits: LimitSettings = LimitSettings()
     max_connections: Annotated[int, Field(ge=1)] = 512  # to all upstreams together
     keepalive_s: PositiveFloat = 15.0  # an idle upstream connection is kept this long
+    # An idle client connection is kept this long: longer than what sits in front keeps
+    # its own (nginx's upstream keepalive_timeout 60 s, cloud load balancers 60 s, SDKs
+    # 5-15 s), so the gateway never closes a connection a proxy is about to send a POST on
+    # (a proxy does not retry a POST: its client gets a 502). uvicorn's default is 5 s.
+    client_keepalive_s: Annotated[int, Field(ge=1, le=3600)] = 75
     retries: Annotated[int, Field(ge=0, le=5)] = 2
     timeouts: Timeouts = Timeouts()
     breaker: Breaker = Breaker()
