@@ -17,7 +17,8 @@ text that is not JSON at all.
 same values as from `json.dumps(value, separators=(",", ":"))`; only the spelling of some
 floats (`1e-7` for `1e-07`) and of non-ASCII text differs. NaN and Infinity are written
 as Python's json writes them, though the gateway refuses them in bodies before this
-point. Shared by the gateway and the engine; torch-free.
+point; a string with a lone surrogate (no UTF-8 form) with `json.dumps`'s escapes.
+Shared by the gateway and the engine; torch-free.
 """
 
 from __future__ import annotations
@@ -37,11 +38,15 @@ def loads(data: bytes | str) -> Any:
 
 
 def dumps(value: Any) -> bytes:
-    """Compact JSON, UTF-8; raises TypeError for a value that JSON has no form for."""
+    """Compact JSON, UTF-8; raises TypeError for a value that JSON has no form for.
+
+    A string with a lone surrogate has no UTF-8 form: pydantic-core refuses it, and the
+    value is written by `json.dumps` with `\\u` escapes, as before (an upstream's event
+    may hold one; the client's body never does, json_values refuses it at the door)."""
     try:
         return to_json(value, inf_nan_mode="constants")
-    except ValueError as exc:  # PydanticSerializationError: what json.dumps reports as a TypeError
-        raise TypeError(str(exc)) from exc
+    except ValueError:  # PydanticSerializationError; json.dumps raises TypeError where no JSON form exists
+        return json.dumps(value, separators=(",", ":")).encode()
 
 
 def dumps_text(value: Any) -> str:

@@ -87,3 +87,13 @@ def test_dumps_is_compact_utf8_that_reads_back_the_same() -> None:
 def test_dumps_refuses_what_json_cannot_write_with_a_type_error() -> None:
     with pytest.raises(TypeError):
         json_codec.dumps({"a": object()})
+
+
+def test_a_lone_surrogate_is_written_escaped_as_json_writes_it() -> None:
+    """An upstream's event may hold one (the final chunk is re-encoded without the engine's
+    reports): it is written, not refused, and reads back the same."""
+    value = {"text": "a\ud800b", "n": 1}
+    written = json_codec.dumps(value)
+    assert written == json.dumps(value, separators=(",", ":")).encode() == b'{"text":"a\\ud800b","n":1}'
+    assert json_codec.loads(written) == value
+    assert json_codec.dumps_text(value) == written.decode()

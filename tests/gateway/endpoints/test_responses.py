@@ -86,6 +86,16 @@ def test_hidden_params_leave_the_final_response_and_the_event_keeps_its_name():
         "response"]
 
 
+def test_a_final_chunk_with_a_lone_surrogate_escape_is_still_re_encoded():
+    """An engine's text may end mid-pair (`\\ud83d`): the chunk that carries its reports is
+    written again without them, the escape kept, not refused."""
+    raw = (b'data: {"choices":[{"index":0,"delta":{"content":"x\\ud83d"},"finish_reason":"stop"}],'
+           b'"kv_transfer_params":{"kvrelay":{},"kvrelay_ttft":{}}}\n\n')
+    out = event_without_params(raw, ("kvrelay",))
+    body = json.loads(out.removeprefix(b"data: "))
+    assert body["choices"][0]["delta"]["content"] == "x\ud83d" and body["kv_transfer_params"] == {"kvrelay_ttft": {}}
+
+
 def test_the_gateway_s_error_event_is_a_responses_error_and_an_sdk_error():
     name, data = error_event("the upstream stalled", "timeout", "upstream_timeout", 12).decode().strip().split("\n")
     body = json.loads(data.removeprefix("data: "))
