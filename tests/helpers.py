@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import uvicorn
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 
@@ -109,6 +110,14 @@ def serve(llm: LLMEngine, model_name: str, tracer_provider: TracerProvider | Non
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+def answers(url: str) -> bool:
+    """`url` answers 200 now (a server still starting refuses, or is slow to answer)."""
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 5.0, interval: float = 0.02) -> bool:

@@ -340,16 +340,13 @@ class ProxiedCall:
                 for event in events:
                     if (text := deltas.skeleton_text(event)) is not None:  # the usual delta: its text is all it holds
                         if text:
-                            if self.record.first_token_at is None:
-                                self._mark_first_token()
-                                dispatch.occupancy.prefilled()
+                            self._got_content(dispatch)
                             self._completion.append(text)
                         forward.append(event)
                         continue
-                    info = deltas.inspect(event)
-                    if info.has_content and self.record.first_token_at is None:
-                        self._mark_first_token()
-                        dispatch.occupancy.prefilled()
+                    info = deltas.parsed(event)
+                    if info.has_content:
+                        self._got_content(dispatch)
                     if info.text:
                         self._completion.append(info.text)
                     self._tool_call_ids += info.tool_call_ids
@@ -412,6 +409,12 @@ class ProxiedCall:
         self.record.status, self.record.http_status = exc.record_status, exc.status
         self.record.error_type = type(exc).__name__
         return error_response(exc.status, str(exc), exc.type_, exc.param, exc.code, exc.headers)
+
+    def _got_content(self, dispatch: Dispatch) -> None:
+        """Generated content arrived: the first marks the TTFT and ends the prefill's load."""
+        if self.record.first_token_at is None:
+            self._mark_first_token()
+            dispatch.occupancy.prefilled()
 
     def _mark_first_token(self) -> None:
         elapsed = time.perf_counter() - self.received

@@ -260,25 +260,13 @@ class HttpClient:
         HTTP clients do); anything else is the caller's failure."""
         await self._slots.acquire()
         try:
-            conn = self._pooled(origin)
-            if conn is not None:
+            if (pooled := self._pooled(origin)) is not None:
                 try:
-                    await conn.send(head, body)
-                    return conn
+                    return await _sent_on(pooled, head, body)
                 except ConnectFailedError:
-                    conn.abort()
-                    if conn.got_bytes:
+                    if pooled.got_bytes:
                         raise
-                except BaseException:
-                    conn.abort()
-                    raise
-            conn = await self._connect(origin)
-            try:
-                await conn.send(head, body)
-            except BaseException:
-                conn.abort()
-                raise
-            return conn
+            return await _sent_on(await self._connect(origin), head, body)
         except BaseException:
             self._slots.release()
             raise
@@ -332,6 +320,16 @@ class HttpClient:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
+
+
+async def _sent_on(conn: Connection, head: bytes, body: bytes) -> Connection:
+    """`conn` with the request sent and its answer's headers in; aborted if that fails."""
+    try:
+        await conn.send(head, body)
+    except BaseException:
+        conn.abort()
+        raise
+    return conn
 
 
 def request_head(method: str, origin: Origin, path: str, headers: dict[str, str], body_length: int) -> bytes:

@@ -63,6 +63,11 @@ class DeltaReader:
     def inspect(self, event: bytes) -> EventInfo:
         if (text := self.skeleton_text(event)) is not None:
             return _info(text)
+        return self.parsed(event)
+
+    def parsed(self, event: bytes) -> EventInfo:
+        """inspect() for an event skeleton_text() did not read: parsed in full, and its
+        skeleton learned if it is a plain delta."""
         info = inspect(event)
         if info.text and self._learned < MAX_LEARNED and info == EventInfo(True, info.text, None, False, None, ()):
             self._learn(event)

@@ -10,11 +10,10 @@ import subprocess
 import sys
 import time
 
-import httpx
 
 from kvrelay.gateway.settings import GatewaySettings
 from tests.gateway.support import free_port
-from tests.helpers import wait_until
+from tests.helpers import answers, wait_until
 
 KVRELAY = [sys.executable, "-c", "import sys; from kvrelay.cli import main; sys.argv = ['kvrelay', *sys.argv[1:]]; main()"]
 HEALTH = b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
@@ -43,13 +42,8 @@ def test_an_idle_client_connection_is_kept_for_client_keepalive_s(tmp_path):
                             env=env, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        def live() -> bool:
-            try:
-                return httpx.get(f"{url}/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(live, timeout=60, interval=0.1), proc.stderr.read().decode() if proc.poll() else ""
+        assert wait_until(lambda: answers(f"{url}/health"), timeout=60, interval=0.1), \
+            proc.stderr.read().decode() if proc.poll() else ""
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
             assert _answer(sock).startswith(b"HTTP/1.1 200")
             time.sleep(0.3)

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.gateway.support import Behaviour, FakeUpstream
-from tests.helpers import wait_until
+from tests.helpers import answers, wait_until
 
 
 
@@ -35,13 +35,7 @@ def test_workers_on_one_port_plan_as_one_gateway(tmp_path):
                              "--log-level", "warning"], env=_env())
     url = f"http://127.0.0.1:{port}"
     try:
-        def ready() -> bool:
-            try:
-                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        assert wait_until(ready, timeout=60, interval=0.2)
+        assert wait_until(lambda: answers(f"{url}/ready"), timeout=60, interval=0.2)
         replicas, found = set(), 0
         for i in range(12):
             answer = f"Plan {i}: ship the release on Friday once the final checks have passed, not before."
